@@ -1,0 +1,15 @@
+"""minivllm: a small, fast, readable LLM inference engine."""
+
+from minivllm.outputs import CompletionOutput, RequestOutput
+from minivllm.sampling_params import SamplingParams
+
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
+
+
+def __getattr__(name: str):
+    # LLM pulls in torch; import it only when asked for, so the engine core stays light.
+    if name == "LLM":
+        from minivllm.llm import LLM
+
+        return LLM
+    raise AttributeError(name)

@@ -1,0 +1,296 @@
+"""LLMEngine: one step is plan (Scheduler.schedule), execute (ModelRunner.run), commit
+(Scheduler.postprocess). Around that: requests in and out, detokenization, stop strings,
+and the optional tracer the lab reads.
+
+The engine knows the model only through a runner with `num_kv_blocks`, `vocab_size` and
+`run(batch) -> list[SampledToken]`, so tests drive it with a fake runner and no torch.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Protocol
+
+from minivllm.config import EngineConfig
+from minivllm.engine.scheduler import SampledToken, ScheduledBatch, Scheduler
+from minivllm.engine.sequence import Sequence
+from minivllm.engine.tracing import TracedSequence, Tracer, source_of
+from minivllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from minivllm.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+PromptInput = str | list[int] | dict[str, Any]
+
+
+class ModelRunnerLike(Protocol):
+    num_kv_blocks: int
+    vocab_size: int
+
+    def run(self, batch: ScheduledBatch) -> list[SampledToken]: ...
+
+
+@dataclass
+class _Request:
+    """The engine's bookkeeping for one sequence, beside the state machine itself."""
+
+    request_id: str
+    prompt: str | None
+    seq: Sequence
+    metrics: RequestMetrics
+    text: str = ""
+    num_cached_prompt_tokens: int | None = None  # set at admission (prefix-cache hits)
+    error: str | None = None
+
+
+class LLMEngine:
+    """Steps requests through WAITING -> RUNNING -> FINISHED on a model runner."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        model_runner: ModelRunnerLike,
+        tokenizer: Any | None = None,
+        tracer: Tracer | None = None,
+    ) -> None:
+        self.config = config
+        self.model_runner = model_runner
+        self.tokenizer = tokenizer
+        self.tracer = tracer
+        self.scheduler = Scheduler(config, model_runner.num_kv_blocks)
+        self._requests: dict[int, _Request] = {}
+        self._seq_ids = itertools.count()
+
+    @classmethod
+    def from_options(cls, tracer: Tracer | None = None, **options: Any) -> LLMEngine:
+        """Build an engine on a real model: `model` (HF dir, .gguf, or None for the default)
+        and any EngineConfig option."""
+        from minivllm.engine.model_runner import ModelRunner, load_tokenizer, resolve_config
+
+        config = EngineConfig.from_options(**options)
+        config, model_dir, hf_config = resolve_config(config)
+        tokenizer = load_tokenizer(model_dir)
+        config = _with_eos(config, tokenizer, model_dir)
+        runner = ModelRunner(config, model_dir, hf_config)
+        return cls(config, runner, tokenizer, tracer)
+
+    # ---- requests -----------------------------------------------------------------------
+
+    def add_request(
+        self,
+        prompt: PromptInput,
+        sampling_params: SamplingParams | None = None,
+        request_id: str | None = None,
+    ) -> Sequence:
+        """Queue a request; ValueError if it is malformed or could never fit."""
+        sampling_params = sampling_params or SamplingParams()
+        if not isinstance(sampling_params, SamplingParams):
+            raise TypeError(f"sampling_params must be SamplingParams, got {sampling_params!r}")
+        text, token_ids = self._tokenize(prompt)
+        seq_id = next(self._seq_ids)
+        if self.tracer is not None:
+            self.tracer.phase = "add"
+            seq: Sequence = TracedSequence(self.tracer, seq_id, token_ids, sampling_params)
+        else:
+            seq = Sequence(seq_id, token_ids, sampling_params)
+        self.scheduler.add(seq)
+        request_id = str(seq_id) if request_id is None else request_id
+        self._requests[seq_id] = _Request(request_id, text, seq, RequestMetrics(seq.arrival_time))
+        return seq
+
+    def _tokenize(self, prompt: PromptInput) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                prompt = list(prompt["prompt_token_ids"])
+            elif "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this engine has no tokenizer: pass token ids")
+            return prompt, list(self.tokenizer.encode(prompt, add_special_tokens=True))
+        if isinstance(prompt, (list, tuple)):
+            vocab = self.model_runner.vocab_size
+            for t in prompt:
+                if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab:
+                    raise ValueError(f"token id {t!r} is outside the vocabulary [0, {vocab})")
+            return None, list(prompt)
+        raise TypeError(f"a prompt is a string, a list of token ids or a dict, got {prompt!r}")
+
+    def abort_request(self, seq_id: int) -> bool:
+        """Finish a request in any state and free all it holds. False if it is unknown."""
+        request = self._requests.pop(seq_id, None)
+        if request is None:
+            return False
+        if self.tracer is not None:
+            self.tracer.phase = "abort"
+        self.scheduler.finish(request.seq, "abort")
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- one step -----------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """One engine step: plan, then execute and commit."""
+        batch = self.plan()
+        return self.execute_and_commit(batch)
+
+    def plan(self) -> ScheduledBatch:
+        """Plan: Scheduler.schedule writes num_scheduled_tokens and allocates blocks."""
+        if self.tracer is not None:
+            self.tracer.step += 1
+            self.tracer.phase = "plan"
+        batch = self.scheduler.schedule()
+        for seq in batch.seqs:
+            request = self._requests.get(seq.seq_id)
+            if request is not None and request.num_cached_prompt_tokens is None:
+                request.num_cached_prompt_tokens = seq.num_cached_tokens
+        return batch
+
+    def execute_and_commit(self, batch: ScheduledBatch) -> list[RequestOutput]:
+        """Execute: ModelRunner.run. Commit: Scheduler.postprocess, only if the run worked."""
+        if batch.is_empty:
+            return []
+        if self.tracer is not None:
+            self.tracer.phase = "execute"
+        try:
+            samples = self.model_runner.run(batch)
+        except Exception as exc:  # the plan is dropped; the engine stays usable
+            logger.exception("ModelRunner.run failed; ending the %d sequences of this batch",
+                             len(batch.seqs))
+            return self._fail(batch, exc)
+        if self.tracer is not None:
+            self._trace_execute(batch, samples)
+            self.tracer.phase = "commit"
+        seqs = self.scheduler.postprocess(batch, samples)
+        return self._outputs(seqs, sampled=set(map(id, batch.sample_seqs)))
+
+    def _fail(self, batch: ScheduledBatch, exc: Exception) -> list[RequestOutput]:
+        if self.tracer is not None:
+            self.tracer.phase = "commit"
+        self.scheduler.discard(batch, "error")
+        for seq in batch.seqs:
+            request = self._requests.get(seq.seq_id)
+            if request is not None:
+                request.error = f"{type(exc).__name__}: {exc}"
+        return self._outputs(batch.seqs, sampled=set())
+
+    def _trace_execute(self, batch: ScheduledBatch, samples: list[SampledToken]) -> None:
+        """The runner changes no Sequence field; record what it did to each of them."""
+        assert self.tracer is not None
+        run = type(self.model_runner).run
+        source = source_of(run)
+        actor = f"{type(self.model_runner).__name__}.run"
+        for seq in batch.seqs:
+            start = seq.num_cached_tokens
+            self.tracer.record(seq.seq_id, "kv_written", start,
+                               start + seq.num_scheduled_tokens, actor=actor, source=source)
+        for seq, sample in zip(batch.sample_seqs, samples):
+            self.tracer.record(seq.seq_id, "sampled_token", None, sample.token_id,
+                               actor=actor, source=source)
+
+    # ---- outputs --------------------------------------------------------------------------
+
+    def _outputs(self, seqs: list[Sequence], sampled: set[int]) -> list[RequestOutput]:
+        now = time.monotonic()
+        outputs = []
+        for seq in seqs:
+            request = self._requests.get(seq.seq_id)
+            if request is None or (id(seq) not in sampled and not seq.is_finished):
+                continue
+            if id(seq) in sampled:
+                if request.metrics.first_token_time is None:
+                    request.metrics.first_token_time = now
+                self._detokenize(request)
+            if seq.is_finished:
+                request.metrics.finished_time = now
+                del self._requests[seq.seq_id]
+            outputs.append(self.make_output(request))
+        return outputs
+
+    def _detokenize(self, request: _Request) -> None:
+        """Update the text and end the request at a stop string (cut from the text)."""
+        if self.tokenizer is None:
+            return
+        seq = request.seq
+        sp = seq.sampling_params
+        previous = len(request.text)
+        request.text = self.tokenizer.decode(
+            seq.completion_token_ids, skip_special_tokens=sp.skip_special_tokens
+        )
+        if not sp.stop_strings:
+            return
+        longest = max(map(len, sp.stop_strings))
+        start = max(0, previous - longest)
+        hits = [(i, s) for s in sp.stop_strings if (i := request.text.find(s, start)) >= 0]
+        if hits:
+            request.text = request.text[: min(hits)[0]]
+            if seq.is_finished:
+                seq.finish_reason = "stop"
+            else:
+                self.scheduler.finish(seq, "stop")
+
+    def make_output(self, request: _Request) -> RequestOutput:
+        seq = request.seq
+        logprobs = None
+        cumulative = None
+        if seq.sampling_params.logprobs is not None:
+            logprobs = []
+            for (lp, top), token in zip(seq.logprobs, seq.completion_token_ids):
+                logprobs.append({**top, token: lp})
+            cumulative = sum(lp for lp, _ in seq.logprobs)
+        completion = CompletionOutput(
+            index=0,
+            text=request.text,
+            token_ids=list(seq.completion_token_ids),
+            finish_reason=seq.finish_reason,
+            logprobs=logprobs,
+            cumulative_logprob=cumulative,
+        )
+        return RequestOutput(
+            request_id=request.request_id,
+            prompt=request.prompt,
+            prompt_token_ids=list(seq.prompt_token_ids),
+            outputs=[completion],
+            finished=seq.is_finished,
+            metrics=request.metrics,
+            num_cached_prompt_tokens=request.num_cached_prompt_tokens or 0,
+            error=request.error,
+        )
+
+    # ---- introspection ----------------------------------------------------------------------
+
+    def stats(self) -> dict[str, float]:
+        """Counters for metrics: queue sizes, KV usage, prefix cache, preemptions."""
+        bm = self.scheduler.block_manager
+        return {
+            "num_requests_running": len(self.scheduler.running),
+            "num_requests_waiting": len(self.scheduler.waiting),
+            "kv_cache_usage_perc": bm.usage,
+            "prefix_cache_queries": bm.prefix_queries,
+            "prefix_cache_hits": bm.prefix_hits,
+            "num_preemptions": self.scheduler.num_preemptions,
+        }
+
+
+def _with_eos(config: EngineConfig, tokenizer: Any, model_dir: Any) -> EngineConfig:
+    """The model's EOS ids: generation_config.json's, plus the tokenizer's own."""
+    eos: set[int] = set(config.eos_token_ids)
+    gen = Path(model_dir) / "generation_config.json"
+    if gen.exists():
+        value = json.loads(gen.read_text()).get("eos_token_id")
+        if isinstance(value, int):
+            eos.add(value)
+        elif isinstance(value, list):
+            eos.update(v for v in value if isinstance(v, int))
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        eos.add(tokenizer.eos_token_id)
+    return replace(config, eos_token_ids=tuple(sorted(eos)))

@@ -1,0 +1,240 @@
+"""The Scheduler: writes each step's plan, and commits it once the model has run.
+
+`schedule()` is the plan: it picks sequences, writes `num_scheduled_tokens`, and asks the
+BlockManager for the blocks the plan needs. `postprocess()` is the commit: only after the
+ModelRunner has executed the plan does `num_cached_tokens` advance. Scheduled is not cached.
+
+Policy (vLLM v1): running sequences first (decodes and unfinished prefill chunks, oldest
+first), then waiting ones first come first served, all within one token budget, so a long
+prompt is prefilled in chunks and never stalls the decodes. When blocks run out, the most
+recently admitted running sequence is preempted by recompute.
+
+Pure Python: no torch here.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from minivllm.config import EngineConfig
+from minivllm.engine.block_manager import BlockManager, HashFn, hash_block
+from minivllm.engine.sequence import Sequence, SequenceStatus, blocks_for, check_invariants
+
+
+@dataclass
+class ScheduledBatch:
+    """One step's plan: the sequences to run, each with `num_scheduled_tokens > 0`."""
+
+    seqs: list[Sequence] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+    # The sequences whose prompt is complete after this step: they get a sampled token.
+    # Fixed when the plan is made, because committing changes the counters it is read from.
+    sample_seqs: list[Sequence] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.sample_seqs = [
+            s for s in self.seqs if s.num_cached_tokens + s.num_scheduled_tokens == s.num_tokens
+        ]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_scheduled_tokens for s in self.seqs)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.seqs
+
+
+@dataclass
+class SampledToken:
+    """What the ModelRunner returns for one sequence of `ScheduledBatch.sample_seqs`."""
+
+    token_id: int
+    logprob: float | None = None  # of the sampled token, when logprobs were asked for
+    top_logprobs: dict[int, float] | None = None  # top-N token id -> logprob
+
+
+class Scheduler:
+    """Owns the waiting and running queues and the BlockManager."""
+
+    def __init__(self, config: EngineConfig, num_blocks: int, hash_fn: HashFn = hash_block):
+        if config.max_model_len is None:
+            raise ValueError("the scheduler needs a resolved max_model_len")
+        self.config = config
+        self.max_model_len: int = config.max_model_len
+        self.eos_token_ids = frozenset(config.eos_token_ids)
+        self.block_manager = BlockManager(
+            num_blocks, config.block_size, config.enable_prefix_caching, hash_fn
+        )
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    # ---- requests -------------------------------------------------------------------
+
+    def max_completion_tokens(self, seq: Sequence) -> int:
+        max_tokens = seq.sampling_params.max_tokens
+        return self.max_model_len - seq.num_prompt_tokens if max_tokens is None else max_tokens
+
+    def add(self, seq: Sequence) -> None:
+        """Queue a new request, or reject it now (ValueError) if it could never finish."""
+        if seq.num_prompt_tokens == 0:
+            raise ValueError("the prompt is empty: give at least one token")
+        completion = self.max_completion_tokens(seq)
+        total = seq.num_prompt_tokens + completion
+        if seq.num_prompt_tokens >= self.max_model_len or total > self.max_model_len:
+            raise ValueError(
+                f"prompt ({seq.num_prompt_tokens} tokens) + max_tokens ({completion}) = {total} "
+                f"exceeds max_model_len ({self.max_model_len})"
+            )
+        # The last sampled token is never fed back, so its KV never needs a slot.
+        need = blocks_for(total - 1, self.config.block_size)
+        if need > self.block_manager.num_blocks:
+            raise ValueError(
+                f"request needs {need} KV blocks ({total - 1} tokens at block_size "
+                f"{self.config.block_size}) but the pool has only "
+                f"{self.block_manager.num_blocks}"
+            )
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---- plan -----------------------------------------------------------------------
+
+    def schedule(self) -> ScheduledBatch:
+        """Plan one step: write `num_scheduled_tokens` and allocate the blocks it needs."""
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[Sequence] = []
+        preempted: list[Sequence] = []
+
+        # 1. Running sequences: decodes and unfinished prefill chunks, oldest first.
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            num_new = min(seq.num_uncached_tokens, budget)
+            while not self.block_manager.can_allocate(seq, num_new):
+                victim = self.running[-1]  # the most recently admitted
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is seq:
+                    break
+            if seq.status != SequenceStatus.RUNNING:
+                break
+            self.block_manager.allocate(seq, num_new)
+            seq.num_scheduled_tokens = num_new
+            budget -= num_new
+            scheduled.append(seq)
+            i += 1
+
+        # 2. Waiting sequences, first come first served, unless this step had to preempt.
+        while (
+            not preempted
+            and self.waiting
+            and budget > 0
+            and len(self.running) < self.config.max_num_seqs
+        ):
+            seq = self.waiting[0]
+            hits = self.block_manager.match_prefix(seq)
+            num_new = min(seq.num_tokens - len(hits) * self.config.block_size, budget)
+            if not self.block_manager.can_allocate(seq, num_new, hits):
+                break
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            # A prefix-cache hit is the one case where cached moves at plan time: those
+            # blocks' KV was committed by an earlier sequence.
+            self.block_manager.take_prefix(seq, hits)
+            self.block_manager.allocate(seq, num_new)
+            seq.num_scheduled_tokens = num_new
+            budget -= num_new
+            self.running.append(seq)
+            scheduled.append(seq)
+
+        return ScheduledBatch(scheduled, preempted)
+
+    def _preempt(self, seq: Sequence) -> None:
+        """RUNNING -> WAITING by recompute: blocks freed, progress forgotten."""
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_cached_tokens = 0
+        seq.num_scheduled_tokens = 0
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    # ---- commit -----------------------------------------------------------------------
+
+    def postprocess(self, batch: ScheduledBatch, samples: list[SampledToken]) -> list[Sequence]:
+        """Commit an executed plan: advance cached, append samples, finish what is done."""
+        if len(samples) != len(batch.sample_seqs):
+            raise ValueError(
+                f"expected {len(batch.sample_seqs)} samples, the runner gave {len(samples)}"
+            )
+        for seq in batch.seqs:
+            if seq.is_finished:  # aborted while the plan was pending
+                continue
+            before = seq.num_cached_tokens
+            seq.num_cached_tokens += seq.num_scheduled_tokens
+            seq.num_scheduled_tokens = 0
+            self.block_manager.commit(seq, before)
+        for seq, sample in zip(batch.sample_seqs, samples):
+            if seq.is_finished:
+                continue
+            seq.append_token(sample.token_id)
+            if seq.sampling_params.logprobs is not None and sample.logprob is not None:
+                seq.logprobs.append((sample.logprob, sample.top_logprobs or {}))
+            reason = self._stop_reason(seq, sample.token_id)
+            if reason is not None:
+                self.finish(seq, reason)
+        return batch.seqs
+
+    def discard(self, batch: ScheduledBatch, reason: str = "error") -> None:
+        """Drop a plan whose execution failed: nothing advances; its sequences end."""
+        for seq in batch.seqs:
+            if seq.is_finished:
+                continue
+            seq.num_scheduled_tokens = 0
+            self.finish(seq, reason)
+
+    def _stop_reason(self, seq: Sequence, token_id: int) -> str | None:
+        sp = seq.sampling_params
+        if seq.num_completion_tokens >= sp.min_tokens:
+            if not sp.ignore_eos and token_id in self.eos_token_ids:
+                return "stop"
+            if token_id in sp.stop_token_ids:
+                return "stop"
+        if seq.num_completion_tokens >= self.max_completion_tokens(seq):
+            return "length"
+        if seq.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """End `seq` in any state and give its blocks back."""
+        if seq.is_finished:
+            return
+        if seq.status == SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.block_manager.free(seq)
+        seq.num_scheduled_tokens = 0
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+
+    # ---- checks -----------------------------------------------------------------------
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError if any queue, sequence or block count is inconsistent."""
+        bs = self.config.block_size
+        seqs = [*self.waiting, *self.running]
+        assert len({s.seq_id for s in seqs}) == len(seqs), "a sequence is queued twice"
+        for seq in self.waiting:
+            assert seq.status == SequenceStatus.WAITING, seq
+        for seq in self.running:
+            assert seq.status == SequenceStatus.RUNNING, seq
+        for seq in seqs:
+            check_invariants(seq, bs)
+        self.block_manager.check_consistency([s.block_table for s in seqs])

@@ -1,0 +1,125 @@
+"""A request's record: its tokens, its progress counters, its block table, its state.
+
+Who writes each field (the seed's rule: scheduled is not cached):
+- `token_ids`, `num_tokens`: set from the prompt at creation; `append_token()` after a sample.
+- `num_prompt_tokens`: fixed at creation.
+- `num_scheduled_tokens`: the Scheduler's plan for this step (`Scheduler.schedule`).
+- `num_cached_tokens`: committed KV progress, advanced only by `Scheduler.postprocess` after the
+  ModelRunner has executed the plan (and, once, by a prefix-cache hit at admission).
+- `block_table`: the BlockManager, when the plan needs blocks and when the sequence frees them.
+- `status`: the Scheduler (WAITING -> RUNNING on admission, RUNNING -> WAITING on preemption,
+  -> FINISHED on a stop condition or abort).
+
+Pure Python: no torch here.
+"""
+
+from __future__ import annotations
+
+import time
+from enum import Enum
+
+from minivllm.sampling_params import SamplingParams
+
+
+class SequenceStatus(Enum):
+    WAITING = "WAITING"
+    RUNNING = "RUNNING"
+    FINISHED = "FINISHED"
+
+
+FINISH_REASONS = ("stop", "length", "abort", "error")
+
+
+class Sequence:
+    """One request's state machine: WAITING -> RUNNING -> FINISHED."""
+
+    def __init__(
+        self,
+        seq_id: int,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams | None = None,
+        arrival_time: float | None = None,
+    ) -> None:
+        self.seq_id = seq_id
+        self.status = SequenceStatus.WAITING
+        self.token_ids: list[int] = list(prompt_token_ids)
+        self.num_tokens = len(self.token_ids)
+        self.num_prompt_tokens = len(self.token_ids)
+        self.num_cached_tokens = 0
+        self.num_scheduled_tokens = 0
+        self.block_table: list[int] = []
+        self.sampling_params = sampling_params or SamplingParams()
+        self.finish_reason: str | None = None
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        # One entry per completion token when sampling_params.logprobs is set:
+        # (sampled token's logprob, {token_id: logprob} of the top-N).
+        self.logprobs: list[tuple[float, dict[int, float]]] = []
+        self.num_preemptions = 0
+
+    def __repr__(self) -> str:
+        return (
+            f"Sequence(id={self.seq_id}, {self.status.name}, tokens={self.num_tokens}, "
+            f"prompt={self.num_prompt_tokens}, cached={self.num_cached_tokens}, "
+            f"scheduled={self.num_scheduled_tokens}, blocks={self.block_table})"
+        )
+
+    @property
+    def num_completion_tokens(self) -> int:
+        return self.num_tokens - self.num_prompt_tokens
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def completion_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def last_token(self) -> int:
+        return self.token_ids[-1]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == SequenceStatus.FINISHED
+
+    @property
+    def num_uncached_tokens(self) -> int:
+        """Tokens whose KV is not committed yet: what the scheduler still has to plan."""
+        return self.num_tokens - self.num_cached_tokens
+
+    def num_blocks(self, block_size: int) -> int:
+        """Blocks needed to hold all `num_tokens` tokens."""
+        return blocks_for(self.num_tokens, block_size)
+
+    def append_token(self, token_id: int) -> None:
+        """Record a sampled token. Changes only the token record, never cached or scheduled."""
+        self.token_ids.append(token_id)
+        self.num_tokens += 1
+
+
+def blocks_for(num_tokens: int, block_size: int) -> int:
+    """ceil(num_tokens / block_size)."""
+    return (num_tokens + block_size - 1) // block_size
+
+
+def check_invariants(seq: Sequence, block_size: int) -> None:
+    """Raise AssertionError if `seq` breaks one of the state machine's invariants."""
+    where = repr(seq)
+    assert 0 <= seq.num_cached_tokens <= seq.num_tokens, where
+    assert seq.num_scheduled_tokens >= 0, where
+    assert seq.num_cached_tokens + seq.num_scheduled_tokens <= seq.num_tokens, where
+    assert seq.num_tokens == len(seq.token_ids), where
+    assert seq.num_prompt_tokens <= seq.num_tokens, where
+    if seq.status == SequenceStatus.RUNNING:
+        covered = len(seq.block_table) * block_size
+        assert covered >= seq.num_cached_tokens + seq.num_scheduled_tokens, where
+    else:
+        assert seq.block_table == [], where
+        assert seq.num_scheduled_tokens == 0, where
+    if seq.status == SequenceStatus.WAITING:
+        assert seq.num_cached_tokens == 0, where
+    if seq.status == SequenceStatus.FINISHED:
+        assert seq.finish_reason in FINISH_REASONS, where
+    else:
+        assert seq.finish_reason is None, where

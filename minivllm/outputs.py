@@ -1,0 +1,39 @@
+"""What the engine returns, in vLLM's shape: a RequestOutput per request."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class CompletionOutput:
+    """One generated sequence of a request."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None  # None while running; "stop" | "length" | "abort" | "error"
+    # One dict per generated token, token id -> logprob (top-N plus the sampled token).
+    logprobs: list[dict[int, float]] | None = None
+    cumulative_logprob: float | None = None
+
+
+@dataclass
+class RequestMetrics:
+    arrival_time: float
+    first_token_time: float | None = None
+    finished_time: float | None = None
+
+
+@dataclass
+class RequestOutput:
+    """A request's state after a step, cumulative (the whole text so far, not a delta)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput] = field(default_factory=list)
+    finished: bool = False
+    metrics: RequestMetrics | None = None
+    num_cached_prompt_tokens: int = 0  # prompt tokens served from the prefix cache
+    error: str | None = None  # why the request failed, when finish_reason is "error"

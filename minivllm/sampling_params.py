@@ -1,0 +1,89 @@
+"""Sampling parameters of one request, with vLLM's names and validation.
+
+Pure Python: the scheduler reads `max_tokens`, `min_tokens`, `ignore_eos` and
+`stop_token_ids`; the sampler reads the rest.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SamplingParams:
+    """How to sample one request's completion (vLLM semantics).
+
+    `temperature=0` is greedy. `top_p`, `top_k` and `min_p` follow HF's rules (top-p keeps
+    the token that crosses the threshold). `seed` makes a request reproducible whatever the
+    batch it runs in. `stop` strings are cut from the text; `stop_token_ids` end the request
+    like EOS. `logprobs=N` returns the top-N log-probabilities of each generated token.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop: list[str] | str | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+    stop_strings: tuple[str, ...] = field(init=False, default=())
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        self.stop_strings = tuple(s for s in self.stop if s)
+        self._validate()
+
+    def _validate(self) -> None:
+        def bad(name: str, why: str) -> ValueError:
+            return ValueError(f"{name} {why}, got {getattr(self, name)!r}")
+
+        if not _is_int(self.n) or self.n < 1:
+            raise bad("n", "must be an integer >= 1")
+        if not _is_real(self.temperature) or math.isnan(self.temperature):
+            raise bad("temperature", "must be a number")
+        if self.temperature < 0:
+            raise bad("temperature", "must be >= 0 (0 means greedy)")
+        if not _is_real(self.top_p) or not (0.0 < self.top_p <= 1.0):
+            raise bad("top_p", "must be in (0, 1]")
+        if not _is_int(self.top_k) or self.top_k < -1:
+            raise bad("top_k", "must be -1 (disabled), 0 (disabled) or a positive integer")
+        if not _is_real(self.min_p) or not (0.0 <= self.min_p <= 1.0):
+            raise bad("min_p", "must be in [0, 1]")
+        if self.seed is not None and not _is_int(self.seed):
+            raise bad("seed", "must be an integer or None")
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
+            raise bad("max_tokens", "must be an integer >= 1 or None")
+        if not _is_int(self.min_tokens) or self.min_tokens < 0:
+            raise bad("min_tokens", "must be an integer >= 0")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})"
+            )
+        if self.logprobs is not None and (not _is_int(self.logprobs) or self.logprobs < 0):
+            raise bad("logprobs", "must be an integer >= 0 or None")
+        if not all(isinstance(s, str) for s in self.stop):
+            raise bad("stop", "must be a string or a list of strings")
+        if not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
+            raise bad("stop_token_ids", "must be a list of non-negative integers")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_real(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)

@@ -1,0 +1,61 @@
+"""A deterministic stand-in for the model, for engine-core tests without torch.
+
+It guards the paging logic: `run` writes each scheduled token id into a fake KV cache at the
+slot the block table gives, then "samples" the next token from the context it reads back
+through the block table. A wrong block table, slot, or prefix-cache hit changes the output,
+and a context slot never written (scheduled but not computed) fails loudly.
+"""
+
+from __future__ import annotations
+
+from array import array
+
+import xxhash
+
+from minivllm.engine.scheduler import SampledToken, ScheduledBatch
+
+
+def next_token(context: list[int], vocab_size: int) -> int:
+    """The fake model: the next token is a hash of the whole context."""
+    return xxhash.xxh64_intdigest(array("q", context).tobytes()) % vocab_size
+
+
+class FakeModelRunner:
+    def __init__(self, num_kv_blocks: int, block_size: int, vocab_size: int = 1000) -> None:
+        self.num_kv_blocks = num_kv_blocks
+        self.block_size = block_size
+        self.vocab_size = vocab_size
+        self.kv: list[int | None] = [None] * (num_kv_blocks * block_size)
+        self.calls = 0
+        self.fail_on_calls: set[int] = set()  # raise on these call numbers (1-based)
+        self.fail_on_seq_ids: set[int] = set()  # raise when a batch holds one of these
+
+    def slot(self, block_table: list[int], pos: int) -> int:
+        return block_table[pos // self.block_size] * self.block_size + pos % self.block_size
+
+    def run(self, batch: ScheduledBatch) -> list[SampledToken]:
+        self.calls += 1
+        if self.calls in self.fail_on_calls or any(
+            s.seq_id in self.fail_on_seq_ids for s in batch.seqs
+        ):
+            raise RuntimeError(f"injected fault on run {self.calls}")
+        for seq in batch.seqs:
+            assert seq.num_scheduled_tokens > 0, "zero-length query scheduled"
+            start = seq.num_cached_tokens
+            for pos in range(start, start + seq.num_scheduled_tokens):
+                self.kv[self.slot(seq.block_table, pos)] = seq.token_ids[pos]
+        samples = []
+        for seq in batch.sample_seqs:
+            n = seq.num_cached_tokens + seq.num_scheduled_tokens
+            context = [self.kv[self.slot(seq.block_table, p)] for p in range(n)]
+            assert context == seq.token_ids[:n], f"KV cache disagrees with tokens of {seq}"
+            samples.append(SampledToken(next_token(context, self.vocab_size)))
+        return samples
+
+
+def reference_completion(prompt: list[int], max_tokens: int, vocab_size: int = 1000) -> list[int]:
+    """What the fake model generates for `prompt`, computed without any engine."""
+    tokens = list(prompt)
+    for _ in range(max_tokens):
+        tokens.append(next_token(tokens, vocab_size))
+    return tokens[len(prompt) :]

@@ -1,0 +1,287 @@
+"""Paged attention over a block-structured KV cache, for batches mixing prefills and decodes.
+
+Each layer's cache is a pair `(k_cache, v_cache)`, each `[num_blocks, block_size, num_kv_heads,
+head_dim]`. Token `p` of a sequence lives at slot `block_table[p // block_size] * block_size +
+p % block_size`. A step writes its new K/V at `slot_mapping`, then every query token attends,
+causally, to its own sequence's cached-plus-new tokens.
+
+Two implementations of the attention itself:
+- `paged_attention_sdpa` (any device): gather each sequence's K/V through its block table into
+  `[num_seqs, max_seq_len, ...]`, pad the queries to `[num_seqs, max_query_len, ...]`, and make one
+  `scaled_dot_product_attention` call with a boolean causal mask. All-decode batches skip the
+  query padding.
+- `paged_attention_flash` (CUDA, fp16/bf16, block_size a multiple of 256): flash-attn's varlen
+  kernel reading the paged cache through the block table directly.
+"""
+
+from dataclasses import dataclass
+from functools import cached_property
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+try:
+    from flash_attn import flash_attn_varlen_func
+except ImportError:  # CPU-only installs, or no flash-attn wheel for this GPU
+    flash_attn_varlen_func = None
+
+# flash-attn's paged-KV path requires the page (block) size to be a multiple of this.
+FLASH_ATTN_BLOCK_MULTIPLE = 256
+
+
+@dataclass
+class AttentionMetadata:
+    """Per-step attention inputs, built by ModelRunner and passed explicitly to the model.
+
+    The runner fills the fields; the cached properties below are derived lazily, once per
+    step, on the fields' device, and shared by every layer.
+    """
+
+    # [num_tokens] int64: KV slot of each new token (block * block_size + offset)
+    slot_mapping: torch.Tensor
+    # [num_seqs + 1] int64: cumulative query lengths (tokens of this step)
+    query_start_loc: torch.Tensor
+    # [num_seqs] int64: tokens in the KV cache after this step (cached + new)
+    seq_lens: torch.Tensor
+    # [num_seqs, max_blocks] int64, padded with 0
+    block_tables: torch.Tensor
+    # python mirrors, to size things without device syncs
+    query_lens_cpu: list[int]
+    seq_lens_cpu: list[int]
+    block_size: int
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_cpu)
+
+    @cached_property
+    def num_tokens(self) -> int:
+        return sum(self.query_lens_cpu)
+
+    @cached_property
+    def max_query_len(self) -> int:
+        return max(self.query_lens_cpu)
+
+    @cached_property
+    def max_seq_len(self) -> int:
+        return max(self.seq_lens_cpu)
+
+    @cached_property
+    def is_decode_only(self) -> bool:
+        """Every sequence brings exactly one new token."""
+        return self.max_query_len == 1
+
+    @cached_property
+    def query_lens(self) -> torch.Tensor:
+        """`[num_seqs]` int64 new tokens per sequence, on the metadata's device."""
+        return self.query_start_loc[1:] - self.query_start_loc[:-1]
+
+    @cached_property
+    def kv_gather_index(self) -> torch.Tensor:
+        """`[num_seqs, max_seq_len]` cache slot of every (sequence, position) pair."""
+        return paged_kv_gather_index(
+            self.block_tables, self.seq_lens, self.max_seq_len, self.block_size
+        )
+
+    @cached_property
+    def attn_mask(self) -> torch.Tensor:
+        """`[num_seqs, 1, max_query_len, max_seq_len]` bool, True where a query sees a key."""
+        return paged_causal_mask(
+            self.query_lens, self.seq_lens, self.max_query_len, self.max_seq_len
+        )
+
+    @cached_property
+    def query_pad_index(self) -> torch.Tensor:
+        """`[num_tokens]` row of each token in the padded `[num_seqs * max_query_len]` queries."""
+        return query_pad_index(
+            self.query_start_loc, self.query_lens, self.num_tokens, self.max_query_len
+        )
+
+    @cached_property
+    def cu_seqlens_q_i32(self) -> torch.Tensor:
+        """`[num_seqs + 1]` int32 cumulative query lengths (flash-attn)."""
+        return self.query_start_loc.to(torch.int32)
+
+    @cached_property
+    def cu_seqlens_k_i32(self) -> torch.Tensor:
+        """`[num_seqs + 1]` int32 cumulative KV lengths (flash-attn)."""
+        return F.pad(self.seq_lens.cumsum(0), (1, 0)).to(torch.int32)
+
+    @cached_property
+    def block_tables_i32(self) -> torch.Tensor:
+        """`[num_seqs, max_blocks]` int32 block tables (flash-attn)."""
+        return self.block_tables.to(torch.int32)
+
+
+def paged_kv_gather_index(
+    block_tables: torch.Tensor, seq_lens: torch.Tensor, max_seq_len: int, block_size: int
+) -> torch.Tensor:
+    """Slot of position `j` of sequence `s`: `block_tables[s, j // bs] * bs + j % bs`.
+
+    Returns `[num_seqs, max_seq_len]` int64. Positions past a sequence's length (padding, masked
+    out later) are clamped to its last token, so only written slots are ever read: masked-out
+    garbage (e.g. NaN in never-written memory) would otherwise leak through `0 * NaN`.
+    """
+    pos = torch.arange(max_seq_len, device=block_tables.device)[None, :]  # [1, max_seq_len]
+    pos = torch.minimum(pos, seq_lens[:, None] - 1)  # [num_seqs, max_seq_len]
+    blocks = block_tables.gather(1, pos // block_size)  # [num_seqs, max_seq_len]
+    return blocks * block_size + pos % block_size
+
+
+def paged_causal_mask(
+    query_lens: torch.Tensor, seq_lens: torch.Tensor, max_query_len: int, max_seq_len: int
+) -> torch.Tensor:
+    """Boolean mask `[num_seqs, 1, max_query_len, max_seq_len]`: query `i` of sequence `s` sits at
+    position `seq_lens[s] - query_lens[s] + i` and sees keys `0..that position`.
+
+    Padded query rows (`i >= query_lens[s]`) see at least key 0, so no row is fully masked.
+    """
+    device = seq_lens.device
+    context_lens = (seq_lens - query_lens)[:, None, None]  # [num_seqs, 1, 1]
+    q_pos = context_lens + torch.arange(max_query_len, device=device)[None, :, None]
+    k_pos = torch.arange(max_seq_len, device=device)[None, None, :]  # [1, 1, max_seq_len]
+    return (k_pos <= q_pos).unsqueeze(1)  # [num_seqs, 1, max_query_len, max_seq_len]
+
+
+def query_pad_index(
+    query_start_loc: torch.Tensor, query_lens: torch.Tensor, num_tokens: int, max_query_len: int
+) -> torch.Tensor:
+    """Row of token `t` (the `i`-th new token of sequence `s`) in `[num_seqs * max_query_len]`:
+    `s * max_query_len + i`. Returns `[num_tokens]` int64."""
+    device = query_start_loc.device
+    num_seqs = query_lens.shape[0]
+    seq_of_token = torch.repeat_interleave(
+        torch.arange(num_seqs, device=device), query_lens, output_size=num_tokens
+    )  # [num_tokens]
+    token = torch.arange(num_tokens, device=device)
+    return token - query_start_loc[seq_of_token] + seq_of_token * max_query_len
+
+
+def store_kv(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Write new keys/values `[num_tokens, num_kv_heads, head_dim]` into their cache slots."""
+    num_kv_heads, head_dim = k_cache.shape[-2:]
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)  # [slots, KVH, D]
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)  # [slots, KVH, D]
+
+
+def paged_attention_sdpa(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """Attention of `q` `[num_tokens, num_heads, head_dim]` over the paged cache (which already
+    holds this step's K/V). Returns `[num_tokens, num_heads, head_dim]`."""
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[-2]
+    num_seqs, max_q = meta.num_seqs, meta.max_query_len
+    gather = meta.kv_gather_index  # [S, max_kv]
+    k = k_cache.view(-1, num_kv_heads, head_dim)[gather]  # [S, max_kv, KVH, D]
+    v = v_cache.view(-1, num_kv_heads, head_dim)[gather]  # [S, max_kv, KVH, D]
+
+    if meta.is_decode_only:
+        q_padded = q.view(num_seqs, 1, num_heads, head_dim)  # [S, 1, H, D]
+    else:
+        q_padded = q.new_zeros(num_seqs * max_q, num_heads, head_dim)
+        q_padded.index_copy_(0, meta.query_pad_index, q)  # [S * max_q, H, D]
+        q_padded = q_padded.view(num_seqs, max_q, num_heads, head_dim)  # [S, max_q, H, D]
+
+    out = F.scaled_dot_product_attention(
+        q_padded.transpose(1, 2),  # [S, H, max_q, D]
+        k.transpose(1, 2),  # [S, KVH, max_kv, D]
+        v.transpose(1, 2),  # [S, KVH, max_kv, D]
+        attn_mask=meta.attn_mask,  # [S, 1, max_q, max_kv]
+        scale=scale,
+        enable_gqa=num_heads != num_kv_heads,
+    )  # [S, H, max_q, D]
+    out = out.transpose(1, 2)  # [S, max_q, H, D]
+    if meta.is_decode_only:
+        return out.reshape(num_tokens, num_heads, head_dim)  # [T, H, D]
+    out = out.reshape(num_seqs * max_q, num_heads, head_dim)  # [S * max_q, H, D]
+    return out.index_select(0, meta.query_pad_index)  # [T, H, D]
+
+
+def paged_attention_flash(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """flash-attn varlen attention reading the paged cache through the block tables.
+
+    `q` `[num_tokens, num_heads, head_dim]` -> `[num_tokens, num_heads, head_dim]`. flash-attn's
+    `causal=True` aligns the mask bottom-right, i.e. the last query sees the last key.
+    """
+    return flash_attn_varlen_func(
+        q,
+        k_cache,
+        v_cache,
+        cu_seqlens_q=meta.cu_seqlens_q_i32,
+        cu_seqlens_k=meta.cu_seqlens_k_i32,
+        max_seqlen_q=meta.max_query_len,
+        max_seqlen_k=meta.max_seq_len,
+        softmax_scale=scale,
+        causal=True,
+        block_table=meta.block_tables_i32,
+    )
+
+
+def can_use_flash_attn(q: torch.Tensor, block_size: int) -> bool:
+    """Whether `paged_attention_flash` supports this device, dtype and block size."""
+    return (
+        flash_attn_varlen_func is not None
+        and q.is_cuda
+        and q.dtype in (torch.float16, torch.bfloat16)
+        and block_size % FLASH_ATTN_BLOCK_MULTIPLE == 0
+    )
+
+
+class Attention(nn.Module):
+    """Multi-head (or grouped-query) attention over a paged KV cache; no parameters.
+
+    `forward(q [T, H*D], k [T, KVH*D], v [T, KVH*D], (k_cache, v_cache), meta) -> [T, H*D]`
+    stores the step's K/V in the cache, then attends (see the module docstring).
+    """
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+        super().__init__()
+        if num_heads % num_kv_heads:
+            raise ValueError(
+                f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})"
+            )
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = scale
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        num_tokens = q.shape[0]
+        q = q.view(num_tokens, self.num_heads, self.head_dim)  # [T, H, D]
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, KVH, D]
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, KVH, D]
+        k_cache, v_cache = kv_cache
+        store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        if can_use_flash_attn(q, meta.block_size):
+            out = paged_attention_flash(q, k_cache, v_cache, meta, self.scale)
+        else:
+            out = paged_attention_sdpa(q, k_cache, v_cache, meta, self.scale)
+        return out.reshape(num_tokens, self.num_heads * self.head_dim)  # [T, H*D]
+
+    def extra_repr(self) -> str:
+        return f"heads={self.num_heads}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}"

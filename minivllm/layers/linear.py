@@ -1,0 +1,202 @@
+"""Linear layers written so tensor parallelism can be added later.
+
+Every parameter carries a `weight_loader(param, loaded_weight, shard_id=None)` that copies this
+rank's part of a checkpoint tensor into it:
+
+- `ColumnParallelLinear` splits the output dim (dim 0 of the weight and the bias) across ranks;
+  `MergedColumnParallelLinear` (gate_up_proj) and `QKVParallelLinear` (qkv_proj) are column-parallel
+  layers made of several checkpoint tensors ("shards") stacked along the output dim.
+- `RowParallelLinear` splits the input dim (dim 1 of the weight); its bias is not split.
+
+Only `tp_size == 1` runs today: there is no process group, so a row-parallel layer with
+`tp_size > 1` refuses to run its forward (it would need an all-reduce).
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def _divide(numerator: int, denominator: int, what: str) -> int:
+    if numerator % denominator:
+        raise ValueError(f"{what} ({numerator}) is not divisible by tp_size ({denominator})")
+    return numerator // denominator
+
+
+def _check_shape(loaded: torch.Tensor, expected: tuple[int, ...]) -> None:
+    """Refuse a checkpoint tensor whose (full, unsplit) shape is not `expected`."""
+    if tuple(loaded.shape) != tuple(expected):
+        raise ValueError(f"shape mismatch: expected {tuple(expected)}, got {tuple(loaded.shape)}")
+
+
+class LinearBase(nn.Module):
+    """`y = x @ weight.T + bias`; weight is `[out_size_per_partition, in_size_per_partition]`.
+
+    `tp_dim` is the weight dim split across ranks (0: output, 1: input, None: replicated).
+    """
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool,
+        tp_dim: int | None,
+        tp_size: int = 1,
+        tp_rank: int = 0,
+    ) -> None:
+        super().__init__()
+        self.tp_dim = tp_dim
+        self.tp_size = tp_size
+        self.tp_rank = tp_rank
+        self.input_size = input_size
+        self.output_size = output_size
+        in_part = _divide(input_size, tp_size, "input_size") if tp_dim == 1 else input_size
+        out_part = _divide(output_size, tp_size, "output_size") if tp_dim == 0 else output_size
+        self.weight = nn.Parameter(torch.empty(out_part, in_part), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+        if bias:
+            self.bias = nn.Parameter(torch.empty(out_part), requires_grad=False)
+            self.bias.weight_loader = self.weight_loader
+        else:
+            self.register_parameter("bias", None)
+
+    def weight_loader(
+        self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | str | None = None
+    ) -> None:
+        """Load a whole (unfused) checkpoint tensor; fused layers override this for shards."""
+        if shard_id is not None:
+            raise ValueError(f"{type(self).__name__} has no shards, got shard_id={shard_id!r}")
+        dim = self.tp_dim
+        if dim is None or dim >= param.dim():  # replicated, or the bias of a row-parallel layer
+            _check_shape(loaded, param.shape)
+            param.data.copy_(loaded)
+            return
+        size = param.shape[dim]
+        full_shape = list(param.shape)
+        full_shape[dim] = size * self.tp_size
+        _check_shape(loaded, tuple(full_shape))
+        param.data.copy_(loaded.narrow(dim, self.tp_rank * size, size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+    def extra_repr(self) -> str:
+        return (
+            f"in={self.input_size}, out={self.output_size}, bias={self.bias is not None}, "
+            f"tp_dim={self.tp_dim}, tp_size={self.tp_size}"
+        )
+
+
+class ReplicatedLinear(LinearBase):
+    """A linear layer held whole by every rank."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
+        super().__init__(input_size, output_size, bias, tp_dim=None)
+
+
+class ColumnParallelLinear(LinearBase):
+    """Output dim split across ranks; each rank produces its slice of the output features."""
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool = False,
+        tp_size: int = 1,
+        tp_rank: int = 0,
+    ) -> None:
+        super().__init__(input_size, output_size, bias, tp_dim=0, tp_size=tp_size, tp_rank=tp_rank)
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel projections of the same input fused into one matmul.
+
+    Shard `i` of the checkpoint (e.g. 0 = gate_proj, 1 = up_proj) has `output_sizes[i]` rows;
+    each rank stores its slice of every shard, shard after shard.
+    """
+
+    def __init__(
+        self,
+        input_size: int,
+        output_sizes: list[int],
+        bias: bool = False,
+        tp_size: int = 1,
+        tp_rank: int = 0,
+    ) -> None:
+        self.output_sizes = list(output_sizes)
+        super().__init__(input_size, sum(output_sizes), bias, tp_size=tp_size, tp_rank=tp_rank)
+
+    def weight_loader(
+        self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | str | None = None
+    ) -> None:
+        if not isinstance(shard_id, int) or not 0 <= shard_id < len(self.output_sizes):
+            raise ValueError(
+                f"shard_id must be in 0..{len(self.output_sizes) - 1}, got {shard_id!r}"
+            )
+        size = _divide(self.output_sizes[shard_id], self.tp_size, f"output shard {shard_id}")
+        offset = sum(self.output_sizes[:shard_id]) // self.tp_size
+        _check_shape(loaded, (self.output_sizes[shard_id], *param.shape[1:]))
+        param.data.narrow(0, offset, size).copy_(loaded.narrow(0, self.tp_rank * size, size))
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """q_proj, k_proj and v_proj fused: output is `[q (H*D) | k (KVH*D) | v (KVH*D)]` per rank.
+
+    Column parallelism splits whole heads, so `num_heads` and `num_kv_heads` must divide by tp_size.
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        head_dim: int,
+        num_heads: int,
+        num_kv_heads: int,
+        bias: bool = False,
+        tp_size: int = 1,
+        tp_rank: int = 0,
+    ) -> None:
+        self.head_dim = head_dim
+        self.num_heads = _divide(num_heads, tp_size, "num_heads")
+        self.num_kv_heads = _divide(num_kv_heads, tp_size, "num_kv_heads")
+        output_size = (num_heads + 2 * num_kv_heads) * head_dim
+        super().__init__(hidden_size, output_size, bias, tp_size=tp_size, tp_rank=tp_rank)
+
+    @property
+    def q_size(self) -> int:
+        """Width of this rank's q part of the output."""
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        """Width of this rank's k part (and of its v part) of the output."""
+        return self.num_kv_heads * self.head_dim
+
+    def weight_loader(
+        self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | str | None = None
+    ) -> None:
+        offsets = {"q": (0, self.q_size), "k": (self.q_size, self.kv_size)}
+        offsets["v"] = (self.q_size + self.kv_size, self.kv_size)
+        if shard_id not in offsets:
+            raise ValueError(f"shard_id must be 'q', 'k' or 'v', got {shard_id!r}")
+        offset, size = offsets[shard_id]
+        _check_shape(loaded, (size * self.tp_size, *param.shape[1:]))
+        param.data.narrow(0, offset, size).copy_(loaded.narrow(0, self.tp_rank * size, size))
+
+
+class RowParallelLinear(LinearBase):
+    """Input dim split across ranks; partial outputs would be summed by an all-reduce."""
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool = False,
+        tp_size: int = 1,
+        tp_rank: int = 0,
+    ) -> None:
+        super().__init__(input_size, output_size, bias, tp_dim=1, tp_size=tp_size, tp_rank=tp_rank)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp_size > 1:
+            raise NotImplementedError("tensor-parallel all-reduce is not implemented (tp_size > 1)")
+        return F.linear(x, self.weight, self.bias)

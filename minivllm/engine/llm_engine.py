@@ -157,6 +157,7 @@ class LLMEngine:
 
     def execute_and_commit(self, batch: ScheduledBatch) -> list[RequestOutput]:
         """Execute: ModelRunner.run. Commit: Scheduler.postprocess, only if the run worked."""
+        batch = batch.without_finished()
         if batch.is_empty:
             return []
         if self.tracer is not None:

@@ -41,6 +41,12 @@ class ScheduledBatch:
     def num_tokens(self) -> int:
         return sum(s.num_scheduled_tokens for s in self.seqs)
 
+    def without_finished(self) -> ScheduledBatch:
+        """The plan minus sequences aborted since it was made (their blocks are gone)."""
+        if not any(s.is_finished for s in self.seqs):
+            return self
+        return ScheduledBatch([s for s in self.seqs if not s.is_finished], self.preempted)
+
     @property
     def is_empty(self) -> bool:
         return not self.seqs

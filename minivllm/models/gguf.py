@@ -1,0 +1,359 @@
+"""Convert a GGUF checkpoint into an HF-style model directory.
+
+The engine's only weight loader reads a directory with `config.json`, `*.safetensors` and
+tokenizer files. A GGUF file (llama.cpp's format) holds the same model in one file: metadata
+key/values, a tokenizer description and (often quantized) tensors under llama.cpp's names.
+This module turns the one into the other:
+
+- tensors are dequantized to float32 and renamed to HF names; for the `llama` architecture
+  llama.cpp's rotary row permutation of q/k is undone;
+- the metadata becomes a `LlamaConfig` / `Qwen3Config` and a `generation_config.json`;
+- the tokenizer is rebuilt offline by transformers' GGUF tokenizer conversion.
+
+`convert_gguf_cached` keys the output on the file's size, mtime and `CONVERTER_VERSION`, and
+writes it atomically, so a second call returns at once and a crash never leaves half a cache.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import re
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType, GGUFReader, ReaderTensor
+from gguf.quants import dequantize as _gguf_dequantize
+
+logger = logging.getLogger(__name__)
+
+# Bump when the output of `convert_gguf` changes, so stale caches are not reused.
+CONVERTER_VERSION = 1
+
+SUPPORTED_ARCHITECTURES = ("llama", "qwen3")
+
+# Types the tests check against an independent reference; others go through gguf-py untested.
+TESTED_TENSOR_TYPES = (
+    GGMLQuantizationType.F32,
+    GGMLQuantizationType.F16,
+    GGMLQuantizationType.BF16,
+    GGMLQuantizationType.Q8_0,
+    GGMLQuantizationType.Q4_0,
+    GGMLQuantizationType.Q4_1,
+    GGMLQuantizationType.Q4_K,
+    GGMLQuantizationType.Q6_K,
+)
+
+_GLOBAL_TENSOR_NAMES = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+
+_LAYER_TENSOR_NAMES = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+
+_LAYER_NAME_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
+_GLOBAL_NAME_RE = re.compile(r"^(\w+)\.(weight|bias)$")
+
+
+class GGUFConversionError(ValueError):
+    """The GGUF file cannot be converted (unsupported architecture, tensor or metadata)."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Tensors
+# ---------------------------------------------------------------------------------------------
+
+
+def hf_tensor_name(gguf_name: str) -> str:
+    """Map a llama.cpp tensor name (`blk.3.attn_q.weight`) to its HF name.
+
+    Raises:
+        GGUFConversionError: the name is not one of the llama/qwen3 tensors we know.
+    """
+    if m := _LAYER_NAME_RE.match(gguf_name):
+        layer, part, suffix = m.groups()
+        if part in _LAYER_TENSOR_NAMES:
+            return f"model.layers.{layer}.{_LAYER_TENSOR_NAMES[part]}.{suffix}"
+    elif m := _GLOBAL_NAME_RE.match(gguf_name):
+        part, suffix = m.groups()
+        if part in _GLOBAL_TENSOR_NAMES:
+            return f"{_GLOBAL_TENSOR_NAMES[part]}.{suffix}"
+    raise GGUFConversionError(f"unknown GGUF tensor name {gguf_name!r}; cannot map it to HF")
+
+
+def dequantize_tensor(tensor: ReaderTensor) -> np.ndarray:
+    """Decode one GGUF tensor to a float32 array in HF (row-major) shape.
+
+    GGUF lists dimensions innermost first (`ne0, ne1, ...`), so the HF shape is the reverse:
+    a `[576, 1536]` GGUF `ffn_down` is the HF `[1536 -> 576]` weight of shape `(576, 1536)`.
+    """
+    shape = tuple(int(d) for d in reversed(tensor.shape))
+    try:
+        values = _gguf_dequantize(tensor.data, tensor.tensor_type)
+    except NotImplementedError as exc:
+        raise GGUFConversionError(
+            f"tensor {tensor.name!r} has type {tensor.tensor_type.name}, which gguf-py cannot "
+            "dequantize"
+        ) from exc
+    values = np.ascontiguousarray(values, dtype=np.float32).reshape(shape)
+    # F32 tensors come back as views of the read-only memory map; torch wants owned memory.
+    return values if values.flags.writeable else values.copy()
+
+
+def permute_qk(weight: np.ndarray, n_head: int) -> np.ndarray:
+    """Apply llama.cpp's rotary row permutation (`convert_hf_to_gguf.LlamaModel.permute`).
+
+    HF rotates the two halves of each head (`rotate_half`); llama.cpp rotates interleaved
+    pairs, so its converter reorders each head's rows from `[x0..x(d/2-1), y0..]` to
+    `[x0, y0, x1, y1, ...]`. `n_head` is the number of heads of this projection (the kv heads
+    for k). Works on weights `[n_head * head_dim, in]` and on biases `[n_head * head_dim]`.
+    """
+    rows = weight.shape[0]
+    # [n_head, 2, head_dim // 2, ...] -> [n_head, head_dim // 2, 2, ...]
+    return (
+        weight.reshape(n_head, 2, rows // n_head // 2, *weight.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(weight.shape)
+    )
+
+
+def unpermute_qk(weight: np.ndarray, n_head: int) -> np.ndarray:
+    """Exact inverse of `permute_qk`: interleaved rotary pairs back to HF's half split."""
+    rows = weight.shape[0]
+    # [n_head, head_dim // 2, 2, ...] -> [n_head, 2, head_dim // 2, ...]
+    return (
+        weight.reshape(n_head, rows // n_head // 2, 2, *weight.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(weight.shape)
+    )
+
+
+def read_state_dict(reader: GGUFReader) -> dict[str, torch.Tensor]:
+    """Every tensor of the file as float32 under its HF name, q/k un-permuted for llama."""
+    arch = _architecture(reader)
+    n_head = int(_meta(reader, f"{arch}.attention.head_count"))
+    n_kv_head = int(_meta(reader, f"{arch}.attention.head_count_kv", n_head))
+    state: dict[str, torch.Tensor] = {}
+    for tensor in reader.tensors:
+        if tensor.name == "rope_freqs.weight":
+            raise GGUFConversionError(
+                "this GGUF carries `rope_freqs` (Llama-3 style rope scaling), which the "
+                "converter does not reconstruct into an HF rope_parameters config"
+            )
+        name = hf_tensor_name(tensor.name)
+        values = dequantize_tensor(tensor)
+        # llama.cpp permutes q/k rows only for the llama architecture (not for qwen3).
+        if arch == "llama" and ".self_attn.q_proj." in name:
+            values = unpermute_qk(values, n_head)
+        elif arch == "llama" and ".self_attn.k_proj." in name:
+            values = unpermute_qk(values, n_kv_head)
+        state[name] = torch.from_numpy(values)
+    return state
+
+
+# ---------------------------------------------------------------------------------------------
+# Metadata
+# ---------------------------------------------------------------------------------------------
+
+_REQUIRED = object()
+
+
+def _meta(reader: GGUFReader, key: str, default: Any = _REQUIRED) -> Any:
+    """One metadata value (scalars unwrapped, arrays as lists)."""
+    field = reader.fields.get(key)
+    if field is None:
+        if default is _REQUIRED:
+            raise GGUFConversionError(f"GGUF metadata lacks the required key {key!r}")
+        return default
+    return field.contents()
+
+
+def _meta_float(reader: GGUFReader, key: str, default: Any = _REQUIRED) -> float:
+    """A float32 metadata value as the shortest decimal that rounds to it (1e-05, not 9.99e-06)."""
+    return float(str(np.float32(_meta(reader, key, default))))
+
+
+def _architecture(reader: GGUFReader) -> str:
+    arch = _meta(reader, "general.architecture")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise GGUFConversionError(
+            f"GGUF architecture {arch!r} is not supported; expected one of "
+            f"{', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    return arch
+
+
+def build_config(reader: GGUFReader) -> Any:
+    """A transformers `LlamaConfig` or `Qwen3Config` built from the GGUF metadata."""
+    from transformers import LlamaConfig, Qwen3Config
+
+    arch = _architecture(reader)
+    tensor_names = {t.name for t in reader.tensors}
+    n_head = int(_meta(reader, f"{arch}.attention.head_count"))
+    hidden = int(_meta(reader, f"{arch}.embedding_length"))
+    head_dim = _meta(reader, f"{arch}.attention.key_length", None)
+    if head_dim is None:
+        head_dim = _meta(reader, f"{arch}.rope.dimension_count", hidden // n_head)
+    vocab = _meta(reader, f"{arch}.vocab_size", None)
+    if vocab is None:
+        embed = next(t for t in reader.tensors if t.name == "token_embd.weight")
+        vocab = int(embed.shape[1])  # GGUF shape is [hidden, vocab]
+    kwargs: dict[str, Any] = {
+        "architectures": ["LlamaForCausalLM" if arch == "llama" else "Qwen3ForCausalLM"],
+        "vocab_size": int(vocab),
+        "hidden_size": hidden,
+        "intermediate_size": int(_meta(reader, f"{arch}.feed_forward_length")),
+        "num_hidden_layers": int(_meta(reader, f"{arch}.block_count")),
+        "num_attention_heads": n_head,
+        "num_key_value_heads": int(_meta(reader, f"{arch}.attention.head_count_kv", n_head)),
+        "head_dim": int(head_dim),
+        "rms_norm_eps": _meta_float(reader, f"{arch}.attention.layer_norm_rms_epsilon"),
+        "max_position_embeddings": int(_meta(reader, f"{arch}.context_length")),
+        "rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": _meta_float(reader, f"{arch}.rope.freq_base", 10000.0),
+        },
+        "tie_word_embeddings": "output.weight" not in tensor_names,
+        "bos_token_id": _meta(reader, "tokenizer.ggml.bos_token_id", None),
+        "eos_token_id": _meta(reader, "tokenizer.ggml.eos_token_id", None),
+        "pad_token_id": _meta(reader, "tokenizer.ggml.padding_token_id", None),
+        "attention_bias": "blk.0.attn_q.bias" in tensor_names,
+    }
+    if arch == "llama":
+        return LlamaConfig(**kwargs)
+    return Qwen3Config(**kwargs)
+
+
+def build_generation_config(config: Any) -> Any:
+    """A `GenerationConfig` carrying the model's bos/eos/pad ids."""
+    from transformers import GenerationConfig
+
+    return GenerationConfig(
+        bos_token_id=config.bos_token_id,
+        eos_token_id=config.eos_token_id,
+        pad_token_id=config.pad_token_id,
+    )
+
+
+def build_tokenizer(gguf_path: Path) -> Any | None:
+    """The fast tokenizer the GGUF metadata describes, or None when the file has none.
+
+    transformers' GGUF tokenizer conversion builds it offline (`local_files_only`); it carries
+    the chat template, the special tokens and `add_bos_token`.
+    """
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(
+        str(gguf_path.parent), gguf_file=gguf_path.name, local_files_only=True
+    )
+    # Loading options, not tokenizer properties; keep them out of tokenizer_config.json.
+    for key in ("local_files_only", "is_local", "gguf_file"):
+        tokenizer.init_kwargs.pop(key, None)
+    return tokenizer
+
+
+# ---------------------------------------------------------------------------------------------
+# Conversion
+# ---------------------------------------------------------------------------------------------
+
+
+def convert_gguf(gguf_path: str | Path, out_dir: str | Path) -> Path:
+    """Write `gguf_path` as an HF-style model directory at `out_dir` and return it.
+
+    Writes `config.json`, `generation_config.json`, `model.safetensors` (float32) and the
+    tokenizer files. `out_dir` is created if needed; files already there are overwritten.
+
+    Raises:
+        FileNotFoundError: `gguf_path` does not exist.
+        GGUFConversionError: the file's architecture, tensors or metadata are not supported.
+    """
+    from safetensors.torch import save_file
+
+    gguf_path = Path(gguf_path)
+    out_dir = Path(out_dir)
+    if not gguf_path.is_file():
+        raise FileNotFoundError(f"GGUF file not found: {gguf_path}")
+    reader = GGUFReader(gguf_path)
+    config = build_config(reader)
+    state = read_state_dict(reader)
+    if config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    config.save_pretrained(out_dir)
+    build_generation_config(config).save_pretrained(out_dir)
+    save_file(state, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    if "tokenizer.ggml.tokens" in reader.fields:
+        build_tokenizer(gguf_path).save_pretrained(out_dir)
+    else:
+        logger.warning("%s has no tokenizer metadata; wrote no tokenizer files", gguf_path)
+    return out_dir
+
+
+def cache_key(gguf_path: str | Path) -> str:
+    """Hash of the file's resolved path, size, mtime and `CONVERTER_VERSION`."""
+    path = Path(gguf_path).resolve()
+    stat = path.stat()
+    text = f"{path}|{stat.st_size}|{stat.st_mtime_ns}|v{CONVERTER_VERSION}"
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def cached_dir_for(gguf_path: str | Path) -> Path:
+    """Where `convert_gguf_cached` puts (or finds) the conversion of `gguf_path`."""
+    from minivllm.models.paths import cache_dir
+
+    path = Path(gguf_path)
+    return cache_dir() / "gguf" / f"{path.stem}-{cache_key(path)}"
+
+
+def convert_gguf_cached(gguf_path: str | Path) -> Path:
+    """The converted directory for `gguf_path`, converting on first use.
+
+    The result lives under `cache_dir()/gguf/<stem>-<key>`. The conversion is written into a
+    temporary sibling directory and renamed into place, so the cache dir either exists
+    complete or not at all; a concurrent converter that loses the rename race uses the winner's.
+    """
+    gguf_path = Path(gguf_path)
+    if not gguf_path.is_file():
+        raise FileNotFoundError(f"GGUF file not found: {gguf_path}")
+    target = cached_dir_for(gguf_path)
+    if (target / "config.json").is_file():
+        return target
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    logger.info("converting %s to an HF directory at %s", gguf_path, target)
+    start = time.perf_counter()
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    try:
+        convert_gguf(gguf_path, tmp)
+        try:
+            os.rename(tmp, target)
+        except OSError:
+            if not (target / "config.json").is_file():
+                raise
+            # Another process finished first; its result is as good as ours.
+            shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    logger.info("converted %s in %.1fs", gguf_path.name, time.perf_counter() - start)
+    return target

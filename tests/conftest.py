@@ -11,6 +11,8 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 
+pytest_plugins = ["model_fixtures"]
+
 from fake_runner import FakeModelRunner  # noqa: E402
 
 from minivllm.config import EngineConfig  # noqa: E402

@@ -1,0 +1,215 @@
+"""ModelRunner: executes a plan on the model over a paged KV cache, and samples.
+
+From the plan (`ScheduledBatch`) it builds the flat step inputs: `input_ids`, `positions`,
+`slot_mapping` (`slot = block_table[pos // block_size] * block_size + pos % block_size`),
+query and context lengths and the block-tables tensor, all passed to the model in an explicit
+`AttentionMetadata`. It computes logits only for the sequences that sample this step. It
+never changes a Sequence: committing the step is the Scheduler's job.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from minivllm.config import EngineConfig
+from minivllm.engine.scheduler import SampledToken, ScheduledBatch
+from minivllm.layers.attention import AttentionMetadata
+from minivllm.layers.sampler import Sampler, SamplingBatch
+from minivllm.models.loader import load_model
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DEFAULT_CPU_KV_GB = 2.0  # cap of the default CPU KV budget (a share of free RAM below it)
+
+
+def resolve_device(config: EngineConfig) -> torch.device:
+    if config.device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(config.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' was asked for but torch sees no CUDA device")
+    return device
+
+
+def resolve_dtype(config: EngineConfig, device: torch.device) -> torch.dtype:
+    if config.dtype is not None:
+        return DTYPES[config.dtype]
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+def resolve_config(config: EngineConfig) -> tuple[EngineConfig, Path, Any]:
+    """Find the model, read its HF config, and fill the model-dependent options."""
+    from transformers import AutoConfig
+
+    from minivllm.models.paths import resolve_model_dir
+
+    model_dir = resolve_model_dir(config.model)
+    hf_config = AutoConfig.from_pretrained(model_dir)
+    model_max = int(getattr(hf_config, "max_position_embeddings", 0) or 0) or None
+    max_model_len = config.max_model_len or model_max
+    if max_model_len is None:
+        raise ValueError("the model config gives no max_position_embeddings: set max_model_len")
+    if model_max is not None and max_model_len > model_max:
+        raise ValueError(
+            f"max_model_len ({max_model_len}) exceeds the model's max_position_embeddings "
+            f"({model_max})"
+        )
+    return replace(config, max_model_len=max_model_len), model_dir, hf_config
+
+
+def load_tokenizer(model_dir: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+def slot_mapping_for(block_table: list[int], start: int, length: int, block_size: int) -> list[int]:
+    """KV slots of positions start .. start+length-1 (the seed's formula)."""
+    return [
+        block_table[pos // block_size] * block_size + pos % block_size
+        for pos in range(start, start + length)
+    ]
+
+
+@dataclass
+class StepInputs:
+    input_ids: torch.Tensor  # [num_tokens] int64
+    positions: torch.Tensor  # [num_tokens] int64
+    meta: AttentionMetadata
+    logits_indices: torch.Tensor  # [num_samples] int64: last token of each sampling sequence
+    sampling: SamplingBatch
+
+
+def prepare_inputs(batch: ScheduledBatch, block_size: int, device: torch.device) -> StepInputs:
+    """Flatten a plan into the model's step inputs (pure bookkeeping, one pass over seqs)."""
+    input_ids: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    query_lens: list[int] = []
+    seq_lens: list[int] = []
+    for seq in batch.seqs:
+        start, n = seq.num_cached_tokens, seq.num_scheduled_tokens
+        input_ids.extend(seq.token_ids[start : start + n])
+        positions.extend(range(start, start + n))
+        slots.extend(slot_mapping_for(seq.block_table, start, n, block_size))
+        query_lens.append(n)
+        seq_lens.append(start + n)
+    max_blocks = max(len(s.block_table) for s in batch.seqs)
+    tables = [s.block_table + [0] * (max_blocks - len(s.block_table)) for s in batch.seqs]
+    starts = [0]
+    for n in query_lens:
+        starts.append(starts[-1] + n)
+    sampling_set = {id(s) for s in batch.sample_seqs}
+    logits_indices = [
+        starts[i + 1] - 1 for i, s in enumerate(batch.seqs) if id(s) in sampling_set
+    ]
+
+    def tensor(values: list[int] | list[list[int]]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int64).to(device, non_blocking=True)
+
+    meta = AttentionMetadata(
+        slot_mapping=tensor(slots),
+        query_start_loc=tensor(starts),
+        seq_lens=tensor(seq_lens),
+        block_tables=tensor(tables),
+        query_lens_cpu=query_lens,
+        seq_lens_cpu=seq_lens,
+        block_size=block_size,
+    )
+    sampling = SamplingBatch(
+        params=[s.sampling_params for s in batch.sample_seqs],
+        positions=[s.num_tokens for s in batch.sample_seqs],
+    )
+    return StepInputs(tensor(input_ids), tensor(positions), meta, tensor(logits_indices),
+                      sampling)
+
+
+class ModelRunner:
+    """Owns the model weights, the KV cache and the sampler of one engine."""
+
+    def __init__(self, config: EngineConfig, model_dir: Path, hf_config: Any) -> None:
+        self.config = config
+        self.device = resolve_device(config)
+        self.dtype = resolve_dtype(config, self.device)
+        self.block_size = config.block_size
+        torch.manual_seed(config.seed)
+        self.model, self.hf_config = load_model(model_dir, self.dtype, self.device)
+        self.vocab_size: int = int(self.hf_config.vocab_size)
+        self.num_layers = int(self.hf_config.num_hidden_layers)
+        self.num_kv_heads = int(
+            getattr(self.hf_config, "num_key_value_heads", None)
+            or self.hf_config.num_attention_heads
+        )
+        self.head_dim = int(
+            getattr(self.hf_config, "head_dim", None)
+            or self.hf_config.hidden_size // self.hf_config.num_attention_heads
+        )
+        self.num_kv_blocks = config.num_kv_blocks or self._blocks_from_memory_budget()
+        shape = (self.num_kv_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+        # Zeros, not empty: padded gathers read unused slots, which must be finite.
+        self.kv_caches = [
+            (torch.zeros(shape, dtype=self.dtype, device=self.device),
+             torch.zeros(shape, dtype=self.dtype, device=self.device))
+            for _ in range(self.num_layers)
+        ]
+        self.sampler = Sampler(config.seed, self.device)
+        logger.info(
+            "KV cache: %d blocks x %d tokens = %d tokens (%.2f GB, %s, %s)",
+            self.num_kv_blocks, self.block_size, self.num_kv_blocks * self.block_size,
+            self.num_kv_blocks * self._bytes_per_block() / 1e9, self.device, self.dtype,
+        )
+
+    def _bytes_per_block(self) -> int:
+        element = torch.tensor([], dtype=self.dtype).element_size()
+        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * element
+
+    def _blocks_from_memory_budget(self) -> int:
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            used_by_others = total - free
+            budget = total * self.config.gpu_memory_utilization - used_by_others
+            budget -= 1 << 30  # room for activations and the sampler
+        elif self.config.kv_cache_memory_gb is not None:
+            budget = self.config.kv_cache_memory_gb * 1e9
+        else:
+            budget = min(DEFAULT_CPU_KV_GB * 1e9, 0.25 * _available_ram())
+        blocks = int(budget // self._bytes_per_block())
+        # More blocks than max_num_seqs full-length sequences could ever use are wasted.
+        most = self.config.max_num_seqs * -(-self.config.max_model_len // self.block_size)
+        blocks = min(blocks, most)
+        if blocks < 1:
+            raise ValueError(
+                f"no room for a single KV block in the memory budget ({budget / 1e9:.2f} GB); "
+                "raise kv_cache_memory_gb / gpu_memory_utilization or set num_kv_blocks"
+            )
+        return blocks
+
+    @torch.inference_mode()
+    def run(self, batch: ScheduledBatch) -> list[SampledToken]:
+        """Execute the plan: write the new tokens' KV, and sample for the finished prompts."""
+        inputs = prepare_inputs(batch, self.block_size, self.device)
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+        if not batch.sample_seqs:
+            return []
+        logits = self.model.compute_logits(hidden[inputs.logits_indices])  # [num_samples, V]
+        out = self.sampler(logits, inputs.sampling)
+        if out.logprobs is None or out.top_logprobs is None:
+            return [SampledToken(t) for t in out.token_ids]
+        return [
+            SampledToken(t, lp, top)
+            for t, lp, top in zip(out.token_ids, out.logprobs, out.top_logprobs)
+        ]
+
+
+def _available_ram() -> float:
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        return 8e9

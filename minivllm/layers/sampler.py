@@ -1,0 +1,135 @@
+"""Sampling: greedy, temperature, top-k, top-p, min-p, per-request seeds, logprobs.
+
+HF semantics for the filters (applied in HF's order: temperature, top-k, top-p, min-p; top-p
+keeps the token that crosses the threshold). Sampling uses the exponential-race trick,
+`argmax(probs / q)` with `q ~ Exp(1)`, which draws from `probs` exactly; a seeded request
+draws its `q` from a generator seeded by (seed, position), so its tokens do not depend on the
+batch it runs in, nor on preemption.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from minivllm.sampling_params import SamplingParams
+
+_MIX = 0x9E3779B97F4A7C15  # spreads (seed, position) over the generator's seed space
+
+
+@dataclass
+class SamplingBatch:
+    """Per-row sampling inputs for one step, built from the sequences that sample."""
+
+    params: list[SamplingParams]
+    positions: list[int]  # index of the token being sampled in its sequence (for seeds)
+
+    @property
+    def all_greedy(self) -> bool:
+        return all(p.greedy for p in self.params)
+
+    @property
+    def max_logprobs(self) -> int | None:
+        """The largest top-N asked for in this batch, None if no row wants logprobs."""
+        asked = [p.logprobs for p in self.params if p.logprobs is not None]
+        return max(asked) if asked else None
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]
+    logprobs: list[float] | None  # of each sampled token, when any row asked for logprobs
+    top_logprobs: list[dict[int, float]] | None
+
+
+def apply_top_k(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
+    """Keep each row's `top_k` largest logits (`top_k <= 0` keeps all). [N, V] -> [N, V]."""
+    vocab = logits.shape[-1]
+    k = torch.where(top_k <= 0, vocab, top_k).clamp(max=vocab)  # [N]
+    sorted_desc = logits.sort(dim=-1, descending=True).values  # [N, V]
+    kth = sorted_desc.gather(-1, (k - 1).unsqueeze(-1))  # [N, 1]
+    return logits.masked_fill(logits < kth, float("-inf"))
+
+
+def apply_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """HF's top-p: drop the tokens outside the smallest set whose mass reaches `top_p`, keeping
+    the token that crosses it. [N, V] -> [N, V]."""
+    sorted_logits, order = logits.sort(dim=-1, descending=False)  # [N, V] ascending
+    cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)  # [N, V]
+    remove = cumulative <= (1 - top_p).unsqueeze(-1)
+    remove[:, -1] = False  # always keep the most likely token
+    mask = torch.zeros_like(remove).scatter(-1, order, remove)
+    return logits.masked_fill(mask, float("-inf"))
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Drop tokens whose probability is below `min_p` times the top token's. [N, V]."""
+    probs = logits.softmax(dim=-1)
+    threshold = probs.max(dim=-1, keepdim=True).values * min_p.unsqueeze(-1)  # [N, 1]
+    return logits.masked_fill(probs < threshold, float("-inf"))
+
+
+def _exponential_noise(
+    batch: SamplingBatch, shape: tuple[int, int], device: torch.device,
+    generator: torch.Generator | None,
+) -> torch.Tensor:
+    """q ~ Exp(1), [N, V]: seeded rows from their own (seed, position) generator."""
+    q = torch.empty(shape, device=device).exponential_(generator=generator)
+    for row, (params, position) in enumerate(zip(batch.params, batch.positions)):
+        if params.seed is not None:
+            g = torch.Generator(device=device)
+            g.manual_seed((params.seed * _MIX + position) % (2**63))
+            q[row].exponential_(generator=g)
+    return q
+
+
+class Sampler:
+    """Turns the last-token logits of the sampling sequences into tokens."""
+
+    def __init__(self, seed: int, device: torch.device) -> None:
+        self.device = device
+        self.generator = torch.Generator(device=device)
+        self.generator.manual_seed(seed)
+
+    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+        """logits: [N, V] float32, one row per sampling sequence."""
+        logits = logits.float()
+        max_logprobs = batch.max_logprobs
+        raw_logprobs = logits.log_softmax(dim=-1) if max_logprobs is not None else None  # [N, V]
+
+        if batch.all_greedy:
+            tokens = logits.argmax(dim=-1)  # [N]
+        else:
+            tokens = self._sample(logits, batch)
+
+        token_list = tokens.tolist()
+        if raw_logprobs is None or max_logprobs is None:
+            return SamplerOutput(token_list, None, None)
+        chosen = raw_logprobs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1).tolist()  # [N]
+        top_values, top_ids = raw_logprobs.topk(max(max_logprobs, 1), dim=-1)  # [N, K]
+        tops = []
+        for row, params in enumerate(batch.params):
+            k = params.logprobs or 0
+            tops.append(dict(zip(top_ids[row, :k].tolist(), top_values[row, :k].tolist())))
+        return SamplerOutput(token_list, chosen, tops)
+
+    def _sample(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        device = logits.device
+        params = batch.params
+        greedy = torch.tensor([p.greedy for p in params], device=device)  # [N]
+        temperature = torch.tensor(
+            [1.0 if p.greedy else p.temperature for p in params], device=device
+        )
+        scaled = logits / temperature.unsqueeze(-1)  # [N, V]
+        if any(p.top_k > 0 for p in params):
+            top_k = torch.tensor([p.top_k for p in params], device=device)
+            scaled = apply_top_k(scaled, top_k)
+        if any(p.top_p < 1.0 for p in params):
+            scaled = apply_top_p(scaled, torch.tensor([p.top_p for p in params], device=device))
+        if any(p.min_p > 0.0 for p in params):
+            scaled = apply_min_p(scaled, torch.tensor([p.min_p for p in params], device=device))
+        probs = scaled.softmax(dim=-1)  # [N, V]
+        q = _exponential_noise(batch, tuple(probs.shape), device, self.generator)
+        sampled = (probs / q).argmax(dim=-1)  # [N]
+        return torch.where(greedy, logits.argmax(dim=-1), sampled)

@@ -22,6 +22,7 @@ from minivllm.engine.scheduler import SampledToken, ScheduledBatch
 from minivllm.layers.attention import AttentionMetadata
 from minivllm.layers.sampler import Sampler, SamplingBatch
 from minivllm.models.loader import load_model
+from minivllm.models.registry import get_model_class
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +53,7 @@ def resolve_config(config: EngineConfig) -> tuple[EngineConfig, Path, Any]:
 
     model_dir = resolve_model_dir(config.model)
     hf_config = AutoConfig.from_pretrained(model_dir)
+    get_model_class(hf_config)  # an unsupported architecture fails here, before any loading
     model_max = int(getattr(hf_config, "max_position_embeddings", 0) or 0) or None
     max_model_len = config.max_model_len or model_max
     if max_model_len is None:

@@ -1,0 +1,158 @@
+"""The `minivllm` command: generate, demo, serve, lab, bench."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+from typing import Any
+
+DEMO_QUESTIONS = [
+    "What is the capital of France?",
+    "Name three primary colors.",
+    "Explain in one sentence what a KV cache is.",
+    "Write a haiku about the sea.",
+]
+
+
+def add_engine_options(parser: argparse.ArgumentParser) -> None:
+    """The EngineConfig options every subcommand that builds an engine accepts."""
+    g = parser.add_argument_group("engine")
+    g.add_argument("--model", default=None,
+                   help="HF model directory or .gguf file (default: SmolLM2-135M-Instruct)")
+    g.add_argument("--block-size", type=int, default=None)
+    g.add_argument("--max-num-seqs", type=int, default=None)
+    g.add_argument("--max-num-batched-tokens", type=int, default=None)
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--num-kv-blocks", type=int, default=None)
+    g.add_argument("--kv-cache-memory-gb", type=float, default=None)
+    g.add_argument("--gpu-memory-utilization", type=float, default=None)
+    g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
+                   default=None, help="disable prefix caching")
+    g.add_argument("--device", choices=["cpu", "cuda"], default=None)
+    g.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--tensor-parallel-size", type=int, default=None)
+
+
+ENGINE_OPTIONS = [
+    "model", "block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
+    "num_kv_blocks", "kv_cache_memory_gb", "gpu_memory_utilization", "enable_prefix_caching",
+    "device", "dtype", "seed", "tensor_parallel_size",
+]
+
+
+def engine_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The engine options the user set (unset ones keep EngineConfig's defaults)."""
+    return {
+        name: getattr(args, name) for name in ENGINE_OPTIONS
+        if getattr(args, name, None) is not None
+    }
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from minivllm import LLM, SamplingParams
+
+    llm = LLM(**engine_options(args))
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                            max_tokens=args.max_tokens, seed=args.seed_sampling)
+    if args.chat:
+        outputs = llm.chat([{"role": "user", "content": args.prompt}], params, use_tqdm=False)
+    else:
+        outputs = llm.generate(args.prompt, params, use_tqdm=False)
+    print(outputs[0].outputs[0].text)
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    """A few chat questions on the default model, their answers, and the throughput."""
+    from minivllm import LLM, SamplingParams
+
+    start = time.perf_counter()
+    llm = LLM(**engine_options(args))
+    load_s = time.perf_counter() - start
+    print(f"model loaded in {load_s:.1f} s "
+          f"({llm.llm_engine.model_runner.num_kv_blocks} KV blocks)\n")
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
+    conversations = [[{"role": "user", "content": q}] for q in DEMO_QUESTIONS]
+    start = time.perf_counter()
+    outputs = llm.chat(conversations, params)
+    seconds = time.perf_counter() - start
+    tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    for question, out in zip(DEMO_QUESTIONS, outputs):
+        print(f"Q: {question}\nA: {out.outputs[0].text.strip()}\n")
+    print(f"{len(outputs)} requests, {tokens} generated tokens in {seconds:.2f} s: "
+          f"{tokens / seconds:.1f} tok/s")
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from minivllm.server.app import run_server
+
+    return run_server(args, engine_options(args)) or 0
+
+
+def cmd_lab(args: argparse.Namespace) -> int:
+    from minivllm.lab.app import serve_lab
+
+    serve_lab(host=args.host, port=args.port, model=args.model, block_size=args.block_size)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="minivllm", description=__doc__)
+    parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("generate", help="print the completion of one prompt")
+    p.add_argument("prompt")
+    p.add_argument("--chat", action="store_true", help="apply the model's chat template")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=-1)
+    p.add_argument("--sampling-seed", dest="seed_sampling", type=int, default=None,
+                   help="seed of this request's sampling")
+    add_engine_options(p)
+    p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("demo", help="chat questions on the default model, with throughput")
+    p.add_argument("--max-tokens", type=int, default=48)
+    add_engine_options(p)
+    p.set_defaults(func=cmd_demo)
+
+    p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
+    p.add_argument("--served-model-name", default=None,
+                   help="the model name clients use (default: the model path's name)")
+    add_engine_options(p)
+    p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("lab", help="the Engine Lab: step the real engine in your browser")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8765)
+    p.add_argument("--model", default=None)
+    p.add_argument("--block-size", type=int, default=4)
+    p.set_defaults(func=cmd_lab)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError, TypeError) as exc:
+        print(f"minivllm: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

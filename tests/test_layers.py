@@ -336,3 +336,9 @@ def test_attention_rejects_bad_head_counts() -> None:
     """num_heads must be a multiple of num_kv_heads."""
     with pytest.raises(ValueError, match="multiple"):
         Attention(6, 4, 8, 1.0)
+
+
+@pytest.mark.parametrize("block_size", [1, 16])
+def test_lone_prefill_fast_path(block_size: int) -> None:
+    """One sequence with no cached context takes the no-gather causal path; same answer."""
+    run_paged_batch([0], [21], block_size, 4, 2, seed=3)

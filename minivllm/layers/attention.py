@@ -9,12 +9,12 @@ Two implementations of the attention itself:
 - `paged_attention_sdpa` (any device): gather each sequence's K/V through its block table into
   `[num_seqs, max_seq_len, ...]`, pad the queries to `[num_seqs, max_query_len, ...]`, and make one
   `scaled_dot_product_attention` call with a boolean causal mask. All-decode batches skip the
-  query padding.
+  query padding; a lone prefill with no cached context attends over its own new K/V directly.
 - `paged_attention_flash` (CUDA, fp16/bf16, block_size a multiple of 256): flash-attn's varlen
   kernel reading the paged cache through the block table directly.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 
 import torch
@@ -50,6 +50,10 @@ class AttentionMetadata:
     query_lens_cpu: list[int]
     seq_lens_cpu: list[int]
     block_size: int
+    # Per-step scratch for gathered K/V, keyed by (KVH, D, dtype, device); see kv_gather_buffers.
+    _scratch: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = field(
+        default_factory=dict, init=False, repr=False
+    )
 
     @property
     def num_seqs(self) -> int:
@@ -97,6 +101,22 @@ class AttentionMetadata:
         return query_pad_index(
             self.query_start_loc, self.query_lens, self.num_tokens, self.max_query_len
         )
+
+    @cached_property
+    def is_single_prefill_without_context(self) -> bool:
+        """One sequence whose cache holds nothing but this step's tokens."""
+        return self.num_seqs == 1 and self.seq_lens_cpu[0] == self.query_lens_cpu[0]
+
+    def kv_gather_buffers(self, k_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Two `[num_seqs * max_seq_len, KVH, D]` tensors to gather K and V into, allocated
+        once per step and reused by every layer: on the CPU a fresh allocation this large per
+        layer costs more in page faults than the gather itself."""
+        num_kv_heads, head_dim = k_cache.shape[-2:]
+        key = (num_kv_heads, head_dim, k_cache.dtype, k_cache.device)
+        if key not in self._scratch:
+            shape = (self.num_seqs * self.max_seq_len, num_kv_heads, head_dim)
+            self._scratch[key] = (k_cache.new_empty(shape), k_cache.new_empty(shape))
+        return self._scratch[key]
 
     @cached_property
     def cu_seqlens_q_i32(self) -> torch.Tensor:
@@ -182,10 +202,13 @@ def paged_attention_sdpa(
     holds this step's K/V). Returns `[num_tokens, num_heads, head_dim]`."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[-2]
-    num_seqs, max_q = meta.num_seqs, meta.max_query_len
-    gather = meta.kv_gather_index  # [S, max_kv]
-    k = k_cache.view(-1, num_kv_heads, head_dim)[gather]  # [S, max_kv, KVH, D]
-    v = v_cache.view(-1, num_kv_heads, head_dim)[gather]  # [S, max_kv, KVH, D]
+    num_seqs, max_q, max_kv = meta.num_seqs, meta.max_query_len, meta.max_seq_len
+    gather = meta.kv_gather_index.view(-1)  # [S * max_kv]
+    k_buf, v_buf = meta.kv_gather_buffers(k_cache)
+    k = torch.index_select(k_cache.view(-1, num_kv_heads, head_dim), 0, gather, out=k_buf)
+    v = torch.index_select(v_cache.view(-1, num_kv_heads, head_dim), 0, gather, out=v_buf)
+    k = k.view(num_seqs, max_kv, num_kv_heads, head_dim)  # [S, max_kv, KVH, D]
+    v = v.view(num_seqs, max_kv, num_kv_heads, head_dim)  # [S, max_kv, KVH, D]
 
     if meta.is_decode_only:
         q_padded = q.view(num_seqs, 1, num_heads, head_dim)  # [S, 1, H, D]
@@ -207,6 +230,24 @@ def paged_attention_sdpa(
         return out.reshape(num_tokens, num_heads, head_dim)  # [T, H, D]
     out = out.reshape(num_seqs * max_q, num_heads, head_dim)  # [S * max_q, H, D]
     return out.index_select(0, meta.query_pad_index)  # [T, H, D]
+
+
+def causal_attention_sdpa(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Plain causal attention of one sequence's tokens among themselves (no cached context).
+
+    `q` `[T, H, D]`, `k`/`v` `[T, KVH, D]` -> `[T, H, D]`; no gather, no mask tensor.
+    """
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1),  # [H, T, D]
+        k.transpose(0, 1),  # [KVH, T, D]
+        v.transpose(0, 1),  # [KVH, T, D]
+        is_causal=True,
+        scale=scale,
+        enable_gqa=q.shape[1] != k.shape[1],
+    )  # [H, T, D]
+    return out.transpose(0, 1)  # [T, H, D]
 
 
 def paged_attention_flash(
@@ -279,6 +320,8 @@ class Attention(nn.Module):
         store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         if can_use_flash_attn(q, meta.block_size):
             out = paged_attention_flash(q, k_cache, v_cache, meta, self.scale)
+        elif meta.is_single_prefill_without_context:
+            out = causal_attention_sdpa(q, k, v, self.scale)
         else:
             out = paged_attention_sdpa(q, k_cache, v_cache, meta, self.scale)
         return out.reshape(num_tokens, self.num_heads * self.head_dim)  # [T, H*D]

@@ -1,0 +1,48 @@
+"""Qwen3 decoder: the Llama block plus a per-head RMSNorm on q and k before rotary.
+
+Grouped-query attention and tied or untied embeddings come from the config, as for Llama.
+"""
+
+from typing import Any
+
+import torch
+
+from minivllm.layers.attention import AttentionMetadata
+from minivllm.layers.norm import RMSNorm
+from minivllm.layers.rotary import apply_rotary
+from minivllm.models.llama import KVCache, LlamaAttention, LlamaForCausalLM
+
+
+class Qwen3Attention(LlamaAttention):
+    """Llama attention with `q_norm`/`k_norm` over each head's `head_dim` features."""
+
+    def __init__(self, config: Any) -> None:
+        super().__init__(config)
+        self.q_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        num_tokens = hidden.shape[0]
+        q, k, v = self.split_heads(hidden)
+        q = apply_rotary(self.q_norm(q), cos, sin).view(num_tokens, -1)  # [T, H * D]
+        k = apply_rotary(self.k_norm(k), cos, sin).view(num_tokens, -1)  # [T, KVH * D]
+        out = self.attn(q, k, v.reshape(num_tokens, -1), kv_cache, meta)  # [T, H * D]
+        return self.o_proj(out)
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    """Qwen3 causal LM; same interface and checkpoint-name mapping as `LlamaForCausalLM`."""
+
+    attention_cls = Qwen3Attention
+
+    def __init__(self, config: Any) -> None:
+        if getattr(config, "use_sliding_window", False):
+            raise ValueError("Qwen3 with use_sliding_window=True is not supported")
+        super().__init__(config)

@@ -49,6 +49,14 @@ def make_engine() -> Iterator[Callable[..., LLMEngine]]:
         assert_no_leaks(engine)
 
 
+@pytest.fixture(scope="session")
+def default_llm():
+    """The default model (SmolLM2-135M-Instruct), loaded once per test session."""
+    from minivllm import LLM
+
+    return LLM(None, num_kv_blocks=1024, max_model_len=2048)
+
+
 def run_to_completion(engine: LLMEngine, check: bool = True, max_steps: int = 10_000) -> dict:
     """Step until idle; return {request_id: final RequestOutput}. Checks invariants each step."""
     finals = {}

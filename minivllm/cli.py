@@ -100,6 +100,12 @@ def cmd_lab(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    from minivllm.bench import run_bench
+
+    return run_bench(args, engine_options(args))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="minivllm", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
@@ -137,6 +143,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=None)
     p.add_argument("--block-size", type=int, default=4)
     p.set_defaults(func=cmd_lab)
+
+    p = sub.add_parser("bench", help="benchmarks: throughput, prefix caching, serving")
+    from minivllm.bench import add_bench_arguments
+
+    add_bench_arguments(p)
+    add_engine_options(p)
+    p.set_defaults(func=cmd_bench)
     return parser
 
 

@@ -138,6 +138,7 @@ class ModelRunner:
 
     def __init__(self, config: EngineConfig, model_dir: Path, hf_config: Any) -> None:
         self.config = config
+        self.model_dir = model_dir
         self.device = resolve_device(config)
         self.dtype = resolve_dtype(config, self.device)
         self.block_size = config.block_size

@@ -8,6 +8,7 @@ function that made the change, and its real source line, read from the caller's 
 
 from __future__ import annotations
 
+import inspect
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -68,8 +69,9 @@ def _relative(filename: str) -> str:
 
 
 def source_of(func: Any) -> str:
-    """'minivllm/engine/x.py:LINE' of a function's definition."""
-    code = func.__code__
+    """'minivllm/engine/x.py:LINE' of a function's definition (through decorators such as
+    `torch.inference_mode()`, which would otherwise point into torch)."""
+    code = inspect.unwrap(func).__code__
     return f"{_relative(code.co_filename)}:{code.co_firstlineno}"
 
 

@@ -1,0 +1,89 @@
+"""Prometheus metrics, named like vLLM's (`minivllm:` for `vllm:`), in one registry per app.
+
+Gauges and the engine's own counters are read at scrape time from the engine thread's last
+stats snapshot; token counters and latency histograms are fed by the engine thread as each
+step's outputs are delivered (`ServerMetrics.on_output`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from minivllm.outputs import RequestOutput
+
+_GAUGES = {
+    "num_requests_running": "Requests in the running batch.",
+    "num_requests_waiting": "Requests waiting to be scheduled.",
+    "kv_cache_usage_perc": "Fraction of KV-cache blocks in use (0 to 1).",
+}
+_COUNTERS = {
+    "prefix_cache_queries": "Prompt tokens looked up in the prefix cache.",
+    "prefix_cache_hits": "Prompt tokens found in the prefix cache.",
+    "num_preemptions": "Sequences preempted (by recompute) since start.",
+}
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+class _EngineStatsCollector(Collector):
+    def __init__(self, read_stats: Callable[[], dict[str, float]]) -> None:
+        self.read_stats = read_stats
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self.read_stats()
+        for name, doc in _GAUGES.items():
+            yield GaugeMetricFamily(f"minivllm:{name}", doc, value=float(stats.get(name, 0)))
+        for name, doc in _COUNTERS.items():
+            yield CounterMetricFamily(f"minivllm:{name}", doc, value=float(stats.get(name, 0)))
+
+
+class ServerMetrics:
+    """The server's metrics in their own CollectorRegistry (two apps never share one)."""
+
+    def __init__(self, read_stats: Callable[[], dict[str, float]]) -> None:
+        self.registry = CollectorRegistry()
+        self.registry.register(_EngineStatsCollector(read_stats))
+        self.prompt_tokens = Counter(
+            "minivllm:prompt_tokens", "Prompt tokens processed.", registry=self.registry
+        )
+        self.generation_tokens = Counter(
+            "minivllm:generation_tokens", "Tokens generated.", registry=self.registry
+        )
+        self.time_to_first_token = Histogram(
+            "minivllm:time_to_first_token_seconds",
+            "Time from arrival to the first generated token.",
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.time_per_output_token = Histogram(
+            "minivllm:time_per_output_token_seconds",
+            "Mean time between generated tokens, per request.",
+            buckets=(0.001, 0.0025, *_LATENCY_BUCKETS),
+            registry=self.registry,
+        )
+        self.e2e_request_latency = Histogram(
+            "minivllm:e2e_request_latency_seconds",
+            "Time from arrival to the last token.",
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+
+    def on_output(self, output: RequestOutput, new_tokens: int) -> None:
+        """Count one delivered output (called on the engine thread)."""
+        if new_tokens > 0:
+            self.generation_tokens.inc(new_tokens)
+        if not output.finished or output.metrics is None:
+            return
+        self.prompt_tokens.inc(len(output.prompt_token_ids))
+        m = output.metrics
+        if m.first_token_time is not None:
+            self.time_to_first_token.observe(m.first_token_time - m.arrival_time)
+        if m.finished_time is not None:
+            self.e2e_request_latency.observe(m.finished_time - m.arrival_time)
+            num_tokens = len(output.outputs[0].token_ids)
+            if m.first_token_time is not None and num_tokens > 1:
+                tpot = (m.finished_time - m.first_token_time) / (num_tokens - 1)
+                self.time_per_output_token.observe(tpot)

@@ -1,0 +1,114 @@
+"""Running the server: `run_server` for `minivllm serve`, `ServerThread` for tests and tools.
+
+Both bind 127.0.0.1 unless told otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import socket
+import threading
+import time
+from typing import Any
+
+import uvicorn
+
+from minivllm.engine.llm_engine import LLMEngine
+from minivllm.server.app import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_WAITING_REQUESTS, create_app
+
+logger = logging.getLogger("minivllm.server")
+
+
+def serve(args: argparse.Namespace, engine_options: dict[str, Any]) -> int:
+    """`minivllm serve`: the server flags from `args` (host, port, api_key,
+    served_model_name, and optionally max_waiting_requests, max_body_bytes), the engine's
+    from `engine_options`."""
+    run_server(
+        engine_options,
+        host=args.host,
+        port=args.port,
+        api_key=args.api_key,
+        served_model_name=args.served_model_name,
+        max_body_bytes=getattr(args, "max_body_bytes", None) or DEFAULT_MAX_BODY_BYTES,
+        max_waiting_requests=getattr(args, "max_waiting_requests", None)
+        or DEFAULT_MAX_WAITING_REQUESTS,
+    )
+    return 0
+
+
+def run_server(
+    engine_options: dict[str, Any],
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    api_key: str | None = None,
+    served_model_name: str | None = None,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    max_waiting_requests: int | None = DEFAULT_MAX_WAITING_REQUESTS,
+    graceful_shutdown_s: float = 5.0,
+) -> None:
+    """Build an engine from `engine_options` (LLMEngine.from_options) and serve it until
+    SIGINT or SIGTERM. In-flight requests get `graceful_shutdown_s` to finish; the rest end
+    with an error (event or status)."""
+    if not logging.getLogger().handlers:
+        logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logger.setLevel(logging.INFO)  # one line per finished request
+    engine = LLMEngine.from_options(**engine_options)
+    app = create_app(
+        engine,
+        served_model_name=served_model_name,
+        api_key=api_key,
+        max_body_bytes=max_body_bytes,
+        max_waiting_requests=max_waiting_requests,
+    )
+    name = app.state.server.served_model_name
+    logger.info("serving %r on http://%s:%d/v1", name, host, port)
+    uvicorn.run(
+        app,
+        host=host,
+        port=port,
+        log_level="warning",
+        timeout_graceful_shutdown=graceful_shutdown_s,
+    )
+
+
+class ServerThread:
+    """A live uvicorn server on a free loopback port, in a background thread.
+
+    `with ServerThread(app) as server: ... server.base_url ...`; leaving the block shuts it
+    down (the app's lifespan stops the engine thread)."""
+
+    def __init__(self, app: Any, host: str = "127.0.0.1", log_level: str = "warning") -> None:
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind((host, 0))
+        self.host, self.port = self.sock.getsockname()[:2]
+        config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=2)
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(
+            target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True
+        )
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def start(self, timeout: float = 30.0) -> ServerThread:
+        self.thread.start()
+        deadline = time.monotonic() + timeout
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"the server did not start within {timeout}s")
+            time.sleep(0.01)
+        return self
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout)
+        self.sock.close()
+
+    def __enter__(self) -> ServerThread:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

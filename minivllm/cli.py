@@ -88,9 +88,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from minivllm.server.app import run_server
+    from minivllm.server.serve import serve
 
-    return run_server(args, engine_options(args)) or 0
+    return serve(args, engine_options(args)) or 0
 
 
 def cmd_lab(args: argparse.Namespace) -> int:
@@ -134,6 +134,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
     p.add_argument("--served-model-name", default=None,
                    help="the model name clients use (default: the model path's name)")
+    p.add_argument("--max-waiting-requests", type=int, default=1024,
+                   help="answer 503 when this many requests are already waiting")
+    p.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024,
+                   help="answer 413 to a request body larger than this")
     add_engine_options(p)
     p.set_defaults(func=cmd_serve)
 

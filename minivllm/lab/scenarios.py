@@ -1,0 +1,90 @@
+"""The lab's scenarios: which engine to build and which requests to queue before the learner
+takes over.
+
+Each scenario is one experiment with its own predict -> run -> explain flow (the words live
+in the page). The setup only uses the engine's public calls (`add_request`, `step`), so what
+the learner sees afterwards is the real scheduler's doing. Prompt lengths are exact: with a
+tokenizer the text is tokenized (and cut to length); without one (the fake runner in the
+tests) deterministic token ids of the same length stand in for it.
+
+Pure Python: no torch here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the experiment imports this module; only the type is needed here
+    from minivllm.lab.session import Experiment
+
+
+@dataclass(frozen=True)
+class EngineShape:
+    """The engine options a scenario needs; everything else comes from the lab's model."""
+
+    num_kv_blocks: int
+    max_num_batched_tokens: int
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    shape: EngineShape
+    setup: Callable[[Experiment], None]
+    focus: int  # index, in order of arrival, of the sequence the page selects first
+
+
+SEQ8_TEXT = "A request is a sequence of tokens."
+CHUNKED_TEXT = (
+    "Once upon a time, in a small village by the sea, there lived an old fisherman who loved"
+)
+PREFIX_TEXT = "The quick brown fox jumps over the lazy dog. Then the fox ran"
+PREFIX_SUFFIX = " cat sat down"
+PREEMPT_TEXTS = ("The capital of France is Paris, and", "Paged attention stores the KV cache")
+FINISH_TEXT = "The sky is blue because of"
+
+
+def _seq8(lab: Experiment) -> None:
+    """The seed's preset: one 8-token Sequence, WAITING, nothing planned yet."""
+    lab.add_tokens(lab.prompt(SEQ8_TEXT, 8), max_tokens=4)
+
+
+def _chunked(lab: Experiment) -> None:
+    """A 20-token prompt against an 8-token step budget: prefilled in chunks of 8, 8, 4."""
+    lab.add_tokens(lab.prompt(CHUNKED_TEXT, 20), max_tokens=3)
+
+
+def _prefix(lab: Experiment) -> None:
+    """Request A is prefilled (its full prompt blocks are committed and hashed) and keeps
+    decoding; request B starts with A's first three blocks and waits to be planned."""
+    bs = lab.block_size
+    a = lab.prompt(PREFIX_TEXT, 3 * bs + 2)
+    lab.add_tokens(a, max_tokens=6)
+    lab.step()
+    lab.add_tokens(a[: 3 * bs] + lab.prompt(PREFIX_SUFFIX, 3), max_tokens=4)
+
+
+def _preempt(lab: Experiment) -> None:
+    """Two 2-block prompts fill a 4-block pool; the next decode needs a fifth block."""
+    for text in PREEMPT_TEXTS:
+        lab.add_tokens(lab.prompt(text, 2 * lab.block_size), max_tokens=4)
+    lab.step()
+
+
+def _finish(lab: Experiment) -> None:
+    """max_tokens=2: one token from the prefill, one from the first decode, then FINISHED."""
+    lab.add_tokens(lab.prompt(FINISH_TEXT, 6), max_tokens=2)
+
+
+SCENARIOS: dict[str, Scenario] = {
+    s.name: s
+    for s in [
+        Scenario("seq8", EngineShape(16, 64), _seq8, focus=0),
+        Scenario("chunked", EngineShape(16, 8), _chunked, focus=0),
+        Scenario("prefix", EngineShape(16, 64), _prefix, focus=1),
+        Scenario("preempt", EngineShape(4, 64), _preempt, focus=1),
+        Scenario("finish", EngineShape(16, 64), _finish, focus=0),
+    ]
+}

@@ -76,8 +76,19 @@ class LLMEngine:
         config, model_dir, hf_config = resolve_config(config)
         tokenizer = load_tokenizer(model_dir)
         config = _with_eos(config, tokenizer, model_dir)
-        runner = ModelRunner(config, model_dir, hf_config)
+        if config.tensor_parallel_size > 1:
+            from minivllm.distributed.tp_runner import TPModelRunner
+
+            runner: ModelRunnerLike = TPModelRunner(config, model_dir, hf_config)
+        else:
+            runner = ModelRunner(config, model_dir, hf_config)
         return cls(config, runner, tokenizer, tracer)
+
+    def close(self) -> None:
+        """Release the runner's processes, if it has any (tensor parallelism); idempotent."""
+        close = getattr(self.model_runner, "close", None)
+        if close is not None:
+            close()
 
     # ---- requests -----------------------------------------------------------------------
 

@@ -18,6 +18,8 @@ from typing import Any
 import torch
 
 from minivllm.config import EngineConfig
+from minivllm.distributed import parallel_state
+from minivllm.distributed.heads import shard_heads
 from minivllm.engine.scheduler import SampledToken, ScheduledBatch
 from minivllm.layers.attention import AttentionMetadata
 from minivllm.layers.sampler import Sampler, SamplingBatch
@@ -136,25 +138,35 @@ def prepare_inputs(batch: ScheduledBatch, block_size: int, device: torch.device)
 class ModelRunner:
     """Owns the model weights, the KV cache and the sampler of one engine."""
 
-    def __init__(self, config: EngineConfig, model_dir: Path, hf_config: Any) -> None:
+    def __init__(
+        self, config: EngineConfig, model_dir: Path, hf_config: Any, tp_rank: int = 0,
+        tp_size: int = 1,
+    ) -> None:
+        """With `tp_size > 1` this is rank `tp_rank`'s shard (see minivllm.distributed)."""
         self.config = config
         self.model_dir = model_dir
         self.device = resolve_device(config)
         self.dtype = resolve_dtype(config, self.device)
         self.block_size = config.block_size
         torch.manual_seed(config.seed)
-        self.model, self.hf_config = load_model(model_dir, self.dtype, self.device)
+        self.model, self.hf_config = load_model(
+            model_dir, self.dtype, self.device, tp_rank=tp_rank, tp_size=tp_size
+        )
         self.vocab_size: int = int(self.hf_config.vocab_size)
         self.num_layers = int(self.hf_config.num_hidden_layers)
-        self.num_kv_heads = int(
-            getattr(self.hf_config, "num_key_value_heads", None)
-            or self.hf_config.num_attention_heads
-        )
+        num_heads = int(self.hf_config.num_attention_heads)
+        # This rank's KV heads: all of them unless tensor-parallel.
+        self.num_kv_heads = shard_heads(
+            num_heads, int(getattr(self.hf_config, "num_key_value_heads", None) or num_heads),
+            tp_size, tp_rank,
+        ).num_kv_heads
         self.head_dim = int(
             getattr(self.hf_config, "head_dim", None)
             or self.hf_config.hidden_size // self.hf_config.num_attention_heads
         )
         self.num_kv_blocks = config.num_kv_blocks or self._blocks_from_memory_budget()
+        if tp_size > 1:  # every rank sized its own pool: keep the smallest, valid everywhere
+            self.num_kv_blocks = parallel_state.all_reduce_min(self.num_kv_blocks, self.device)
         shape = (self.num_kv_blocks, self.block_size, self.num_kv_heads, self.head_dim)
         # Zeros, not empty: padded gathers read unused slots, which must be finite.
         self.kv_caches = [

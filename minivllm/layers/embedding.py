@@ -1,12 +1,16 @@
-"""Token embedding and LM head, laid out for a later vocab-parallel split.
+"""Token embedding and LM head, vocab-parallel.
 
 Both hold a `[vocab_size / tp_size, hidden_size]` weight: rank r owns token ids
-`[r * vocab_size / tp_size, (r + 1) * vocab_size / tp_size)`. Only `tp_size == 1` runs today.
+`[r * vocab_size / tp_size, (r + 1) * vocab_size / tp_size)`. The embedding looks up the ids
+it owns, zeroes the rows of the others, and sums over the ranks (each id is owned once); the
+LM head computes its vocab slice of the logits and gathers the full logits on rank 0.
 """
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from minivllm.distributed import parallel_state
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -44,9 +48,14 @@ class VocabParallelEmbedding(nn.Module):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """`[num_tokens]` int64 -> `[num_tokens, hidden_size]`."""
-        if self.tp_size > 1:
-            raise NotImplementedError("vocab-parallel embedding is not implemented (tp_size > 1)")
-        return F.embedding(input_ids, self.weight)
+        if self.tp_size == 1:
+            return F.embedding(input_ids, self.weight)
+        start = self.tp_rank * self.num_embeddings_per_partition
+        owned = (input_ids >= start) & (input_ids < start + self.num_embeddings_per_partition)
+        local_ids = torch.where(owned, input_ids - start, 0)  # [num_tokens]
+        out = F.embedding(local_ids, self.weight)  # [num_tokens, hidden_size]
+        out.masked_fill_(~owned.unsqueeze(-1), 0.0)
+        return parallel_state.all_reduce(out)
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, tp_size={self.tp_size}"
@@ -65,7 +74,12 @@ class ParallelLMHead(VocabParallelEmbedding):
         self.weight = embedding.weight
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        """`[num_tokens, hidden_size]` -> `[num_tokens, vocab_size]` float32 logits."""
+        """`[num_tokens, hidden_size]` -> `[num_tokens, vocab_size]` float32 logits.
+
+        With tp_size > 1 only rank 0 (which samples) gets the full logits; the other ranks
+        get their own `[num_tokens, vocab_size / tp_size]` slice.
+        """
+        logits = F.linear(hidden, self.weight)  # [num_tokens, vocab_size / tp_size]
         if self.tp_size > 1:
-            raise NotImplementedError("vocab-parallel LM head is not implemented (tp_size > 1)")
-        return F.linear(hidden, self.weight).float()
+            logits = parallel_state.gather_to_first(logits)  # [num_tokens, vocab_size] on rank 0
+        return logits.float()

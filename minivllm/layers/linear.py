@@ -1,4 +1,4 @@
-"""Linear layers written so tensor parallelism can be added later.
+"""Linear layers, column- and row-parallel for tensor parallelism.
 
 Every parameter carries a `weight_loader(param, loaded_weight, shard_id=None)` that copies this
 rank's part of a checkpoint tensor into it:
@@ -6,15 +6,20 @@ rank's part of a checkpoint tensor into it:
 - `ColumnParallelLinear` splits the output dim (dim 0 of the weight and the bias) across ranks;
   `MergedColumnParallelLinear` (gate_up_proj) and `QKVParallelLinear` (qkv_proj) are column-parallel
   layers made of several checkpoint tensors ("shards") stacked along the output dim.
-- `RowParallelLinear` splits the input dim (dim 1 of the weight); its bias is not split.
+- `RowParallelLinear` splits the input dim (dim 1 of the weight); each rank's partial output
+  is summed over the ranks by an all-reduce, and its bias (not split) is added once, by rank 0.
 
-Only `tp_size == 1` runs today: there is no process group, so a row-parallel layer with
-`tp_size > 1` refuses to run its forward (it would need an all-reduce).
+A rank's slice is `[tp_rank * size, (tp_rank + 1) * size)` unless a layer is given an explicit
+`shard=(offset, size)`: attention heads split in whole KV groups can be uneven
+(`minivllm.distributed.heads`), and so are the q/k/v and o_proj slices that follow them.
 """
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from minivllm.distributed import parallel_state
+from minivllm.distributed.heads import shard_heads
 
 
 def _divide(numerator: int, denominator: int, what: str) -> int:
@@ -32,7 +37,9 @@ def _check_shape(loaded: torch.Tensor, expected: tuple[int, ...]) -> None:
 class LinearBase(nn.Module):
     """`y = x @ weight.T + bias`; weight is `[out_size_per_partition, in_size_per_partition]`.
 
-    `tp_dim` is the weight dim split across ranks (0: output, 1: input, None: replicated).
+    `tp_dim` is the weight dim split across ranks (0: output, 1: input, None: replicated);
+    `shard = (offset, size)` is this rank's slice of it, by default the `tp_rank`-th of
+    `tp_size` equal ones.
     """
 
     def __init__(
@@ -43,6 +50,7 @@ class LinearBase(nn.Module):
         tp_dim: int | None,
         tp_size: int = 1,
         tp_rank: int = 0,
+        shard: tuple[int, int] | None = None,
     ) -> None:
         super().__init__()
         self.tp_dim = tp_dim
@@ -50,8 +58,13 @@ class LinearBase(nn.Module):
         self.tp_rank = tp_rank
         self.input_size = input_size
         self.output_size = output_size
-        in_part = _divide(input_size, tp_size, "input_size") if tp_dim == 1 else input_size
-        out_part = _divide(output_size, tp_size, "output_size") if tp_dim == 0 else output_size
+        if shard is None and tp_dim is not None:
+            full = (output_size, input_size)[tp_dim]
+            size = _divide(full, tp_size, ("output_size", "input_size")[tp_dim])
+            shard = (tp_rank * size, size)
+        self.shard_offset, self.shard_size = shard or (0, 0)
+        in_part = self.shard_size if tp_dim == 1 else input_size
+        out_part = self.shard_size if tp_dim == 0 else output_size
         self.weight = nn.Parameter(torch.empty(out_part, in_part), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
         if bias:
@@ -71,11 +84,10 @@ class LinearBase(nn.Module):
             _check_shape(loaded, param.shape)
             param.data.copy_(loaded)
             return
-        size = param.shape[dim]
         full_shape = list(param.shape)
-        full_shape[dim] = size * self.tp_size
+        full_shape[dim] = (self.output_size, self.input_size)[dim]
         _check_shape(loaded, tuple(full_shape))
-        param.data.copy_(loaded.narrow(dim, self.tp_rank * size, size))
+        param.data.copy_(loaded.narrow(dim, self.shard_offset, self.shard_size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
@@ -104,8 +116,11 @@ class ColumnParallelLinear(LinearBase):
         bias: bool = False,
         tp_size: int = 1,
         tp_rank: int = 0,
+        shard: tuple[int, int] | None = None,
     ) -> None:
-        super().__init__(input_size, output_size, bias, tp_dim=0, tp_size=tp_size, tp_rank=tp_rank)
+        super().__init__(
+            input_size, output_size, bias, tp_dim=0, tp_size=tp_size, tp_rank=tp_rank, shard=shard
+        )
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -142,7 +157,8 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 class QKVParallelLinear(ColumnParallelLinear):
     """q_proj, k_proj and v_proj fused: output is `[q (H*D) | k (KVH*D) | v (KVH*D)]` per rank.
 
-    Column parallelism splits whole heads, so `num_heads` and `num_kv_heads` must divide by tp_size.
+    Each rank holds the query heads of `shard_heads` and the KV heads they read: split when
+    there are at least tp_size KV heads, replicated otherwise (see `minivllm.distributed.heads`).
     """
 
     def __init__(
@@ -156,10 +172,17 @@ class QKVParallelLinear(ColumnParallelLinear):
         tp_rank: int = 0,
     ) -> None:
         self.head_dim = head_dim
-        self.num_heads = _divide(num_heads, tp_size, "num_heads")
-        self.num_kv_heads = _divide(num_kv_heads, tp_size, "num_kv_heads")
+        self.heads = shard_heads(num_heads, num_kv_heads, tp_size, tp_rank)
+        self.total_num_heads = num_heads
+        self.total_num_kv_heads = num_kv_heads
+        self.num_heads = self.heads.num_heads
+        self.num_kv_heads = self.heads.num_kv_heads
         output_size = (num_heads + 2 * num_kv_heads) * head_dim
-        super().__init__(hidden_size, output_size, bias, tp_size=tp_size, tp_rank=tp_rank)
+        # Fused rows per rank: [q | k | v] of its own heads (the offset is unused: own loader).
+        rows = (self.num_heads + 2 * self.num_kv_heads) * head_dim
+        super().__init__(
+            hidden_size, output_size, bias, tp_size=tp_size, tp_rank=tp_rank, shard=(0, rows)
+        )
 
     @property
     def q_size(self) -> int:
@@ -174,17 +197,27 @@ class QKVParallelLinear(ColumnParallelLinear):
     def weight_loader(
         self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | str | None = None
     ) -> None:
-        offsets = {"q": (0, self.q_size), "k": (self.q_size, self.kv_size)}
-        offsets["v"] = (self.q_size + self.kv_size, self.kv_size)
+        d = self.head_dim
+        # shard id -> (rows in this rank's fused output, first row in the checkpoint, its rows)
+        offsets = {
+            "q": (0, self.heads.q_start * d, self.total_num_heads * d),
+            "k": (self.q_size, self.heads.kv_start * d, self.total_num_kv_heads * d),
+            "v": (self.q_size + self.kv_size, self.heads.kv_start * d, self.total_num_kv_heads * d),
+        }
         if shard_id not in offsets:
             raise ValueError(f"shard_id must be 'q', 'k' or 'v', got {shard_id!r}")
-        offset, size = offsets[shard_id]
-        _check_shape(loaded, (size * self.tp_size, *param.shape[1:]))
-        param.data.narrow(0, offset, size).copy_(loaded.narrow(0, self.tp_rank * size, size))
+        offset, start, full = offsets[shard_id]
+        size = self.q_size if shard_id == "q" else self.kv_size
+        _check_shape(loaded, (full, *param.shape[1:]))
+        param.data.narrow(0, offset, size).copy_(loaded.narrow(0, start, size))
 
 
 class RowParallelLinear(LinearBase):
-    """Input dim split across ranks; partial outputs would be summed by an all-reduce."""
+    """Input dim split across ranks; the partial outputs are summed by an all-reduce.
+
+    `shard = (offset, size)` of the input features, when the split is uneven (o_proj follows
+    the attention heads of its rank).
+    """
 
     def __init__(
         self,
@@ -193,10 +226,15 @@ class RowParallelLinear(LinearBase):
         bias: bool = False,
         tp_size: int = 1,
         tp_rank: int = 0,
+        shard: tuple[int, int] | None = None,
     ) -> None:
-        super().__init__(input_size, output_size, bias, tp_dim=1, tp_size=tp_size, tp_rank=tp_rank)
+        super().__init__(
+            input_size, output_size, bias, tp_dim=1, tp_size=tp_size, tp_rank=tp_rank, shard=shard
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.tp_size > 1:
-            raise NotImplementedError("tensor-parallel all-reduce is not implemented (tp_size > 1)")
-        return F.linear(x, self.weight, self.bias)
+        if self.tp_size == 1:
+            return F.linear(x, self.weight, self.bias)
+        # The bias is whole on every rank: only rank 0 adds it, so the sum has it once.
+        out = F.linear(x, self.weight, self.bias if self.tp_rank == 0 else None)
+        return parallel_state.all_reduce(out)

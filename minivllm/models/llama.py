@@ -3,6 +3,10 @@
 Parameter names follow HF's `LlamaForCausalLM` except for the fused projections:
 `self_attn.qkv_proj` holds q_proj/k_proj/v_proj and `mlp.gate_up_proj` holds gate_proj/up_proj
 (see `packed_modules_mapping`, used by the loader).
+
+Tensor parallelism (`tp_size > 1`, rank `tp_rank`): column-parallel qkv and gate_up,
+row-parallel o_proj and down_proj, vocab-parallel embedding and LM head. Each rank keeps the
+attention heads of `minivllm.distributed.heads.shard_heads` and the KV heads they read.
 """
 
 from typing import Any
@@ -28,14 +32,17 @@ def head_dim_of(config: Any) -> int:
 class LlamaMLP(nn.Module):
     """SwiGLU feed-forward: `down(silu(gate(x)) * up(x))` with gate and up fused."""
 
-    def __init__(self, config: Any) -> None:
+    def __init__(self, config: Any, tp_size: int = 1, tp_rank: int = 0) -> None:
         super().__init__()
         if config.hidden_act != "silu":
             raise ValueError(f"only hidden_act='silu' is supported, got {config.hidden_act!r}")
         bias = getattr(config, "mlp_bias", False)
         size = config.intermediate_size
-        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [size, size], bias=bias)
-        self.down_proj = RowParallelLinear(size, config.hidden_size, bias=bias)
+        tp = dict(tp_size=tp_size, tp_rank=tp_rank)
+        self.gate_up_proj = MergedColumnParallelLinear(
+            config.hidden_size, [size, size], bias=bias, **tp
+        )
+        self.down_proj = RowParallelLinear(size, config.hidden_size, bias=bias, **tp)
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -45,17 +52,23 @@ class LlamaMLP(nn.Module):
 class LlamaAttention(nn.Module):
     """Self-attention block: fused qkv projection, rotary, paged attention, output projection."""
 
-    def __init__(self, config: Any) -> None:
+    def __init__(self, config: Any, tp_size: int = 1, tp_rank: int = 0) -> None:
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        total_heads = config.num_attention_heads
+        total_kv_heads = getattr(config, "num_key_value_heads", None) or total_heads
         self.head_dim = head_dim_of(config)
         bias = getattr(config, "attention_bias", False)
+        tp = dict(tp_size=tp_size, tp_rank=tp_rank)
         self.qkv_proj = QKVParallelLinear(
-            config.hidden_size, self.head_dim, self.num_heads, self.num_kv_heads, bias=bias
+            config.hidden_size, self.head_dim, total_heads, total_kv_heads, bias=bias, **tp
         )
+        heads = self.qkv_proj.heads  # this rank's query heads and the KV heads they read
+        self.num_heads = heads.num_heads
+        self.num_kv_heads = heads.num_kv_heads
+        # o_proj's input is the concatenated heads: this rank's slice follows its heads.
+        o_shard = (heads.q_start * self.head_dim, self.num_heads * self.head_dim)
         self.o_proj = RowParallelLinear(
-            self.num_heads * self.head_dim, config.hidden_size, bias=bias
+            total_heads * self.head_dim, config.hidden_size, bias=bias, shard=o_shard, **tp
         )
         self.attn = Attention(
             self.num_heads, self.num_kv_heads, self.head_dim, scale=self.head_dim**-0.5
@@ -93,10 +106,12 @@ class LlamaDecoderLayer(nn.Module):
     """Pre-norm block: `h += attn(norm(h)); h += mlp(norm(h))`, carrying the residual separately
     so each norm fuses the preceding add."""
 
-    def __init__(self, config: Any, attention_cls: type[LlamaAttention]) -> None:
+    def __init__(
+        self, config: Any, attention_cls: type[LlamaAttention], tp_size: int = 1, tp_rank: int = 0
+    ) -> None:
         super().__init__()
-        self.self_attn = attention_cls(config)
-        self.mlp = LlamaMLP(config)
+        self.self_attn = attention_cls(config, tp_size, tp_rank)
+        self.mlp = LlamaMLP(config, tp_size, tp_rank)
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
@@ -122,11 +137,16 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     """Embedding, decoder layers and final norm; returns the last hidden states."""
 
-    def __init__(self, config: Any, attention_cls: type[LlamaAttention]) -> None:
+    def __init__(
+        self, config: Any, attention_cls: type[LlamaAttention], tp_size: int = 1, tp_rank: int = 0
+    ) -> None:
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(
+            config.vocab_size, config.hidden_size, tp_size, tp_rank
+        )
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, attention_cls) for _ in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, attention_cls, tp_size, tp_rank)
+            for _ in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = get_rope(config, head_dim_of(config))
@@ -155,7 +175,8 @@ class LlamaForCausalLM(nn.Module):
     `forward(input_ids [T], positions [T], kv_caches, meta) -> hidden [T, hidden_size]`, where
     `kv_caches[i] = (k_cache, v_cache)` of layer `i`, each
     `[num_blocks, block_size, num_key_value_heads, head_dim]` in the model dtype.
-    `compute_logits(hidden [N, hidden_size]) -> [N, vocab_size]` float32.
+    `compute_logits(hidden [N, hidden_size]) -> [N, vocab_size]` float32 (on rank 0 when
+    tensor-parallel). With `tp_size > 1`, the KV caches hold this rank's KV heads only.
     """
 
     attention_cls: type[LlamaAttention] = LlamaAttention
@@ -169,11 +190,11 @@ class LlamaForCausalLM(nn.Module):
         "up_proj": ("gate_up_proj", 1),
     }
 
-    def __init__(self, config: Any) -> None:
+    def __init__(self, config: Any, tp_size: int = 1, tp_rank: int = 0) -> None:
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config, self.attention_cls)
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
+        self.model = LlamaModel(config, self.attention_cls, tp_size, tp_rank)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp_size, tp_rank)
         if getattr(config, "tie_word_embeddings", False):
             self.lm_head.tie_to(self.model.embed_tokens)
 

@@ -25,9 +25,14 @@ PackedMapping = dict[str, tuple[str, int | str]]
 
 
 def load_model(
-    model_dir: str | Path, dtype: torch.dtype, device: torch.device | str
+    model_dir: str | Path,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    tp_rank: int = 0,
+    tp_size: int = 1,
 ) -> tuple[nn.Module, PretrainedConfig]:
-    """Read `model_dir/config.json`, build the model in `dtype` on `device`, load its weights.
+    """Read `model_dir/config.json`, build the model in `dtype` on `device`, load its weights
+    (this rank's shard of them when `tp_size > 1`).
 
     Returns `(model, hf_config)` with the model in eval mode and no parameter requiring grad.
     Raises `FileNotFoundError` for a missing config or weights, `ValueError` for an unsupported
@@ -42,7 +47,7 @@ def load_model(
     model_cls = get_model_class(hf_config)
     # Allocate parameters directly in the target dtype and device: no float32 copy on the side.
     with _default_dtype(dtype), torch.device(device):
-        model = model_cls(hf_config)
+        model = model_cls(hf_config, tp_size=tp_size, tp_rank=tp_rank)
     load_weights(model, iter_safetensors(model_dir))
     model.requires_grad_(False)
     return model.eval(), hf_config

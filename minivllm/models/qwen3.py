@@ -16,8 +16,8 @@ from minivllm.models.llama import KVCache, LlamaAttention, LlamaForCausalLM
 class Qwen3Attention(LlamaAttention):
     """Llama attention with `q_norm`/`k_norm` over each head's `head_dim` features."""
 
-    def __init__(self, config: Any) -> None:
-        super().__init__(config)
+    def __init__(self, config: Any, tp_size: int = 1, tp_rank: int = 0) -> None:
+        super().__init__(config, tp_size, tp_rank)
         self.q_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
 
@@ -42,7 +42,7 @@ class Qwen3ForCausalLM(LlamaForCausalLM):
 
     attention_cls = Qwen3Attention
 
-    def __init__(self, config: Any) -> None:
+    def __init__(self, config: Any, tp_size: int = 1, tp_rank: int = 0) -> None:
         if getattr(config, "use_sliding_window", False):
             raise ValueError("Qwen3 with use_sliding_window=True is not supported")
-        super().__init__(config)
+        super().__init__(config, tp_size, tp_rank)

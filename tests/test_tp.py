@@ -1,0 +1,191 @@
+"""Tensor parallelism on the CPU (gloo): TP=2 gives TP=1's greedy tokens, and fails cleanly.
+
+Each TP=2 engine starts one worker process (rank 1). The tests protect: the column/row/vocab
+splits and their collectives (token parity with TP=1), KV heads split evenly, unevenly
+(SmolLM2's 3 KV heads over 2 ranks) and replicated (1 KV head), the all-reduce MIN of the
+KV block count, and that a dead worker is a clear RuntimeError with no process left behind.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+from model_fixtures import build_tokenizer, save_tiny_checkpoint, tiny_config_kwargs
+from transformers import Qwen3Config
+from transformers import Qwen3ForCausalLM as HFQwen3ForCausalLM
+
+from minivllm import LLM, SamplingParams
+from minivllm.distributed import tp_runner
+from minivllm.distributed.heads import HeadShard, shard_heads
+
+PROMPTS = [[5, 17, 42, 99, 3], list(range(10, 60)), [7] * 23, list(range(10, 40)) + [300, 301]]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+
+
+def child_pids() -> set[int]:
+    """Live (non-zombie) processes whose parent is this one, read from /proc."""
+    pids = set()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        state, ppid = stat.rsplit(")", 1)[1].split()[:2]
+        if int(ppid) == os.getpid() and state != "Z":
+            pids.add(int(entry))
+    return pids
+
+
+def assert_gone(pids: list[int]) -> None:
+    """Each pid is neither running nor a zombie: reaped, not orphaned."""
+    for pid in pids:
+        assert not os.path.exists(f"/proc/{pid}"), f"worker {pid} left behind"
+
+
+@contextmanager
+def tp_llm(model: str | None, **options: object) -> Iterator[LLM]:
+    """A TP=2 engine, closed afterwards (one process group per process); checks its workers
+    were reaped."""
+    llm = LLM(model, tensor_parallel_size=2, **options)
+    pids = [p.pid for p in llm.llm_engine.model_runner._workers.procs.values()]
+    try:
+        yield llm
+    finally:
+        llm.llm_engine.close()
+        assert_gone(pids)
+
+
+def tokens(llm: LLM, prompts: list, params: SamplingParams = GREEDY) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen3_one_kv_head_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Tiny Qwen3 with a single KV head: TP=2 must replicate it on both ranks."""
+    kwargs = {**tiny_config_kwargs(build_tokenizer()), "num_key_value_heads": 1}
+    config = Qwen3Config(**kwargs, tie_word_embeddings=False)
+    config.architectures = ["Qwen3ForCausalLM"]
+    out_dir = tmp_path_factory.mktemp("tiny_qwen3_1kv")
+    return save_tiny_checkpoint(out_dir, HFQwen3ForCausalLM, config, 3)
+
+
+def test_heads_split_in_whole_kv_groups():
+    """Even split, uneven split (3 KV heads over 2 ranks), replication, and the refusals."""
+    assert shard_heads(4, 2, 1, 0) == HeadShard(0, 4, 0, 2)
+    assert [shard_heads(4, 2, 2, r) for r in range(2)] == [
+        HeadShard(0, 2, 0, 1),
+        HeadShard(2, 2, 1, 1),
+    ]
+    assert [shard_heads(9, 3, 2, r) for r in range(2)] == [
+        HeadShard(0, 3, 0, 1),
+        HeadShard(3, 6, 1, 2),
+    ]
+    # Fewer KV heads than ranks: each rank keeps the one KV head its query heads read.
+    assert [shard_heads(8, 2, 4, r) for r in range(4)] == [
+        HeadShard(0, 2, 0, 1),
+        HeadShard(2, 2, 0, 1),
+        HeadShard(4, 2, 1, 1),
+        HeadShard(6, 2, 1, 1),
+    ]
+    with pytest.raises(ValueError, match="cannot split 4 attention heads"):
+        shard_heads(4, 2, 3, 0)
+    with pytest.raises(ValueError, match="cannot split 9 attention heads"):
+        shard_heads(9, 1, 2, 0)
+
+
+def test_unsplittable_heads_fail_before_any_worker_starts(tiny_llama_dir):
+    before = child_pids()
+    with pytest.raises(ValueError, match="tensor_parallel_size=3"):
+        LLM(str(tiny_llama_dir), tensor_parallel_size=3, max_model_len=128)
+    assert child_pids() <= before
+
+
+@pytest.mark.parametrize("arch", ["tiny_qwen3_dir", "tiny_llama_dir", "tiny_qwen3_one_kv_head_dir"])
+def test_tp2_greedy_tokens_equal_tp1(request, arch):
+    """Chunked prefill (16-token budget) mixes prefills and decodes; the second round hits
+    the prefix cache. Qwen3 is untied with q/k norms, Llama ties the LM head to the
+    embedding, the third model replicates its single KV head."""
+    model_dir = str(request.getfixturevalue(arch))
+    options = dict(max_model_len=128, max_num_batched_tokens=16)
+    want = tokens(LLM(model_dir, **options), PROMPTS)
+    with tp_llm(model_dir, **options) as llm:
+        for _ in range(2):
+            assert tokens(llm, PROMPTS) == want
+        assert llm.llm_engine.scheduler.block_manager.prefix_hits > 0
+
+
+@pytest.mark.default_model
+def test_tp2_default_model_matches_tp1_and_agrees_on_blocks(default_llm):
+    """SmolLM2-135M: 9 heads / 3 KV heads split 3+6 / 1+2 over two ranks. Rank 1 holds twice
+    rank 0's KV heads, so from the same memory budget it fits half the blocks: the engine
+    must use rank 1's count (the all-reduce MIN), or rank 1 would index past its pool."""
+    prompts = ["The capital of France is", "Once upon a time"]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    want = tokens(default_llm, prompts, params)
+    budget_gb = 0.05
+    with tp_llm(None, max_model_len=256, kv_cache_memory_gb=budget_gb) as llm:
+        assert tokens(llm, prompts, params) == want
+        runner = llm.llm_engine.model_runner
+        bytes_per_block_rank1 = 2 * 30 * runner.block_size * 2 * 64 * 4  # layers, K+V, fp32
+        assert runner._runner.num_kv_heads == 1  # rank 0's own
+        assert runner.num_kv_blocks == int(budget_gb * 1e9 // bytes_per_block_rank1)
+
+
+def test_killed_worker_is_a_clear_error_and_nothing_is_left_behind(tiny_qwen3_dir):
+    llm = LLM(str(tiny_qwen3_dir), tensor_parallel_size=2, max_model_len=128)
+    worker = llm.llm_engine.model_runner._workers.procs[1]
+    assert worker.pid in child_pids()
+    assert len(tokens(llm, PROMPTS[:1])) == 1
+    os.kill(worker.pid, signal.SIGKILL)
+    worker.wait(timeout=10)
+    out = llm.generate(PROMPTS[:2], GREEDY, use_tqdm=False)
+    assert all("worker rank 1" in o.error and "SIGKILL" in o.error for o in out), out[0].error
+    assert not llm.llm_engine.has_unfinished_requests()
+    again = llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)  # still an error, not a hang
+    assert "worker rank 1" in again[0].error
+    llm.llm_engine.close()
+    assert_gone([worker.pid])
+
+
+def test_worker_killed_mid_generation_fails_the_step(tiny_qwen3_dir):
+    """Killed while rank 0 waits in a collective: gloo's closed connection, not a timeout."""
+    llm = LLM(str(tiny_qwen3_dir), tensor_parallel_size=2, max_model_len=512)
+    worker = llm.llm_engine.model_runner._workers.procs[1]
+    long = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
+    import threading
+
+    threading.Timer(0.3, os.kill, (worker.pid, signal.SIGKILL)).start()
+    start = time.monotonic()
+    out = llm.generate([PROMPTS[0]], long, use_tqdm=False)[0]
+    assert out.error is not None and "SIGKILL" in out.error
+    assert len(out.outputs[0].token_ids) < 400 and time.monotonic() - start < 30
+    llm.llm_engine.close()
+    assert_gone([worker.pid])
+
+
+def test_worker_that_fails_at_start_is_a_clear_error(tiny_llama_dir, monkeypatch):
+    """A worker raising before the rendezvous: rank 0 reports its error at once (no waiting
+    for the rendezvous timeout) and leaves no process or process group behind."""
+    fail = (
+        "import sys; a = sys.argv; open(a[a.index('--error-file') + 1], 'w')"
+        ".write('Traceback ...\\nValueError: no shard for you'); sys.exit(3)"
+    )
+    monkeypatch.setattr(tp_runner, "WORKER_COMMAND", [sys.executable, "-c", fail])
+    before = child_pids()
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="rank 1 .* exited with code 3: ValueError: no shard"):
+        LLM(str(tiny_llama_dir), tensor_parallel_size=2, max_model_len=128)
+    assert time.monotonic() - start < 30
+    assert child_pids() <= before
+    import torch.distributed as dist
+
+    assert not dist.is_initialized()

@@ -105,6 +105,33 @@ def bench_hf(model_dir: Path, prompts: list[list[int]], out_lens: list[int],
     return Result("hf", len(prompts), sum(out_lens), seconds)
 
 
+def bench_llama_cpp(gguf_path: Path, prompts: list[list[int]], out_lens: list[int],
+                    temperature: float) -> Result:
+    """llama.cpp through llama-cpp-python on the same GGUF, one request after another (its
+    high-level API serves one sequence at a time), all cores, sampling at `temperature`."""
+    import os
+
+    from llama_cpp import Llama
+
+    longest = max(len(p) + n for p, n in zip(prompts, out_lens))
+    model = Llama(model_path=str(gguf_path), n_ctx=longest + 8, n_batch=512,
+                  n_threads=os.cpu_count(), seed=0, verbose=False)
+    for _ in zip(range(2), model.generate([1, 2, 3], temp=temperature, reset=True)):
+        pass  # warm-up
+    tokens = 0
+    start = time.perf_counter()
+    for prompt, n in zip(prompts, out_lens):
+        generated = 0
+        for _token in model.generate(prompt, temp=temperature, top_k=0, top_p=1.0,
+                                     min_p=0.0, reset=True):
+            generated += 1  # the raw generator never stops on EOS: ignore_eos
+            if generated == n:
+                break
+        tokens += generated
+    seconds = time.perf_counter() - start
+    return Result("llama.cpp", len(prompts), tokens, seconds)
+
+
 def cmd_throughput(args: argparse.Namespace, options: dict[str, Any]) -> dict[str, Any]:
     from minivllm import LLM
 
@@ -116,9 +143,18 @@ def cmd_throughput(args: argparse.Namespace, options: dict[str, Any]) -> dict[st
     print(results[0].line(), flush=True)
     model_dir = llm.llm_engine.model_runner.model_dir
     device = str(llm.llm_engine.model_runner.device)
+    model_option = options.get("model")
+    del llm
     if "hf" in args.compare:
-        del llm
         results.append(bench_hf(model_dir, prompts, out_lens, args.temperature, device))
+        print(results[-1].line(), flush=True)
+    if "llama.cpp" in args.compare:
+        from minivllm.models.paths import default_model_path
+
+        gguf = Path(model_option) if model_option else default_model_path()
+        if gguf.suffix != ".gguf":
+            raise ValueError("--compare llama.cpp needs a .gguf model (or the default model)")
+        results.append(bench_llama_cpp(gguf, prompts, out_lens, args.temperature))
         print(results[-1].line(), flush=True)
     report: dict[str, Any] = {
         "benchmark": "throughput",

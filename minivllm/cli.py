@@ -34,12 +34,14 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--tensor-parallel-size", type=int, default=None)
+    g.add_argument("--quantization", choices=["int8"], default=None,
+                   help="int8 weights for the linear layers (CPU, fp32 activations)")
 
 
 ENGINE_OPTIONS = [
     "model", "block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
     "num_kv_blocks", "kv_cache_memory_gb", "gpu_memory_utilization", "enable_prefix_caching",
-    "device", "dtype", "seed", "tensor_parallel_size",
+    "device", "dtype", "seed", "tensor_parallel_size", "quantization",
 ]
 
 
@@ -138,6 +140,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="answer 503 when this many requests are already waiting")
     p.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024,
                    help="answer 413 to a request body larger than this")
+    p.add_argument("--shutdown-timeout", type=float, default=5.0,
+                   help="seconds in-flight requests get to finish on SIGTERM/Ctrl-C")
     add_engine_options(p)
     p.set_defaults(func=cmd_serve)
 

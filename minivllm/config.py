@@ -26,6 +26,7 @@ class EngineConfig:
     dtype: str | None = None  # "float32", "bfloat16", "float16"; None = fp32 on CPU, bf16 on CUDA
     seed: int = 0
     tensor_parallel_size: int = 1
+    quantization: str | None = None  # "int8": int8 weights for the linear layers (CPU)
     eos_token_ids: tuple[int, ...] = ()  # filled from the model when the engine is built
 
     def __post_init__(self) -> None:
@@ -50,6 +51,9 @@ class EngineConfig:
             raise ValueError(
                 f"dtype must be one of float32, bfloat16, float16, got {self.dtype!r}"
             )
+
+        if self.quantization not in (None, "int8"):
+            raise ValueError(f"quantization must be None or 'int8', got {self.quantization!r}")
 
     @classmethod
     def from_options(cls, **options: object) -> EngineConfig:

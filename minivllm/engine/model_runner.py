@@ -22,6 +22,7 @@ from minivllm.distributed import parallel_state
 from minivllm.distributed.heads import shard_heads
 from minivllm.engine.scheduler import SampledToken, ScheduledBatch
 from minivllm.layers.attention import AttentionMetadata
+from minivllm.layers.quantization import check_quantization, quantize_model_int8
 from minivllm.layers.sampler import Sampler, SamplingBatch
 from minivllm.models.loader import load_model
 from minivllm.models.registry import get_model_class
@@ -152,6 +153,10 @@ class ModelRunner:
         self.model, self.hf_config = load_model(
             model_dir, self.dtype, self.device, tp_rank=tp_rank, tp_size=tp_size
         )
+        if config.quantization is not None:
+            check_quantization(config.quantization, self.device, self.dtype)
+            count = quantize_model_int8(self.model)
+            logger.info("int8 weights for %d linear layers", count)
         self.vocab_size: int = int(self.hf_config.vocab_size)
         self.num_layers = int(self.hf_config.num_hidden_layers)
         num_heads = int(self.hf_config.num_attention_heads)

@@ -14,12 +14,15 @@ A rank's slice is `[tp_rank * size, (tp_rank + 1) * size)` unless a layer is giv
 (`minivllm.distributed.heads`), and so are the q/k/v and o_proj slices that follow them.
 """
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from minivllm.distributed import parallel_state
 from minivllm.distributed.heads import shard_heads
+from minivllm.layers.quantization import int8_linear, pack_int8
 
 
 def _divide(numerator: int, denominator: int, what: str) -> int:
@@ -72,6 +75,7 @@ class LinearBase(nn.Module):
             self.bias.weight_loader = self.weight_loader
         else:
             self.register_parameter("bias", None)
+        self.int8_weight: Any = None  # prepacked int8 weight once quantize_int8() has run
 
     def weight_loader(
         self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | str | None = None
@@ -89,8 +93,19 @@ class LinearBase(nn.Module):
         _check_shape(loaded, tuple(full_shape))
         param.data.copy_(loaded.narrow(dim, self.shard_offset, self.shard_size))
 
+    def quantize_int8(self) -> None:
+        """Compute with int8 weights from now on (CPU; see minivllm/layers/quantization.py)."""
+        self.int8_weight = pack_int8(self.weight)
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """`x @ weight.T (+ bias)`, on the int8 weights when quantized."""
+        if self.int8_weight is None:
+            return F.linear(x, self.weight, bias)
+        out = int8_linear(x, self.int8_weight)
+        return out if bias is None else out + bias
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self.matmul(x, self.bias)
 
     def extra_repr(self) -> str:
         return (
@@ -234,7 +249,7 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return F.linear(x, self.weight, self.bias)
+            return self.matmul(x, self.bias)
         # The bias is whole on every rank: only rank 0 adds it, so the sum has it once.
-        out = F.linear(x, self.weight, self.bias if self.tp_rank == 0 else None)
+        out = self.matmul(x, self.bias if self.tp_rank == 0 else None)
         return parallel_state.all_reduce(out)

@@ -24,6 +24,16 @@ class LLM:
     def __init__(self, model: str | None = None, **options: Any) -> None:
         self.llm_engine = LLMEngine.from_options(model=model, **options)
 
+    def close(self) -> None:
+        """Stop the engine's worker processes (tensor parallelism); idempotent."""
+        self.llm_engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     def get_tokenizer(self) -> Any:
         return self.llm_engine.tokenizer
 
@@ -43,6 +53,9 @@ class LLM:
             params_list = [sampling_params or SamplingParams()] * len(prompt_list)
         else:
             params_list = list(sampling_params)
+            for params in params_list:
+                if not isinstance(params, SamplingParams):
+                    raise TypeError(f"sampling_params must be SamplingParams, got {params!r}")
             if len(params_list) != len(prompt_list):
                 raise ValueError(
                     f"got {len(params_list)} sampling_params for {len(prompt_list)} prompts"
@@ -85,7 +98,12 @@ class LLM:
         add_generation_prompt: bool = True,
     ) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation or a list of them."""
+        if not isinstance(messages, list):
+            raise TypeError(f"messages must be a list of {{'role', 'content'}} dicts, got "
+                            f"{messages!r:.80}")
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        for conv in conversations:
+            _check_conversation(conv)
         prompts = [
             self.apply_chat_template(conv, add_generation_prompt)  # type: ignore[arg-type]
             for conv in conversations
@@ -133,7 +151,27 @@ class LLM:
         return finals
 
 
+def _check_conversation(conv: object) -> None:
+    """A conversation is a list of messages, each a dict with a string role and content."""
+    if not isinstance(conv, list):
+        raise TypeError(f"a conversation must be a list of messages, got {conv!r:.80}")
+    for i, message in enumerate(conv):
+        if not isinstance(message, dict):
+            raise TypeError(f"message {i} must be a dict, got {message!r:.80}")
+        role = message.get("role")
+        if not isinstance(role, str) or not role:
+            raise ValueError(f"message {i} needs a non-empty string 'role', got {role!r:.80}")
+        content = message.get("content")
+        if content is not None and not isinstance(content, str):
+            raise ValueError(f"message {i}'s 'content' must be a string, got {content!r:.80}")
+
+
 def _as_prompt_list(prompts: PromptInput | Seq[PromptInput]) -> list[PromptInput]:
+    if not isinstance(prompts, (str, dict, list, tuple)):
+        raise TypeError(
+            "prompts must be a string, a list of token ids, a dict, or a list of those, "
+            f"got {prompts!r:.80}"
+        )
     if isinstance(prompts, (str, dict)):
         return [prompts]
     if isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], int):

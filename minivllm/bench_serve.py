@@ -88,7 +88,8 @@ def cmd_serve_bench(args: argparse.Namespace) -> dict[str, Any]:
         levels.append(level)
         print(f"concurrency {concurrency:>2}: {level['requests']} requests, "
               f"{level['output_tok_per_s']:.1f} tok/s, "
-              f"TTFT p50 {level['ttft_p50_s'] * 1e3:.0f} ms p99 {level['ttft_p99_s'] * 1e3:.0f} ms, "
+              f"TTFT p50 {level['ttft_p50_s'] * 1e3:.0f} ms "
+              f"p99 {level['ttft_p99_s'] * 1e3:.0f} ms, "
               f"ITL p50 {level['itl_p50_s'] * 1e3:.0f} ms p99 {level['itl_p99_s'] * 1e3:.0f} ms",
               flush=True)
     return {"benchmark": "serve", "url": url, "model": model, "output_len": args.output_len,

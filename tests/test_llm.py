@@ -30,7 +30,7 @@ MAX_TOKENS = 12
 TOP = 5  # vLLM's rule at an exact tie: each side's token is in the other's top-5
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def hf_reference(model_dir: str) -> list[tuple[list[int], list[list[int]]]]:
     """HF greedy tokens and their top-5 ids at each step, one prompt at a time (no padding)."""
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
@@ -66,7 +66,7 @@ def greedy(**kw) -> SamplingParams:
                           **kw)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def cached_llm(model_dir: str, **options) -> LLM:
     return LLM(model_dir, **options)
 
@@ -121,7 +121,8 @@ def test_prompt_forms_and_output_order(tiny_llama_dir):
     outs = llm.generate([text, ids, {"prompt_token_ids": ids}], greedy(), use_tqdm=False)
     assert [o.request_id for o in outs] == ["0", "1", "2"]
     assert outs[0].prompt == text and outs[0].prompt_token_ids == ids
-    assert outs[0].outputs[0].token_ids == outs[1].outputs[0].token_ids == outs[2].outputs[0].token_ids
+    tokens = [o.outputs[0].token_ids for o in outs]
+    assert tokens[0] == tokens[1] == tokens[2]
     assert outs[0].outputs[0].text == tokenizer.decode(outs[0].outputs[0].token_ids,
                                                        skip_special_tokens=True)
 

@@ -16,7 +16,8 @@ from __future__ import annotations
 
 from array import array
 from collections import OrderedDict
-from collections.abc import Callable, Sequence as Seq
+from collections.abc import Callable
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
 import xxhash
@@ -59,7 +60,9 @@ class BlockManager:
         hash_fn: HashFn = hash_block,
     ) -> None:
         if num_blocks < 1 or block_size < 1:
-            raise ValueError(f"need num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}")
+            raise ValueError(
+                f"need num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}"
+            )
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.hash_fn = hash_fn

@@ -143,6 +143,6 @@ class TracedSequence(Sequence):
                 value = _TracedBlockTable(value, self)
             object.__setattr__(self, name, value)
             if before != value:
-                self._tracer.record(self.seq_id, name, before, list(value) if name == "block_table" else value, depth=1)
+                self._tracer.record(self.seq_id, name, before, value, depth=1)
             return
         object.__setattr__(self, name, value)

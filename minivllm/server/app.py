@@ -4,7 +4,7 @@ Routes: GET /v1/models, POST /v1/completions, POST /v1/chat/completions, GET /he
 GET /metrics. Every error has OpenAI's shape `{"error": {message, type, param, code}}`:
 400 bad input (malformed JSON, non-UTF-8, invalid parameters, a prompt too long), 401 a
 missing or wrong API key, 404 an unknown model or route, 413 a body over the limit, 500 an
-engine fault, 503 an overloaded waiting queue.
+engine fault, 503 an overloaded waiting queue or a server shutting down.
 
 Streaming follows OpenAI's server-sent events: one `data: {chunk}` per committed step,
 `data: [DONE]` at the end; a request that fails mid-stream gets `data: {"error": ...}`.
@@ -36,7 +36,12 @@ from minivllm.engine.llm_engine import LLMEngine
 from minivllm.outputs import CompletionOutput, RequestOutput
 from minivllm.sampling_params import SamplingParams
 from minivllm.server import api
-from minivllm.server.async_engine import AsyncLLMEngine, QueueFullError, RequestStream
+from minivllm.server.async_engine import (
+    AsyncLLMEngine,
+    QueueFullError,
+    RequestStream,
+    ShuttingDownError,
+)
 from minivllm.server.metrics import ServerMetrics
 
 logger = logging.getLogger("minivllm.server")
@@ -283,6 +288,10 @@ class OpenAIServer:
             return await self.async_engine.add_request(request_id, choices)
         except QueueFullError as exc:
             raise APIError(503, str(exc), type="service_unavailable", code="overloaded") from None
+        except ShuttingDownError as exc:
+            raise APIError(
+                503, str(exc), type="service_unavailable", code="shutting_down"
+            ) from None
         except (ValueError, TypeError) as exc:
             raise _bad_request(str(exc), param=_param_of(str(exc))) from None
 
@@ -698,6 +707,9 @@ def create_app(
             yield
         finally:
             server.async_engine.shutdown()
+            close = getattr(engine, "close", None)
+            if close is not None:  # a tensor-parallel runner's worker processes
+                close()
 
     app = FastAPI(title="minivllm", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.server = server

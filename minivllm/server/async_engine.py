@@ -11,6 +11,8 @@ The contract:
 - Nothing a request does can stop the thread: ModelRunner faults end the failed batch's
   requests with finish_reason "error" (the engine does that); any other exception from a step
   ends every in-flight request with "error" and the thread keeps serving.
+- Shutdown is graceful: `stop_accepting()` refuses new requests, those in flight go on until
+  `abort_all()` (or `shutdown()`) ends the rest with finish_reason "abort".
 """
 
 from __future__ import annotations
@@ -31,6 +33,10 @@ logger = logging.getLogger(__name__)
 
 class QueueFullError(Exception):
     """The waiting queue is at its limit: the server is overloaded (HTTP 503)."""
+
+
+class ShuttingDownError(Exception):
+    """The server is shutting down and takes no new requests (HTTP 503)."""
 
 
 @dataclass
@@ -64,6 +70,11 @@ class _Add:
 @dataclass
 class _Abort:
     request_id: str
+
+
+@dataclass
+class _AbortAll:
+    """End every in-flight request with finish_reason "abort" (the end of a graceful shutdown)."""
 
 
 class RequestStream:
@@ -117,10 +128,11 @@ class AsyncLLMEngine:
         self.engine = engine
         self.max_waiting_requests = max_waiting_requests
         self.on_output = on_output
-        self._commands: list[_Add | _Abort] = []
+        self._commands: list[_Add | _Abort | _AbortAll] = []
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._stop = False
+        self._accepting = True
         self._thread: threading.Thread | None = None
         # Engine thread only: request_id -> its stream, sub_id -> sub-request.
         self._streams: dict[str, _Stream] = {}
@@ -149,6 +161,14 @@ class AsyncLLMEngine:
         self._thread.join(timeout)
         self._thread = None
 
+    def stop_accepting(self) -> None:
+        """Refuse new requests from now on (ShuttingDownError); those in flight go on."""
+        self._accepting = False
+
+    def abort_all(self) -> None:
+        """End every in-flight request now with finish_reason "abort"; safe from any thread."""
+        self._send(_AbortAll())
+
     @property
     def is_running(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
@@ -161,6 +181,8 @@ class AsyncLLMEngine:
         Raises ValueError (bad request) or QueueFullError (overloaded). The caller must
         `close()` the stream when done with it: closing it early aborts what still runs.
         """
+        if not self._accepting:
+            raise ShuttingDownError("the server is shutting down; retry on another instance")
         if not self.is_running:
             raise RuntimeError("the engine loop is not running")
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
@@ -173,7 +195,7 @@ class AsyncLLMEngine:
             raise
         return RequestStream(self, request_id, stream.queue, len(choices))
 
-    def _send(self, command: _Add | _Abort) -> None:
+    def _send(self, command: _Add | _Abort | _AbortAll) -> None:
         with self._lock:
             self._commands.append(command)
             self._wake.set()
@@ -192,7 +214,7 @@ class AsyncLLMEngine:
             commands, self._commands = self._commands, []
         for command in commands:  # adds that arrived during shutdown
             if isinstance(command, _Add) and command.done.set_running_or_notify_cancel():
-                command.done.set_exception(RuntimeError("the server is shutting down"))
+                command.done.set_exception(ShuttingDownError("the server is shutting down"))
         self._end_all(None)
 
     def _run_once(self) -> None:
@@ -214,7 +236,10 @@ class AsyncLLMEngine:
         for output in outputs:
             self._deliver(output)
 
-    def _apply(self, command: _Add | _Abort) -> None:
+    def _apply(self, command: _Add | _Abort | _AbortAll) -> None:
+        if isinstance(command, _AbortAll):
+            self._end_all(None)
+            return
         if isinstance(command, _Abort):
             stream = self._streams.pop(command.request_id, None)
             for sub_id in stream.sub_ids if stream is not None else ():
@@ -230,6 +255,8 @@ class AsyncLLMEngine:
             command.done.set_result(None)
 
     def _add(self, command: _Add) -> None:
+        if not self._accepting:  # stop_accepting() raced with this add
+            raise ShuttingDownError("the server is shutting down; retry on another instance")
         waiting = self.engine.stats()["num_requests_waiting"]
         limit = self.max_waiting_requests
         if limit is not None and waiting + len(command.choices) > limit:

@@ -1,15 +1,22 @@
 """Running the server: `run_server` for `minivllm serve`, `ServerThread` for tests and tools.
 
-Both bind 127.0.0.1 unless told otherwise.
+Both bind 127.0.0.1 unless told otherwise, and both stop the same way (`GracefulServer`):
+on SIGTERM or SIGINT (or `ServerThread.stop`) the listener closes and new requests get 503;
+requests in flight get `graceful_shutdown_s` to finish, then the engine ends the rest with
+finish_reason "abort" (a streamed request reads an error event and `[DONE]`, a non-streamed
+one a 503); the process exits 0. A second Ctrl-C quits at once.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
 import logging
 import socket
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import uvicorn
@@ -18,6 +25,48 @@ from minivllm.engine.llm_engine import LLMEngine
 from minivllm.server.app import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_WAITING_REQUESTS, create_app
 
 logger = logging.getLogger("minivllm.server")
+
+# After the grace period the aborted requests' last events still have to go out.
+_FLUSH_S = 5.0
+
+
+class GracefulServer(uvicorn.Server):
+    """uvicorn's server with minivllm's shutdown (see the module docstring)."""
+
+    def __init__(self, config: uvicorn.Config, graceful_shutdown_s: float) -> None:
+        super().__init__(config)
+        self.graceful_shutdown_s = graceful_shutdown_s
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        with super().capture_signals():
+            yield
+            # uvicorn re-raises the stop signal after shutting down, so SIGTERM would end the
+            # process as "killed by signal"; the shutdown was asked for and clean: exit 0.
+            self._captured_signals.clear()
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        async_engine = _async_engine_of(self.config.app)
+        timer = None
+        if async_engine is not None:
+            async_engine.stop_accepting()
+            timer = asyncio.get_running_loop().call_later(
+                self.graceful_shutdown_s, async_engine.abort_all
+            )
+        try:
+            await super().shutdown(sockets)
+        finally:
+            if timer is not None:
+                timer.cancel()
+
+
+def _async_engine_of(app: Any) -> Any:
+    server = getattr(getattr(app, "state", None), "server", None)
+    return getattr(server, "async_engine", None)
+
+
+def _uvicorn_config(app: Any, graceful_shutdown_s: float, **kwargs: Any) -> uvicorn.Config:
+    return uvicorn.Config(app, timeout_graceful_shutdown=graceful_shutdown_s + _FLUSH_S, **kwargs)
 
 
 def serve(args: argparse.Namespace, engine_options: dict[str, Any]) -> int:
@@ -33,8 +82,13 @@ def serve(args: argparse.Namespace, engine_options: dict[str, Any]) -> int:
         max_body_bytes=getattr(args, "max_body_bytes", None) or DEFAULT_MAX_BODY_BYTES,
         max_waiting_requests=getattr(args, "max_waiting_requests", None)
         or DEFAULT_MAX_WAITING_REQUESTS,
+        graceful_shutdown_s=_or(getattr(args, "shutdown_timeout", None), 5.0),
     )
     return 0
+
+
+def _or(value: float | None, default: float) -> float:
+    return default if value is None else value
 
 
 def run_server(
@@ -63,13 +117,9 @@ def run_server(
     )
     name = app.state.server.served_model_name
     logger.info("serving %r on http://%s:%d/v1", name, host, port)
-    uvicorn.run(
-        app,
-        host=host,
-        port=port,
-        log_level="warning",
-        timeout_graceful_shutdown=graceful_shutdown_s,
-    )
+    config = _uvicorn_config(app, graceful_shutdown_s, host=host, port=port, log_level="warning")
+    GracefulServer(config, graceful_shutdown_s).run()
+    logger.info("server stopped")
 
 
 class ServerThread:
@@ -78,13 +128,19 @@ class ServerThread:
     `with ServerThread(app) as server: ... server.base_url ...`; leaving the block shuts it
     down (the app's lifespan stops the engine thread)."""
 
-    def __init__(self, app: Any, host: str = "127.0.0.1", log_level: str = "warning") -> None:
+    def __init__(
+        self,
+        app: Any,
+        host: str = "127.0.0.1",
+        log_level: str = "warning",
+        graceful_shutdown_s: float = 2.0,
+    ) -> None:
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind((host, 0))
         self.host, self.port = self.sock.getsockname()[:2]
-        config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=2)
-        self.server = uvicorn.Server(config)
+        config = _uvicorn_config(app, graceful_shutdown_s, log_level=log_level)
+        self.server = GracefulServer(config, graceful_shutdown_s)
         self.thread = threading.Thread(
             target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True
         )
@@ -102,7 +158,7 @@ class ServerThread:
             time.sleep(0.01)
         return self
 
-    def stop(self, timeout: float = 10.0) -> None:
+    def stop(self, timeout: float = 15.0) -> None:
         self.server.should_exit = True
         self.thread.join(timeout)
         self.sock.close()

@@ -70,3 +70,12 @@ def test_logprobs_are_the_raw_model_distribution():
     assert out.logprobs[0] == pytest.approx(ref[0].max().item(), abs=1e-6)
     assert sorted(out.top_logprobs[0]) == sorted(ref[0].topk(3).indices.tolist())
     assert out.top_logprobs[1] == {}
+
+
+def test_inverse_cdf_never_picks_a_filtered_token():
+    """Tokens of probability 0 (filtered by top-k/p/min-p) are never drawn, even at u's edges."""
+    from minivllm.layers.sampler import sample_from
+
+    probs = torch.tensor([[0.0, 0.5, 0.0, 0.5, 0.0]] * 4)
+    u = torch.tensor([0.0, 0.4999999, 0.5, 1.0 - 1e-12], dtype=torch.float64)
+    assert sample_from(probs, u).tolist() == [1, 1, 3, 3]

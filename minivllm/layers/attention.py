@@ -211,11 +211,22 @@ def paged_attention_sdpa(
     v = v.view(num_seqs, max_kv, num_kv_heads, head_dim)  # [S, max_kv, KVH, D]
 
     if meta.is_decode_only:
-        q_padded = q.view(num_seqs, 1, num_heads, head_dim)  # [S, 1, H, D]
-    else:
-        q_padded = q.new_zeros(num_seqs * max_q, num_heads, head_dim)
-        q_padded.index_copy_(0, meta.query_pad_index, q)  # [S * max_q, H, D]
-        q_padded = q_padded.view(num_seqs, max_q, num_heads, head_dim)  # [S, max_q, H, D]
+        # One query per sequence: fold each KV head's group of query heads into the query
+        # dim, so SDPA reads every K/V once instead of expanding them for GQA (same mask row).
+        group = num_heads // num_kv_heads
+        q_folded = q.view(num_seqs, num_kv_heads, group, head_dim)  # [S, KVH, G, D]
+        out = F.scaled_dot_product_attention(
+            q_folded,
+            k.transpose(1, 2),  # [S, KVH, max_kv, D]
+            v.transpose(1, 2),  # [S, KVH, max_kv, D]
+            attn_mask=meta.attn_mask,  # [S, 1, 1, max_kv]
+            scale=scale,
+        )  # [S, KVH, G, D]
+        return out.reshape(num_tokens, num_heads, head_dim)  # [T, H, D]
+
+    q_padded = q.new_zeros(num_seqs * max_q, num_heads, head_dim)
+    q_padded.index_copy_(0, meta.query_pad_index, q)  # [S * max_q, H, D]
+    q_padded = q_padded.view(num_seqs, max_q, num_heads, head_dim)  # [S, max_q, H, D]
 
     out = F.scaled_dot_product_attention(
         q_padded.transpose(1, 2),  # [S, H, max_q, D]
@@ -226,8 +237,6 @@ def paged_attention_sdpa(
         enable_gqa=num_heads != num_kv_heads,
     )  # [S, H, max_q, D]
     out = out.transpose(1, 2)  # [S, max_q, H, D]
-    if meta.is_decode_only:
-        return out.reshape(num_tokens, num_heads, head_dim)  # [T, H, D]
     out = out.reshape(num_seqs * max_q, num_heads, head_dim)  # [S * max_q, H, D]
     return out.index_select(0, meta.query_pad_index)  # [T, H, D]
 

@@ -310,6 +310,7 @@ def chart(report: dict[str, Any], path: Path) -> None:
     results = report["results"]
     fig, ax = plt.subplots(figsize=(6, 3.2))
     ax.barh([r["name"] for r in results], [r["tok_per_s"] for r in results], color="#3b6ea5")
+    ax.set_xlim(0, 1.18 * max(r["tok_per_s"] for r in results))  # room for the labels
     ax.set_xlabel("output tokens / s")
     ax.set_title(f"minivllm bench {report['benchmark']}")
     for i, r in enumerate(results):

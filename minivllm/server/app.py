@@ -163,7 +163,6 @@ class _ChoiceState:
 
     text_sent: int = 0  # characters of the cumulative text already sent
     tokens_sent: int = 0  # completion tokens whose logprobs were already sent
-    started: bool = False  # the chat role chunk went out
 
 
 def _text_delta(out: CompletionOutput, sent: int, hold_back: int) -> tuple[str, int]:
@@ -451,11 +450,50 @@ class OpenAIServer:
         include_usage: bool,
         start: float,
     ) -> AsyncIterator[str]:
+        def choice(index: int, delta: str, logprobs: Any, finish_reason: str | None) -> str:
+            return _sse(api.CompletionResponse(
+                id=request_id, model=self.served_model_name,
+                choices=[api.CompletionChoice(index=index, text=delta, logprobs=logprobs,
+                                              finish_reason=finish_reason)],
+            ))
+
+        def usage(usage: api.Usage) -> str:
+            return _sse(api.CompletionResponse(
+                id=request_id, model=self.served_model_name, choices=[], usage=usage
+            ))
+
+        async for line in self.stream_choices(
+            request_id, stream, params, num_choices, prompt_tokens, start,
+            logprobs_of=lambda out, state: self.completion_logprobs(
+                out, state.tokens_sent, state.text_sent),
+            choice_chunk=choice,
+            usage_chunk=usage if include_usage else None,
+        ):
+            yield line
+
+    async def stream_choices(
+        self,
+        request_id: str,
+        stream: RequestStream,
+        params: SamplingParams,
+        num_choices: int,
+        prompt_tokens: int,
+        start: float,
+        logprobs_of: Callable[[CompletionOutput, _ChoiceState], Any],
+        choice_chunk: Callable[[int, str, Any, str | None], str],
+        usage_chunk: Callable[[api.Usage], str] | None,
+        preamble: tuple[str, ...] = (),
+    ) -> AsyncIterator[str]:
+        """The SSE lines of a streamed request, completions and chat alike: one chunk per
+        committed step and choice (text deltas, held back at a possible stop string or an
+        incomplete character), an error event if the request failed, usage, `[DONE]`."""
         states = [_ChoiceState() for _ in range(num_choices)]
         hold_back = max(map(len, params.stop_strings), default=1) - 1
         completion_tokens = 0
         how = "aborted (client disconnected)"
         try:
+            for line in preamble:
+                yield line
             async for index, output in stream:
                 out = output.outputs[0]
                 if out.finish_reason in ("error", "abort"):
@@ -465,36 +503,19 @@ class OpenAIServer:
                     return
                 state = states[index]
                 delta, end = _text_delta(out, state.text_sent, hold_back)
-                logprobs = self.completion_logprobs(out, state.tokens_sent, state.text_sent)
+                logprobs = logprobs_of(out, state)
                 state.text_sent, state.tokens_sent = end, len(out.token_ids)
                 if output.finished:
                     completion_tokens += len(out.token_ids)
                 if not delta and out.finish_reason is None and params.logprobs is None:
                     continue
-                chunk = api.CompletionResponse(
-                    id=request_id,
-                    model=self.served_model_name,
-                    choices=[
-                        api.CompletionChoice(
-                            index=index,
-                            text=delta,
-                            logprobs=logprobs,
-                            finish_reason=out.finish_reason,
-                        )
-                    ],
-                )
-                yield _sse(chunk)
-            if include_usage:
-                usage = api.Usage(
+                yield choice_chunk(index, delta, logprobs, out.finish_reason)
+            if usage_chunk is not None:
+                yield usage_chunk(api.Usage(
                     prompt_tokens=prompt_tokens,
                     completion_tokens=completion_tokens,
                     total_tokens=prompt_tokens + completion_tokens,
-                )
-                yield _sse(
-                    api.CompletionResponse(
-                        id=request_id, model=self.served_model_name, choices=[], usage=usage
-                    )
-                )
+                ))
             how = "finished"
             yield "data: [DONE]\n\n"
         finally:
@@ -570,63 +591,33 @@ class OpenAIServer:
         include_usage: bool,
         start: float,
     ) -> AsyncIterator[str]:
-        states = [_ChoiceState() for _ in range(params.n)]
-        hold_back = max(map(len, params.stop_strings), default=1) - 1
-        completion_tokens = 0
-        how = "aborted (client disconnected)"
-
         def chunk(choice: api.ChatChunkChoice) -> str:
-            return _sse(
-                api.ChatCompletionChunk(
-                    id=request_id, model=self.served_model_name, choices=[choice]
-                )
-            )
+            return _sse(api.ChatCompletionChunk(
+                id=request_id, model=self.served_model_name, choices=[choice]
+            ))
 
-        try:
-            for index in range(params.n):
-                yield chunk(
-                    api.ChatChunkChoice(
-                        index=index, delta=api.DeltaMessage(role="assistant", content="")
-                    )
-                )
-            async for index, output in stream:
-                out = output.outputs[0]
-                if out.finish_reason in ("error", "abort"):
-                    how = "failed"
-                    yield _sse(_error_of(output).model_dump())
-                    yield "data: [DONE]\n\n"
-                    return
-                state = states[index]
-                delta, end = _text_delta(out, state.text_sent, hold_back)
-                logprobs = self.chat_logprobs(out, state.tokens_sent, num_top)
-                state.text_sent, state.tokens_sent = end, len(out.token_ids)
-                if output.finished:
-                    completion_tokens += len(out.token_ids)
-                if not delta and out.finish_reason is None and params.logprobs is None:
-                    continue
-                yield chunk(
-                    api.ChatChunkChoice(
-                        index=index,
-                        delta=api.DeltaMessage(content=delta),
-                        logprobs=logprobs,
-                        finish_reason=out.finish_reason,
-                    )
-                )
-            if include_usage:
-                usage = api.Usage(
-                    prompt_tokens=prompt_tokens,
-                    completion_tokens=completion_tokens,
-                    total_tokens=prompt_tokens + completion_tokens,
-                )
-                yield _sse(
-                    api.ChatCompletionChunk(
-                        id=request_id, model=self.served_model_name, choices=[], usage=usage
-                    )
-                )
-            how = "finished"
-            yield "data: [DONE]\n\n"
-        finally:
-            self.log_finished(request_id, prompt_tokens, completion_tokens, start, how)
+        def choice(index: int, delta: str, logprobs: Any, finish_reason: str | None) -> str:
+            return chunk(api.ChatChunkChoice(index=index, delta=api.DeltaMessage(content=delta),
+                                             logprobs=logprobs, finish_reason=finish_reason))
+
+        def usage(usage: api.Usage) -> str:
+            return _sse(api.ChatCompletionChunk(
+                id=request_id, model=self.served_model_name, choices=[], usage=usage
+            ))
+
+        roles = tuple(
+            chunk(api.ChatChunkChoice(index=i, delta=api.DeltaMessage(role="assistant",
+                                                                      content="")))
+            for i in range(params.n)
+        )
+        async for line in self.stream_choices(
+            request_id, stream, params, params.n, prompt_tokens, start,
+            logprobs_of=lambda out, state: self.chat_logprobs(out, state.tokens_sent, num_top),
+            choice_chunk=choice,
+            usage_chunk=usage if include_usage else None,
+            preamble=roles,
+        ):
+            yield line
 
 
 def _usage(prompt_tokens: int, outputs: list[RequestOutput]) -> api.Usage:

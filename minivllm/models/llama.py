@@ -86,6 +86,10 @@ class LlamaAttention(nn.Module):
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, KVH, D]
         return q, k, v
 
+    def norm_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-head normalisation of q and k before rotary: none in Llama (Qwen3 has one)."""
+        return q, k
+
     def forward(
         self,
         hidden: torch.Tensor,
@@ -96,6 +100,7 @@ class LlamaAttention(nn.Module):
     ) -> torch.Tensor:
         num_tokens = hidden.shape[0]
         q, k, v = self.split_heads(hidden)
+        q, k = self.norm_qk(q, k)
         q = apply_rotary(q, cos, sin).view(num_tokens, -1)  # [T, H * D]
         k = apply_rotary(k, cos, sin).view(num_tokens, -1)  # [T, KVH * D]
         out = self.attn(q, k, v.reshape(num_tokens, -1), kv_cache, meta)  # [T, H * D]

@@ -7,10 +7,8 @@ from typing import Any
 
 import torch
 
-from minivllm.layers.attention import AttentionMetadata
 from minivllm.layers.norm import RMSNorm
-from minivllm.layers.rotary import apply_rotary
-from minivllm.models.llama import KVCache, LlamaAttention, LlamaForCausalLM
+from minivllm.models.llama import LlamaAttention, LlamaForCausalLM
 
 
 class Qwen3Attention(LlamaAttention):
@@ -21,20 +19,9 @@ class Qwen3Attention(LlamaAttention):
         self.q_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
 
-    def forward(
-        self,
-        hidden: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        kv_cache: KVCache,
-        meta: AttentionMetadata,
-    ) -> torch.Tensor:
-        num_tokens = hidden.shape[0]
-        q, k, v = self.split_heads(hidden)
-        q = apply_rotary(self.q_norm(q), cos, sin).view(num_tokens, -1)  # [T, H * D]
-        k = apply_rotary(self.k_norm(k), cos, sin).view(num_tokens, -1)  # [T, KVH * D]
-        out = self.attn(q, k, v.reshape(num_tokens, -1), kv_cache, meta)  # [T, H * D]
-        return self.o_proj(out)
+    def norm_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """RMSNorm over each head's features: q `[T, H, D]`, k `[T, KVH, D]`."""
+        return self.q_norm(q), self.k_norm(k)
 
 
 class Qwen3ForCausalLM(LlamaForCausalLM):

@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import json
 import random
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -28,6 +27,7 @@ import pytest
 from conftest import assert_no_leaks, run_to_completion
 from fake_runner import reference_completion
 from faults import INJECTED, FaultyRunner
+from server_helpers import scrape_metrics, wait_idle
 
 from minivllm import LLM
 from minivllm.engine.llm_engine import LLMEngine
@@ -176,22 +176,11 @@ class Live:
         return self.engine.model_runner  # type: ignore[return-value]
 
     def metrics(self) -> dict[str, float]:
-        values = {}
-        for line in httpx.get(f"{self.base_url}/metrics").text.splitlines():
-            if line and not line.startswith("#"):
-                name, _, value = line.rpartition(" ")
-                values[name] = float(value)
-        return values
+        return scrape_metrics(self.base_url)
 
     def wait_idle(self, timeout: float = 20.0) -> dict[str, float]:
         """Poll /metrics until nothing runs or waits; return the last scrape."""
-        deadline = time.monotonic() + timeout
-        while True:
-            m = self.metrics()
-            idle = m["minivllm:num_requests_running"] == 0
-            if idle and m["minivllm:num_requests_waiting"] == 0 or time.monotonic() > deadline:
-                return m
-            time.sleep(0.02)
+        return wait_idle(self.base_url, timeout)
 
     def works(self) -> None:
         """The follow-up every bad-input case ends with: a normal request is served."""

@@ -18,6 +18,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from server_helpers import scrape_metrics, wait_idle
 
 from minivllm.engine.llm_engine import LLMEngine
 from minivllm.server import ServerThread, create_app
@@ -43,24 +44,11 @@ class Live:
         return self.server.engine
 
     def metrics(self) -> dict[str, float]:
-        text = httpx.get(f"{self.base_url}/metrics").text
-        values = {}
-        for line in text.splitlines():
-            if line and not line.startswith("#"):
-                name, _, value = line.rpartition(" ")
-                values[name] = float(value)
-        return values
+        return scrape_metrics(self.base_url)
 
     def wait_idle(self, timeout: float = 10.0) -> dict[str, float]:
         """Poll /metrics until nothing runs or waits; return the last scrape."""
-        deadline = time.monotonic() + timeout
-        while True:
-            m = self.metrics()
-            idle = m["minivllm:num_requests_running"] == 0
-            idle = idle and m["minivllm:num_requests_waiting"] == 0
-            if idle or time.monotonic() > deadline:
-                return m
-            time.sleep(0.02)
+        return wait_idle(self.base_url, timeout)
 
 
 def _serve(engine: LLMEngine, name: str) -> Iterator[Live]:

@@ -508,9 +508,10 @@ def real_gguf() -> Path:
 
 
 @pytest.fixture(scope="session")
-def real_dir(real_gguf: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The default model converted once per test session."""
-    return mgguf.convert_gguf(real_gguf, tmp_path_factory.mktemp("smollm2") / "hf")
+def real_dir(real_gguf: Path) -> Path:
+    """The default model's conversion, from the same cache the engine uses (converted once
+    per machine; the synthetic tests above cover fresh conversions)."""
+    return mgguf.convert_gguf_cached(real_gguf)
 
 
 @pytest.mark.default_model

@@ -1,12 +1,15 @@
 """Tiny random HF checkpoints (plus tokenizer) for model tests, and paged-cache test helpers.
 
 A pytest plugin module: list it in `pytest_plugins` to get the session fixtures
-`tiny_llama_dir` (tied embeddings), `tiny_llama3_rope_dir` (llama3 rope scaling, untied) and
+`tiny_llama_dir` (tied embeddings), `tiny_llama_long_dir` (the same, with an 8192-token
+context), `tiny_llama3_rope_dir` (llama3 rope scaling, untied) and
 `tiny_qwen3_dir` (untied, q/k norms). Each is an HF-style directory with config.json,
 model.safetensors (fp32) and a small byte-level BPE tokenizer with a chat template. Nothing
 is downloaded; everything is built from a fixed seed in well under a second per model.
 """
 
+import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -99,6 +102,23 @@ def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return save_tiny_checkpoint(
         tmp_path_factory.mktemp("tiny_llama"), HFLlamaForCausalLM, config, 0
     )
+
+
+LONG_CONTEXT = 8192
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_long_dir(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny Llama with `max_position_embeddings` raised to LONG_CONTEXT (default rope, so the
+    weights are the same): requests long enough that no machine finishes them before a test's
+    disconnect or shutdown lands."""
+    out = tmp_path_factory.mktemp("tiny_llama_long")
+    for item in tiny_llama_dir.iterdir():
+        shutil.copy(item, out / item.name)
+    config = json.loads((out / "config.json").read_text())
+    config["max_position_embeddings"] = LONG_CONTEXT
+    (out / "config.json").write_text(json.dumps(config))
+    return out
 
 
 @pytest.fixture(scope="session")

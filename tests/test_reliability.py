@@ -218,7 +218,7 @@ def test_server_fault_ends_only_the_failed_batch(base: LLMEngine, live: Live) ->
     prompts = random_prompts(18, seed=3, vocab=vocab, lengths=(3, 40))
     poison = [7, 7, 7, 7, 7]
     short = [(p, 3, i % 2 == 0) for i, p in enumerate(prompts[:6])]
-    long = [(p, 200, i % 2 == 0) for i, p in enumerate(prompts[6:10])]
+    long = [(p, 450, i % 2 == 0) for i, p in enumerate(prompts[6:10])]  # ended by the fault
     poisoned = [(poison, 12, True), (poison, 12, False)]
     after = [(p, 6 + i % 11, i % 2 == 0) for i, p in enumerate(prompts[10:])]
     plan = short + long + poisoned + after

@@ -21,9 +21,13 @@ from pathlib import Path
 
 import httpx
 import pytest
+from model_fixtures import LONG_CONTEXT
 
 SHUTDOWN_TIMEOUT_S = 1.0
-LONG_TOKENS = 480  # cannot finish within the grace period: it must get the error event
+# Cannot finish within the grace period, even on a fast machine (at 0.5 ms a step it needs 4 s):
+# it must get the error event. The checkpoint's context is stretched to hold it.
+LONG_TOKENS = 8000
+MAX_MODEL_LEN = LONG_CONTEXT
 NUM_LONG = 4
 
 
@@ -86,9 +90,9 @@ def _start_server(model_dir: Path, port: int) -> subprocess.Popen:
         "--device",
         "cpu",
         "--max-model-len",
-        "512",
+        str(MAX_MODEL_LEN),
         "--num-kv-blocks",
-        "256",
+        str((NUM_LONG + 1) * (MAX_MODEL_LEN // 16 + 1)),
         "--shutdown-timeout",
         str(SHUTDOWN_TIMEOUT_S),
     ]
@@ -128,14 +132,14 @@ def _group_alive(pgid: int) -> bool:
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
-def test_serve_stops_cleanly_on_signal(tiny_llama_dir: Path, sig: signal.Signals) -> None:
+def test_serve_stops_cleanly_on_signal(tiny_llama_long_dir: Path, sig: signal.Signals) -> None:
     """Under load, SIGTERM and Ctrl-C (SIGINT to the process group) both stop `serve`: a short
     in-flight request finishes, long ones get the `aborted` error event and `[DONE]`, new
     connections are refused, the exit code is 0, stderr has no traceback or error line, and
     no process of the server's group survives."""
     port = _free_port()
     base = f"http://127.0.0.1:{port}"
-    proc = _start_server(tiny_llama_dir, port)
+    proc = _start_server(tiny_llama_long_dir, port)
     try:
         _wait_healthy(proc, base)
         longs = [_StreamResult() for _ in range(NUM_LONG)]

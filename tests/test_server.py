@@ -26,7 +26,7 @@ from minivllm.server.app import OpenAIServer
 
 API_KEY = "test-key"
 MODEL = "tiny-llama"
-MAX_MODEL_LEN = 256
+MAX_MODEL_LEN = 2048  # disconnect tests ask for 2032 tokens: none can finish first
 MAX_BODY_BYTES = 256 * 1024
 PROMPT = "The quick brown fox"
 
@@ -63,11 +63,11 @@ def _serve(engine: LLMEngine, name: str) -> Iterator[Live]:
 
 
 @pytest.fixture(scope="session")
-def tiny_server(tiny_llama_dir: Path) -> Iterator[Live]:
+def tiny_server(tiny_llama_long_dir: Path) -> Iterator[Live]:
     engine = LLMEngine.from_options(
-        model=str(tiny_llama_dir),
+        model=str(tiny_llama_long_dir),
         max_model_len=MAX_MODEL_LEN,
-        num_kv_blocks=256,
+        num_kv_blocks=512,
         block_size=16,
         max_num_seqs=64,
         device="cpu",
@@ -379,7 +379,7 @@ ERROR_CASES = [
     (
         "prompt-too-long",
         _COMPLETION,
-        {**_OK, "prompt": "fox " * 400},
+        {**_OK, "prompt": "fox " * (MAX_MODEL_LEN + 100)},
         None,
         400,
         f"max_model_len is {MAX_MODEL_LEN}",
@@ -430,7 +430,7 @@ def test_errors_through_the_openai_client(tiny_server: Live) -> None:
     """The openai client maps the statuses to its exception types; the server keeps going."""
     c = tiny_server.client
     with pytest.raises(openai.BadRequestError, match="max_model_len"):
-        c.completions.create(model=MODEL, prompt="fox " * 400, max_tokens=2)
+        c.completions.create(model=MODEL, prompt="fox " * (MAX_MODEL_LEN + 100), max_tokens=2)
     with pytest.raises(openai.NotFoundError):
         c.chat.completions.create(model="nope", messages=[{"role": "user", "content": "x"}])
     bad = openai.OpenAI(base_url=f"{tiny_server.base_url}/v1", api_key="wrong", max_retries=0)

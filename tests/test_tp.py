@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -157,18 +158,25 @@ def test_killed_worker_is_a_clear_error_and_nothing_is_left_behind(tiny_qwen3_di
 
 
 def test_worker_killed_mid_generation_fails_the_step(tiny_qwen3_dir):
-    """Killed while rank 0 waits in a collective: gloo's closed connection, not a timeout."""
+    """Killed while rank 0 is stepping (most likely waiting in a collective): gloo's closed
+    connection, not a timeout. The kill lands a few steps in, 50 ms before the request could
+    possibly end (it has ~395 steps to go), whatever the machine's speed."""
     llm = LLM(str(tiny_qwen3_dir), tensor_parallel_size=2, max_model_len=512)
-    worker = llm.llm_engine.model_runner._workers.procs[1]
+    engine = llm.llm_engine
+    worker = engine.model_runner._workers.procs[1]
     long = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
-    import threading
-
-    threading.Timer(0.3, os.kill, (worker.pid, signal.SIGKILL)).start()
+    engine.add_request(PROMPTS[0], long)
+    for _ in range(5):
+        assert not [o for o in engine.step() if o.finished]
+    threading.Timer(0.05, os.kill, (worker.pid, signal.SIGKILL)).start()
     start = time.monotonic()
-    out = llm.generate([PROMPTS[0]], long, use_tqdm=False)[0]
+    finished = []
+    while not finished and time.monotonic() - start < 30:
+        finished = [o for o in engine.step() if o.finished]
+    [out] = finished
     assert out.error is not None and "SIGKILL" in out.error
     assert len(out.outputs[0].token_ids) < 400 and time.monotonic() - start < 30
-    llm.llm_engine.close()
+    engine.close()
     assert_gone([worker.pid])
 
 

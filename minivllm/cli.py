@@ -58,7 +58,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     llm = LLM(**engine_options(args))
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                            max_tokens=args.max_tokens, seed=args.seed_sampling)
+                            max_tokens=args.max_tokens, seed=args.seed_sampling,
+                            repetition_penalty=args.repetition_penalty,
+                            presence_penalty=args.presence_penalty,
+                            frequency_penalty=args.frequency_penalty)
     if args.chat:
         outputs = llm.chat([{"role": "user", "content": args.prompt}], params, use_tqdm=False)
     else:
@@ -120,6 +123,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=-1)
+    p.add_argument("--repetition-penalty", type=float, default=1.0)
+    p.add_argument("--presence-penalty", type=float, default=0.0)
+    p.add_argument("--frequency-penalty", type=float, default=0.0)
     p.add_argument("--sampling-seed", dest="seed_sampling", type=int, default=None,
                    help="seed of this request's sampling")
     add_engine_options(p)

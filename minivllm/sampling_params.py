@@ -17,7 +17,15 @@ class SamplingParams:
     `temperature=0` is greedy. `top_p`, `top_k` and `min_p` follow HF's rules (top-p keeps
     the token that crosses the threshold). `seed` makes a request reproducible whatever the
     batch it runs in. `stop` strings are cut from the text; `stop_token_ids` end the request
-    like EOS. `logprobs=N` returns the top-N log-probabilities of each generated token.
+    like EOS; until `min_tokens` are generated, EOS and the stop tokens cannot be sampled.
+    `logprobs=N` returns the top-N log-probabilities of each generated token (of the model's
+    raw distribution, before penalties and filters, as vLLM does by default).
+
+    Penalties, applied to the logits before temperature and the filters (greedy included):
+    `repetition_penalty` (HF's: a logit of a token seen in the prompt or the completion is
+    divided by it when positive, multiplied when negative), `presence_penalty` (subtracted once
+    from every token the completion holds) and `frequency_penalty` (subtracted once per
+    occurrence in the completion), OpenAI's. `logit_bias` adds a bias to token ids' logits.
     """
 
     n: int = 1
@@ -32,6 +40,10 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
     skip_special_tokens: bool = True
     stop_strings: tuple[str, ...] = field(init=False, default=())
 
@@ -42,6 +54,7 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         self.stop_strings = tuple(s for s in self.stop if s)
         self._validate()
+        self.logit_bias = dict(self.logit_bias) if self.logit_bias else None
 
     def _validate(self) -> None:
         def bad(name: str, why: str) -> ValueError:
@@ -71,10 +84,34 @@ class SamplingParams:
             )
         if self.logprobs is not None and (not _is_int(self.logprobs) or self.logprobs < 0):
             raise bad("logprobs", "must be an integer >= 0 or None")
+        for name in ["presence_penalty", "frequency_penalty"]:
+            value = getattr(self, name)
+            if not _is_real(value) or not -2.0 <= value <= 2.0:
+                raise bad(name, "must be in [-2, 2]")
+        if not _is_real(self.repetition_penalty) or not 0.0 < self.repetition_penalty <= 100.0:
+            raise bad("repetition_penalty", "must be in (0, 100] (1 means none)")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise bad("logit_bias", "must be a dict of token id -> bias")
+            for token, bias in self.logit_bias.items():
+                if not _is_int(token) or token < 0:
+                    raise ValueError(f"logit_bias keys must be token ids >= 0, got {token!r}")
+                if not _is_real(bias) or not -100.0 <= bias <= 100.0:
+                    raise ValueError(
+                        f"logit_bias values must be in [-100, 100], got {bias!r} for {token}"
+                    )
         if not all(isinstance(s, str) for s in self.stop):
             raise bad("stop", "must be a string or a list of strings")
         if not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "must be a list of non-negative integers")
+
+    @property
+    def has_penalties(self) -> bool:
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+        )
 
     @property
     def greedy(self) -> bool:

@@ -20,6 +20,7 @@ import openai
 import pytest
 from server_helpers import scrape_metrics, wait_idle
 
+from minivllm import SamplingParams
 from minivllm.engine.llm_engine import LLMEngine
 from minivllm.server import ServerThread, create_app
 from minivllm.server.app import OpenAIServer
@@ -118,6 +119,36 @@ def test_completion_token_id_prompt_matches_text_prompt(tiny_server: Live) -> No
     by_ids = tiny_server.client.completions.create(prompt=ids, **kw)
     assert by_ids.choices[0].text == by_text.choices[0].text
     assert by_ids.usage.prompt_tokens == len(ids)
+
+
+def test_penalties_and_logit_bias_reach_the_sampler(tiny_server: Live, tiny_llama_dir) -> None:
+    """OpenAI's presence/frequency penalties and logit_bias (string keys) and vLLM's
+    repetition_penalty give the text of the plain-Python reference (tests/test_penalties.py),
+    streamed or not; logprobs stay those of the raw model."""
+    from test_penalties import reference_greedy
+
+    ids = tiny_server.engine.tokenizer.encode(PROMPT, add_special_tokens=True)
+    params = SamplingParams(
+        temperature=0, max_tokens=10, ignore_eos=True, presence_penalty=1.0,
+        frequency_penalty=0.5, repetition_penalty=1.2, logit_bias={11: 4.0},
+    )
+    want = tiny_server.engine.tokenizer.decode(
+        reference_greedy(str(tiny_llama_dir), ids, params), skip_special_tokens=True
+    )
+    kw = dict(
+        model=MODEL, prompt=ids, max_tokens=10, temperature=0, presence_penalty=1.0,
+        frequency_penalty=0.5, logit_bias={"11": 4.0},
+        extra_body={"ignore_eos": True, "repetition_penalty": 1.2},
+    )
+    r = tiny_server.client.completions.create(**kw)
+    assert r.choices[0].text == want
+    streamed = "".join(c.choices[0].text for c in tiny_server.client.completions.create(
+        stream=True, **kw) if c.choices)
+    assert streamed == want
+    plain = tiny_server.client.completions.create(
+        model=MODEL, prompt=ids, max_tokens=10, temperature=0, extra_body={"ignore_eos": True}
+    )
+    assert plain.choices[0].text != want
 
 
 def test_chat_uses_the_chat_template(tiny_server: Live) -> None:
@@ -364,6 +395,15 @@ ERROR_CASES = [
     ),
     ("bad-top-p", _COMPLETION, {**_OK, "top_p": 1.5}, None, 400, "top_p"),
     ("bad-top-k", _COMPLETION, {**_OK, "top_k": -2}, None, 400, "top_k"),
+    ("bad-presence", _CHAT, {**_OK_CHAT, "presence_penalty": 2.5}, None, 400, "presence_penalty"),
+    ("bad-frequency", _COMPLETION, {**_OK, "frequency_penalty": -3}, None, 400, "frequency"),
+    ("bad-repetition", _COMPLETION, {**_OK, "repetition_penalty": 0}, None, 400, "repetition"),
+    ("bias-key", _COMPLETION, {**_OK, "logit_bias": {"fox": 1}}, None, 400, "logit_bias keys"),
+    ("bias-value", _CHAT, {**_OK_CHAT, "logit_bias": {"5": 500}}, None, 400, "logit_bias values"),
+    ("bias-vocab", _COMPLETION, {**_OK, "logit_bias": {"999999": 1}}, None, 400, "vocabulary"),
+    ("echo", _COMPLETION, {**_OK, "echo": True}, None, 400, "echo is not supported"),
+    ("best-of", _COMPLETION, {**_OK, "best_of": 3}, None, 400, "best_of"),
+    ("suffix", _COMPLETION, {**_OK, "suffix": "end"}, None, 400, "suffix"),
     ("n-zero", _COMPLETION, {**_OK, "n": 0}, None, 400, "n must"),
     ("max-tokens-zero", _COMPLETION, {**_OK, "max_tokens": 0}, None, 400, "max_tokens"),
     ("max-tokens-negative", _CHAT, {**_OK_CHAT, "max_tokens": -5}, None, 400, "max_tokens"),

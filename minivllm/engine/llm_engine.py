@@ -103,6 +103,12 @@ class LLMEngine:
         if not isinstance(sampling_params, SamplingParams):
             raise TypeError(f"sampling_params must be SamplingParams, got {sampling_params!r}")
         text, token_ids = self._tokenize(prompt)
+        vocab = self.model_runner.vocab_size
+        outside = [t for t in sampling_params.logit_bias or {} if t >= vocab]
+        if outside:
+            raise ValueError(
+                f"logit_bias token id {outside[0]} is outside the vocabulary [0, {vocab})"
+            )
         seq_id = next(self._seq_ids)
         if self.tracer is not None:
             self.tracer.phase = "add"

@@ -131,6 +131,8 @@ def prepare_inputs(batch: ScheduledBatch, block_size: int, device: torch.device)
     sampling = SamplingBatch(
         params=[s.sampling_params for s in batch.sample_seqs],
         positions=[s.num_tokens for s in batch.sample_seqs],
+        token_ids=[s.token_ids for s in batch.sample_seqs],
+        num_prompt_tokens=[s.num_prompt_tokens for s in batch.sample_seqs],
     )
     return StepInputs(tensor(input_ids), tensor(positions), meta, tensor(logits_indices),
                       sampling)
@@ -179,7 +181,7 @@ class ModelRunner:
              torch.zeros(shape, dtype=self.dtype, device=self.device))
             for _ in range(self.num_layers)
         ]
-        self.sampler = Sampler(config.seed, self.device)
+        self.sampler = Sampler(config.seed, self.device, config.eos_token_ids)
         logger.info(
             "KV cache: %d blocks x %d tokens = %d tokens (%.2f GB, %s, %s)",
             self.num_kv_blocks, self.block_size, self.num_kv_blocks * self.block_size,

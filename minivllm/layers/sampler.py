@@ -1,17 +1,20 @@
-"""Sampling: greedy, temperature, top-k, top-p, min-p, per-request seeds, logprobs.
+"""Sampling: greedy, temperature, top-k, top-p, min-p, per-request seeds, logprobs,
+penalties, logit bias and min_tokens.
 
-HF semantics for the filters (applied in HF's order: temperature, top-k, top-p, min-p; top-p
-keeps the token that crosses the threshold). Sampling inverts each row's CDF at one uniform
-number (a float64 cumulative sum and a binary search), which draws from `probs` exactly and
-needs one random number per row, not one per vocabulary entry (on the CPU that is ~10x
-cheaper than an exponential race or `torch.multinomial`). A seeded request draws its number
-from a generator seeded by (seed, position), so its tokens depend neither on the batch it
-runs in nor on preemption.
+vLLM's order: logprobs are taken from the raw logits; then `logit_bias`, the min_tokens ban
+on EOS and stop tokens, and the repetition / presence / frequency penalties change the
+logits (greedy rows too); then temperature and the filters, with HF's semantics and in HF's
+order (temperature, top-k, top-p, min-p; top-p keeps the token that crosses the threshold).
+Sampling inverts each row's CDF at one uniform number (a float64 cumulative sum and a binary
+search), which draws from `probs` exactly and needs one random number per row, not one per
+vocabulary entry (on the CPU that is ~10x cheaper than an exponential race or
+`torch.multinomial`). A seeded request draws its number from a generator seeded by (seed,
+position), so its tokens depend neither on the batch it runs in nor on preemption.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -26,6 +29,10 @@ class SamplingBatch:
 
     params: list[SamplingParams]
     positions: list[int]  # index of the token being sampled in its sequence (for seeds)
+    # Each row's tokens so far (the sequence's own list, not a copy) and how many are prompt:
+    # read only by the penalties and min_tokens.
+    token_ids: list[list[int]] = field(default_factory=list)
+    num_prompt_tokens: list[int] = field(default_factory=list)
 
     @property
     def all_greedy(self) -> bool:
@@ -72,6 +79,39 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill(probs < threshold, float("-inf"))
 
 
+def apply_penalties(
+    logits: torch.Tensor,
+    token_ids: list[list[int]],
+    num_prompt_tokens: list[int],
+    repetition: torch.Tensor,
+    presence: torch.Tensor,
+    frequency: torch.Tensor,
+) -> torch.Tensor:
+    """vLLM's penalties. [N, V] logits; per row its tokens so far (prompt first) and its three
+    penalties, [N] each. Repetition counts prompt and completion tokens (HF's rule); presence
+    and frequency count the completion only (OpenAI's)."""
+    n, vocab = logits.shape
+    device = logits.device
+    longest = max((len(t) for t in token_ids), default=0)
+    padded = torch.full((n, longest + 1), vocab, dtype=torch.int64)  # id `vocab` = padding
+    is_completion = torch.zeros((n, longest + 1), dtype=torch.bool)
+    for row, (tokens, num_prompt) in enumerate(zip(token_ids, num_prompt_tokens, strict=True)):
+        padded[row, : len(tokens)] = torch.tensor(tokens, dtype=torch.int64)
+        is_completion[row, num_prompt : len(tokens)] = True
+    padded = padded.clamp_(max=vocab).to(device)  # an id past the logits counts as padding
+    is_completion = is_completion.to(device)
+    counts = torch.zeros((n, vocab + 1), dtype=logits.dtype, device=device)
+    counts.scatter_add_(1, padded, is_completion.to(logits.dtype))  # completion occurrences
+    seen = torch.zeros((n, vocab + 1), dtype=torch.bool, device=device)
+    seen.scatter_(1, padded, True)  # in the prompt or the completion
+    counts, seen = counts[:, :vocab], seen[:, :vocab]
+    penalty = repetition.unsqueeze(-1)  # [N, 1]
+    penalized = torch.where(logits > 0, logits / penalty, logits * penalty)
+    logits = torch.where(seen, penalized, logits)
+    logits = logits - frequency.unsqueeze(-1) * counts
+    return logits - presence.unsqueeze(-1) * (counts > 0).to(logits.dtype)
+
+
 def _uniforms(batch: SamplingBatch, device: torch.device,
               generator: torch.Generator) -> torch.Tensor:
     """One u ~ U[0, 1) per row, [N] float64: seeded rows from their own (seed, position)
@@ -99,8 +139,11 @@ def sample_from(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 class Sampler:
     """Turns the last-token logits of the sampling sequences into tokens."""
 
-    def __init__(self, seed: int, device: torch.device) -> None:
+    def __init__(
+        self, seed: int, device: torch.device, eos_token_ids: tuple[int, ...] = ()
+    ) -> None:
         self.device = device
+        self.eos_token_ids = eos_token_ids  # banned, with stop_token_ids, before min_tokens
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
 
@@ -109,6 +152,7 @@ class Sampler:
         logits = logits.float()
         max_logprobs = batch.max_logprobs
         raw_logprobs = logits.log_softmax(dim=-1) if max_logprobs is not None else None  # [N, V]
+        logits = self._process(logits, batch)
 
         if batch.all_greedy:
             tokens = logits.argmax(dim=-1)  # [N]
@@ -125,6 +169,48 @@ class Sampler:
             k = params.logprobs or 0
             tops.append(dict(zip(top_ids[row, :k].tolist(), top_values[row, :k].tolist())))
         return SamplerOutput(token_list, chosen, tops)
+
+    def _process(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """Logit bias, the min_tokens ban and the penalties; `logits` itself when none apply."""
+        params = batch.params
+        vocab = logits.shape[-1]
+        bias_rows, bias_cols, bias_values, ban_rows, ban_cols = [], [], [], [], []
+        for row, p in enumerate(params):
+            if p.logit_bias:
+                bias_rows += [row] * len(p.logit_bias)
+                bias_cols += list(p.logit_bias)
+                bias_values += list(p.logit_bias.values())
+            if p.min_tokens and batch.positions[row] - batch.num_prompt_tokens[row] < p.min_tokens:
+                stops = set(p.stop_token_ids) | set(() if p.ignore_eos else self.eos_token_ids)
+                banned = [t for t in stops if t < vocab]
+                ban_rows += [row] * len(banned)
+                ban_cols += list(banned)
+        if bias_rows:
+            logits = logits.index_put(
+                (torch.tensor(bias_rows, device=logits.device),
+                 torch.tensor(bias_cols, device=logits.device)),
+                torch.tensor(bias_values, dtype=logits.dtype, device=logits.device),
+                accumulate=True,
+            )
+        if ban_rows:
+            logits = logits.index_put(
+                (torch.tensor(ban_rows, device=logits.device),
+                 torch.tensor(ban_cols, device=logits.device)),
+                torch.tensor(float("-inf"), dtype=logits.dtype, device=logits.device),
+            )
+        if any(p.has_penalties for p in params):
+            def column(values: list[float]) -> torch.Tensor:
+                return torch.tensor(values, dtype=logits.dtype, device=logits.device)
+
+            logits = apply_penalties(
+                logits,
+                batch.token_ids,
+                batch.num_prompt_tokens,
+                column([p.repetition_penalty for p in params]),
+                column([p.presence_penalty for p in params]),
+                column([p.frequency_penalty for p in params]),
+            )
+        return logits
 
     def _sample(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         device = logits.device

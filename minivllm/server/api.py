@@ -42,7 +42,11 @@ class _SamplingRequest(_Request):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # accepted and ignored
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None  # token id (as a string, OpenAI's) -> bias
     # vLLM's extras
+    repetition_penalty: float | None = None
     top_k: int | None = None
     min_p: float | None = None
     stop_token_ids: list[int] | None = None
@@ -62,6 +66,10 @@ class _SamplingRequest(_Request):
             raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {logprobs}")
         max_tokens = self.max_tokens if self.max_tokens is not None else self.max_completion_tokens
         return SamplingParams(
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            logit_bias=_token_biases(self.logit_bias),
             n=self.n,
             temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p,
@@ -82,10 +90,37 @@ class _SamplingRequest(_Request):
         return self.stream_options is not None and self.stream_options.include_usage
 
 
+def _token_biases(logit_bias: dict[str, float] | None) -> dict[int, float] | None:
+    if not logit_bias:
+        return None
+    biases = {}
+    for key, bias in logit_bias.items():
+        if not key.strip().isdigit():
+            raise ValueError(f"logit_bias keys must be token ids, got {key!r}")
+        biases[int(key)] = bias
+    return biases
+
+
 class CompletionRequest(_SamplingRequest):
     # A string, token ids, or a batch of either (one set of n choices per prompt).
     prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = None
+    # OpenAI's fields this server does not implement: a 400 if a client asks for them, rather
+    # than an answer that silently differs from what it asked for.
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+    def sampling_params(
+        self, default_max_tokens: int | None, logprobs: int | None
+    ) -> SamplingParams:
+        if self.echo:
+            raise ValueError("echo is not supported")
+        if self.best_of is not None and self.best_of != self.n:
+            raise ValueError(f"best_of is not supported (only best_of == n), got {self.best_of}")
+        if self.suffix:
+            raise ValueError("suffix is not supported")
+        return super().sampling_params(default_max_tokens, logprobs)
 
 
 class ContentPart(_Request):

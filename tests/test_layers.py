@@ -12,6 +12,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from model_fixtures import make_attention_metadata
 from transformers import LlamaConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
@@ -23,10 +25,12 @@ from transformers.models.llama.modeling_llama import (
 
 from minivllm.layers.activation import SiluAndMul
 from minivllm.layers.attention import (
+    MAX_GROUPS,
     Attention,
     paged_attention_sdpa,
     paged_causal_mask,
     paged_kv_gather_index,
+    partition_batch,
     store_kv,
 )
 from minivllm.layers.linear import (
@@ -316,6 +320,42 @@ def test_paged_attention_random_batches(seed: int) -> None:
     query_lens = [rng.choice([1, rng.randint(1, 20)]) for _ in range(num_seqs)]
     block_size = rng.choice([1, 4, 16])
     run_paged_batch(context_lens, query_lens, block_size, 4, 2, seed=seed)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_paged_attention_split_into_many_groups(seed: int) -> None:
+    """Decodes with widely spread lengths beside prefill chunks: the batch runs as several
+    groups (checked), and every sequence still gets the reference answer."""
+    rng = random.Random(seed)
+    context_lens = [rng.choice([1, 5, 30, 90, 200]) + rng.randint(0, 3) for _ in range(14)]
+    query_lens = [1] * 10 + [rng.randint(2, 40) for _ in range(4)]
+    seq_lens = [c + q for c, q in zip(context_lens, query_lens, strict=True)]
+    assert len(partition_batch(query_lens, seq_lens)) > 2
+    run_paged_batch(context_lens, query_lens, 4, 4, 2, seed=seed)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.integers(0, 300), st.sampled_from([1, 1, 1, 2, 7, 64])), min_size=1,
+        max_size=40,
+    )
+)
+def test_partition_batch_properties(seqs: list[tuple[int, int]]) -> None:
+    """Every sequence in exactly one group; a group never mixes decodes with prefills; at most
+    MAX_GROUPS groups; the padded work never exceeds the unsplit batch's."""
+    query_lens = [q for _, q in seqs]
+    seq_lens = [c + q for c, q in seqs]
+    groups = partition_batch(query_lens, seq_lens)
+    assert sorted(i for g in groups for i in g) == list(range(len(seqs)))
+    assert all(g for g in groups) and len(groups) <= MAX_GROUPS
+    for g in groups:
+        assert len({query_lens[i] == 1 for i in g}) == 1
+
+    def work(g: list[int]) -> int:
+        return len(g) * max(query_lens[i] for i in g) * max(seq_lens[i] for i in g)
+
+    assert sum(work(g) for g in groups) <= work(list(range(len(seqs))))
 
 
 def test_single_sequence_sdpa_matches_plain_causal_attention() -> None:

@@ -10,6 +10,11 @@ Two implementations of the attention itself:
   `[num_seqs, max_seq_len, ...]`, pad the queries to `[num_seqs, max_query_len, ...]`, and make one
   `scaled_dot_product_attention` call with a boolean causal mask. All-decode batches skip the
   query padding; a lone prefill with no cached context attends over its own new K/V directly.
+  Padding costs work in proportion to `num_seqs * max_query_len * max_seq_len`, so a batch is
+  first split into a few groups of like sequences (`partition_batch`: decodes apart from
+  prefills, then runs of similar lengths), one gather and one SDPA call per group. Without
+  it, one 256-token prefill chunk padded 15 decodes to 256 queries each (10.7x the attention
+  time of the split batch on this project's CPU, `benchmarks/attention_groups.py`).
 - `paged_attention_flash` (CUDA, fp16/bf16, block_size a multiple of 256): flash-attn's varlen
   kernel reading the paged cache through the block table directly.
 """
@@ -119,6 +124,47 @@ class AttentionMetadata:
         return self._scratch[key]
 
     @cached_property
+    def query_starts_cpu(self) -> list[int]:
+        """Python mirror of `query_start_loc`."""
+        starts = [0]
+        for n in self.query_lens_cpu:
+            starts.append(starts[-1] + n)
+        return starts
+
+    @cached_property
+    def groups(self) -> list[tuple[torch.Tensor, "AttentionMetadata"]]:
+        """The batch split by `partition_batch`: `(token_index, metadata)` per group, where
+        `token_index` `[group_tokens]` int64 picks the group's rows of the step's tokens. One
+        group is the whole batch (an empty index: nothing to pick)."""
+        parts = partition_batch(self.query_lens_cpu, self.seq_lens_cpu)
+        if len(parts) == 1:
+            return [(self.slot_mapping[:0], self)]
+        return [self._subset(seqs) for seqs in parts]
+
+    def _subset(self, seqs: list[int]) -> tuple[torch.Tensor, "AttentionMetadata"]:
+        device = self.query_start_loc.device
+        starts = self.query_starts_cpu
+        tokens = [t for i in seqs for t in range(starts[i], starts[i + 1])]
+        query_lens = [self.query_lens_cpu[i] for i in seqs]
+        seq_lens = [self.seq_lens_cpu[i] for i in seqs]
+        sub_starts = [0]
+        for n in query_lens:
+            sub_starts.append(sub_starts[-1] + n)
+        rows = torch.tensor(seqs, dtype=torch.int64, device=device)
+        token_index = torch.tensor(tokens, dtype=torch.int64, device=device)
+        max_blocks = -(-max(seq_lens) // self.block_size)
+        sub = AttentionMetadata(
+            slot_mapping=self.slot_mapping.index_select(0, token_index),
+            query_start_loc=torch.tensor(sub_starts, dtype=torch.int64, device=device),
+            seq_lens=self.seq_lens.index_select(0, rows),
+            block_tables=self.block_tables.index_select(0, rows)[:, :max_blocks],
+            query_lens_cpu=query_lens,
+            seq_lens_cpu=seq_lens,
+            block_size=self.block_size,
+        )
+        return token_index, sub
+
+    @cached_property
     def cu_seqlens_q_i32(self) -> torch.Tensor:
         """`[num_seqs + 1]` int32 cumulative query lengths (flash-attn)."""
         return self.query_start_loc.to(torch.int32)
@@ -132,6 +178,58 @@ class AttentionMetadata:
     def block_tables_i32(self) -> torch.Tensor:
         """`[num_seqs, max_blocks]` int32 block tables (flash-attn)."""
         return self.block_tables.to(torch.int32)
+
+
+# Fixed cost of one more group, in units of padded work (one query against one key): the
+# extra gather, mask, index copies and SDPA call. Tuned with `benchmarks/attention_groups.py`
+# (SmolLM2 shapes, 30 layers, this project's 2-core CPU): at 512 the split batch is never
+# slower than one group and is 1.3x faster for 16 decodes with contexts of 64-512 tokens,
+# 1.5x for 64 such decodes, 1.6x for 16 prefills of 32-256 tokens.
+GROUP_OVERHEAD = 512
+MAX_GROUPS = 8
+
+
+def partition_batch(
+    query_lens: list[int], seq_lens: list[int], overhead: int = GROUP_OVERHEAD
+) -> list[list[int]]:
+    """Split a batch's sequences into groups that each pad little: decodes (one query) apart
+    from prefill chunks, then, in order of length, split wherever the padded work saved
+    (`n * max_query_len * max_seq_len` per group) exceeds `overhead`, at most MAX_GROUPS
+    groups. Returns the sequence indices of each group (every index once)."""
+
+    def cost(run: list[int]) -> int:
+        return len(run) * max(query_lens[i] for i in run) * max(seq_lens[i] for i in run)
+
+    def split(run: list[int]) -> list[list[int]]:
+        best, best_at = cost(run) - overhead, 0
+        q_suffix = [0] * (len(run) + 1)
+        for j in range(len(run) - 1, -1, -1):
+            q_suffix[j] = max(q_suffix[j + 1], query_lens[run[j]])
+        q_prefix = 0
+        for j in range(1, len(run)):
+            q_prefix = max(q_prefix, query_lens[run[j - 1]])
+            left = j * q_prefix * seq_lens[run[j - 1]]  # runs are sorted by seq_len
+            right = (len(run) - j) * q_suffix[j] * seq_lens[run[-1]]
+            if left + right < best:
+                best, best_at = left + right, j
+        if best_at == 0:
+            return [run]
+        return [run[:best_at], run[best_at:]]
+
+    decodes = [i for i, q in enumerate(query_lens) if q == 1]
+    prefills = [i for i, q in enumerate(query_lens) if q != 1]
+    groups = [
+        sorted(run, key=lambda i: (seq_lens[i], query_lens[i]))
+        for run in (decodes, prefills)
+        if run
+    ]
+    while len(groups) < MAX_GROUPS:
+        gains = [(cost(g) - sum(cost(p) for p in split(g)), n) for n, g in enumerate(groups)]
+        gain, n = max(gains)
+        if gain <= overhead:
+            break
+        groups[n : n + 1] = split(groups[n])
+    return groups
 
 
 def paged_kv_gather_index(
@@ -329,11 +427,33 @@ class Attention(nn.Module):
         store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         if can_use_flash_attn(q, meta.block_size):
             out = paged_attention_flash(q, k_cache, v_cache, meta, self.scale)
-        elif meta.is_single_prefill_without_context:
-            out = causal_attention_sdpa(q, k, v, self.scale)
+            return out.reshape(num_tokens, self.num_heads * self.head_dim)  # [T, H*D]
+        groups = meta.groups
+        if len(groups) == 1:
+            out = self._attend_sdpa(q, k, v, kv_cache, meta)
         else:
-            out = paged_attention_sdpa(q, k_cache, v_cache, meta, self.scale)
+            out = torch.empty_like(q)  # [T, H, D]
+            for tokens, sub in groups:
+                part = self._attend_sdpa(
+                    q.index_select(0, tokens), k.index_select(0, tokens),
+                    v.index_select(0, tokens), kv_cache, sub,
+                )
+                out.index_copy_(0, tokens, part)
         return out.reshape(num_tokens, self.num_heads * self.head_dim)  # [T, H*D]
+
+    def _attend_sdpa(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """One group's attention, `[T, H, D]`: without the cache for a lone prefill that has no
+        context, else through the paged cache."""
+        if meta.is_single_prefill_without_context:
+            return causal_attention_sdpa(q, k, v, self.scale)
+        return paged_attention_sdpa(q, kv_cache[0], kv_cache[1], meta, self.scale)
 
     def extra_repr(self) -> str:
         return f"heads={self.num_heads}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}"

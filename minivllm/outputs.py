@@ -36,4 +36,7 @@ class RequestOutput:
     finished: bool = False
     metrics: RequestMetrics | None = None
     num_cached_prompt_tokens: int = 0  # prompt tokens served from the prefix cache
+    # With SamplingParams.prompt_logprobs: None for the first prompt token, then one dict per
+    # prompt token, token id -> logprob (the top-N plus the prompt's own token). vLLM's shape.
+    prompt_logprobs: list[dict[int, float] | None] | None = None
     error: str | None = None  # why the request failed, when finish_reason is "error"

@@ -19,7 +19,9 @@ class SamplingParams:
     batch it runs in. `stop` strings are cut from the text; `stop_token_ids` end the request
     like EOS; until `min_tokens` are generated, EOS and the stop tokens cannot be sampled.
     `logprobs=N` returns the top-N log-probabilities of each generated token (of the model's
-    raw distribution, before penalties and filters, as vLLM does by default).
+    raw distribution, before penalties and filters, as vLLM does by default);
+    `prompt_logprobs=N` those of each prompt token after the first (such a request computes its
+    whole prompt: it takes no prefix-cache hits).
 
     Penalties, applied to the logits before temperature and the filters (greedy included):
     `repetition_penalty` (HF's: a logit of a token seen in the prompt or the completion is
@@ -40,6 +42,7 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
@@ -100,6 +103,10 @@ class SamplingParams:
                     raise ValueError(
                         f"logit_bias values must be in [-100, 100], got {bias!r} for {token}"
                     )
+        if self.prompt_logprobs is not None and (
+            not _is_int(self.prompt_logprobs) or self.prompt_logprobs < 0
+        ):
+            raise bad("prompt_logprobs", "must be an integer >= 0 or None")
         if not all(isinstance(s, str) for s in self.stop):
             raise bad("stop", "must be a string or a list of strings")
         if not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):

@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from minivllm.distributed import parallel_state
 from minivllm.distributed.messages import ShutdownMessage, StepMessage, receive
+from minivllm.engine.model_runner import compute_logits_in_slices
 
 if TYPE_CHECKING:
     from minivllm.engine.model_runner import ModelRunner
@@ -41,8 +42,8 @@ def run_step(runner: ModelRunner, message: StepMessage) -> None:
     meta = message.attention_metadata(runner.block_size, device)
     input_ids, positions = message.input_ids.to(device), message.positions.to(device)
     hidden = runner.model(input_ids, positions, runner.kv_caches, meta)  # [T, hidden_size]
-    if message.logits_indices.numel():
-        runner.model.compute_logits(hidden[message.logits_indices.to(device)])
+    for _ in compute_logits_in_slices(runner.model, hidden, message.logits_indices.to(device)):
+        pass  # the same LM-head calls as rank 0's; the logits are rank 0's
 
 
 def serve(

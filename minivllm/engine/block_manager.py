@@ -95,8 +95,8 @@ class BlockManager:
         Never the whole sequence: its last token must still be computed, since the model
         needs a query to produce the next token's logits.
         """
-        if not self.enable_prefix_caching:
-            return []
+        if not self.enable_prefix_caching or seq.sampling_params.prompt_logprobs is not None:
+            return []  # prompt logprobs need the logits of every prompt position
         bs = self.block_size
         hits: list[int] = []
         parent: int | None = None

@@ -281,6 +281,11 @@ class LLMEngine:
             finished=seq.is_finished,
             metrics=request.metrics,
             num_cached_prompt_tokens=request.num_cached_prompt_tokens or 0,
+            prompt_logprobs=(
+                [None, *seq.prompt_logprobs]
+                if seq.sampling_params.prompt_logprobs is not None
+                else None
+            ),
             error=request.error,
         )
 

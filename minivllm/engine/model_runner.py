@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,7 @@ from minivllm.config import EngineConfig
 from minivllm.distributed import parallel_state
 from minivllm.distributed.heads import shard_heads
 from minivllm.engine.scheduler import SampledToken, ScheduledBatch
+from minivllm.engine.sequence import Sequence
 from minivllm.layers.attention import AttentionMetadata
 from minivllm.layers.quantization import check_quantization, quantize_model_int8
 from minivllm.layers.sampler import Sampler, SamplingBatch
@@ -88,8 +90,12 @@ class StepInputs:
     input_ids: torch.Tensor  # [num_tokens] int64
     positions: torch.Tensor  # [num_tokens] int64
     meta: AttentionMetadata
-    logits_indices: torch.Tensor  # [num_samples] int64: last token of each sampling sequence
+    # [num_samples + num_prompt_rows] int64: the last token of each sampling sequence, then
+    # the tokens whose logits give prompt logprobs
+    logits_indices: torch.Tensor
     sampling: SamplingBatch
+    # (sequence, first prompt position scored, how many): one run of rows after the samples'
+    prompt_logprob_runs: list[tuple[Sequence, int, int]]
 
 
 def prepare_inputs(batch: ScheduledBatch, block_size: int, device: torch.device) -> StepInputs:
@@ -115,6 +121,16 @@ def prepare_inputs(batch: ScheduledBatch, block_size: int, device: torch.device)
     logits_indices = [
         starts[i + 1] - 1 for i, s in enumerate(batch.seqs) if id(s) in sampling_set
     ]
+    # The logits at position p score the prompt token at p + 1.
+    prompt_runs = []
+    for i, seq in enumerate(batch.seqs):
+        if seq.sampling_params.prompt_logprobs is None:
+            continue
+        start = seq.num_cached_tokens
+        first, last = start + 1, min(start + seq.num_scheduled_tokens, seq.num_prompt_tokens - 1)
+        if first <= last:
+            prompt_runs.append((seq, first, last - first + 1))
+            logits_indices.extend(range(starts[i], starts[i] + last - first + 1))
 
     def tensor(values: list[int] | list[list[int]]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int64).to(device, non_blocking=True)
@@ -135,7 +151,20 @@ def prepare_inputs(batch: ScheduledBatch, block_size: int, device: torch.device)
         num_prompt_tokens=[s.num_prompt_tokens for s in batch.sample_seqs],
     )
     return StepInputs(tensor(input_ids), tensor(positions), meta, tensor(logits_indices),
-                      sampling)
+                      sampling, prompt_runs)
+
+
+LOGITS_ROWS = 512  # logits computed per LM-head call: 512 x 49k x 4 B = 100 MB for SmolLM2
+
+
+def compute_logits_in_slices(
+    model: Any, hidden: torch.Tensor, indices: torch.Tensor
+) -> Iterator[torch.Tensor]:
+    """The logits of `hidden[indices]`, LOGITS_ROWS rows per LM-head call (a long prompt's
+    prompt logprobs would not fit at once). Every tensor-parallel rank makes the same calls,
+    so the LM head's collectives meet."""
+    for start in range(0, indices.numel(), LOGITS_ROWS):
+        yield model.compute_logits(hidden[indices[start : start + LOGITS_ROWS]])
 
 
 class ModelRunner:
@@ -213,15 +242,52 @@ class ModelRunner:
             )
         return blocks
 
+    def _take_prompt_logprobs(
+        self, batch: ScheduledBatch, inputs: StepInputs, slices: Iterator[torch.Tensor],
+        num_samples: int,
+    ) -> torch.Tensor | None:
+        """Score the prompt rows slice by slice into `batch.prompt_logprobs`; return the
+        samples' logits (the first `num_samples` rows), None if there are none."""
+        sample_parts, row = [], 0
+        targets = [  # (seq, position) of every prompt row, in row order
+            (seq, first + k) for seq, first, count in inputs.prompt_logprob_runs
+            for k in range(count)
+        ]
+        for logits in slices:
+            n = logits.shape[0]
+            take = max(0, min(n, num_samples - row))
+            if take:
+                sample_parts.append(logits[:take])
+            if take < n:
+                lps = logits[take:].log_softmax(dim=-1)  # [rows, V]
+                rows = targets[row + take - num_samples : row + n - num_samples]
+                tokens = torch.tensor([seq.token_ids[pos] for seq, pos in rows], device=lps.device)
+                own = lps.gather(-1, tokens.unsqueeze(-1)).squeeze(-1).tolist()
+                k = max(seq.sampling_params.prompt_logprobs for seq, _ in rows)
+                top_values, top_ids = lps.topk(max(k, 1), dim=-1)
+                top_values, top_ids = top_values.tolist(), top_ids.tolist()
+                for j, (seq, pos) in enumerate(rows):
+                    want = seq.sampling_params.prompt_logprobs
+                    entry = dict(zip(top_ids[j][:want], top_values[j][:want]))
+                    entry[seq.token_ids[pos]] = own[j]
+                    batch.prompt_logprobs.setdefault(seq.seq_id, (pos, []))[1].append(entry)
+            row += n
+        return torch.cat(sample_parts) if sample_parts else None
+
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> list[SampledToken]:
         """Execute the plan: write the new tokens' KV, and sample for the finished prompts."""
         inputs = prepare_inputs(batch, self.block_size, self.device)
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
-        if not batch.sample_seqs:
+        num_samples = len(batch.sample_seqs)
+        slices = compute_logits_in_slices(self.model, hidden, inputs.logits_indices)
+        if inputs.prompt_logprob_runs:
+            logits = self._take_prompt_logprobs(batch, inputs, slices, num_samples)
+        else:
+            logits = torch.cat(list(slices)) if num_samples else None
+        if logits is None:
             return []
-        logits = self.model.compute_logits(hidden[inputs.logits_indices])  # [num_samples, V]
-        out = self.sampler(logits, inputs.sampling)
+        out = self.sampler(logits, inputs.sampling)  # logits: [num_samples, V]
         if out.logprobs is None or out.top_logprobs is None:
             return [SampledToken(t) for t in out.token_ids]
         return [

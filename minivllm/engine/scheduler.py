@@ -31,6 +31,11 @@ class ScheduledBatch:
     # The sequences whose prompt is complete after this step: they get a sampled token.
     # Fixed when the plan is made, because committing changes the counters it is read from.
     sample_seqs: list[Sequence] = field(init=False)
+    # Filled by the runner for sequences that asked for prompt logprobs: seq_id -> (first
+    # prompt position covered, one {token_id: logprob} per position), committed by postprocess.
+    prompt_logprobs: dict[int, tuple[int, list[dict[int, float]]]] = field(
+        default_factory=dict, init=False
+    )
 
     def __post_init__(self) -> None:
         self.sample_seqs = [
@@ -185,6 +190,11 @@ class Scheduler:
             seq.num_cached_tokens += seq.num_scheduled_tokens
             seq.num_scheduled_tokens = 0
             self.block_manager.commit(seq, before)
+            if seq.seq_id in batch.prompt_logprobs:
+                first, entries = batch.prompt_logprobs[seq.seq_id]
+                # A recompute after preemption covers positions already committed: skip them.
+                skip = 1 + len(seq.prompt_logprobs) - first
+                seq.prompt_logprobs.extend(entries[max(skip, 0):])
         for seq, sample in zip(batch.sample_seqs, samples):
             if seq.is_finished:
                 continue

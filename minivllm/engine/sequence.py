@@ -54,6 +54,9 @@ class Sequence:
         # One entry per completion token when sampling_params.logprobs is set:
         # (sampled token's logprob, {token_id: logprob} of the top-N).
         self.logprobs: list[tuple[float, dict[int, float]]] = []
+        # When sampling_params.prompt_logprobs is set: for prompt positions 1.., committed in
+        # order, {token_id: logprob} of the prompt's own token plus the top-N.
+        self.prompt_logprobs: list[dict[int, float]] = []
         self.num_preemptions = 0
 
     def __repr__(self) -> str:

@@ -151,6 +151,50 @@ def test_penalties_and_logit_bias_reach_the_sampler(tiny_server: Live, tiny_llam
     assert plain.choices[0].text != want
 
 
+def test_echo_puts_the_prompt_and_its_logprobs_first(tiny_server: Live, tiny_llama_dir) -> None:
+    """`echo` (OpenAI's legacy completions, what lm-eval-harness scores prompts with): the
+    text starts with the prompt; with logprobs, every prompt token comes first (None for the
+    first one), with the values of HF's forward over the prompt; streamed, the prompt is each
+    choice's first chunk, and the rest equals the non-streamed answer."""
+    from test_prompt_logprobs import hf_prompt_logprobs
+
+    engine = tiny_server.engine
+    ids = engine.tokenizer.encode(PROMPT, add_special_tokens=True)
+    kw = dict(model=MODEL, max_tokens=4, temperature=0, echo=True, logprobs=2,
+              extra_body={"ignore_eos": True})
+    plain = tiny_server.client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0, logprobs=2,
+        extra_body={"ignore_eos": True},
+    ).choices[0]
+    r = tiny_server.client.completions.create(prompt=PROMPT, **kw).choices[0]
+    assert r.text == PROMPT + plain.text
+    lp = r.logprobs
+    assert len(lp.tokens) == len(ids) + 4
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    ref = hf_prompt_logprobs(str(tiny_llama_dir), tuple(ids))
+    for pos in range(1, len(ids)):
+        assert lp.token_logprobs[pos] == pytest.approx(ref[pos - 1, ids[pos]].item(), abs=1e-4)
+        assert 1 <= len(lp.top_logprobs[pos]) <= 3  # top-2 plus the prompt's own token
+    assert lp.token_logprobs[len(ids):] == pytest.approx(plain.logprobs.token_logprobs)
+    assert lp.text_offset == sorted(lp.text_offset)
+    # Token ids as the prompt: the prompt is echoed decoded.
+    by_ids = tiny_server.client.completions.create(prompt=ids, **kw).choices[0]
+    assert by_ids.text == engine.tokenizer.decode(ids) + plain.text
+    # Streamed, two prompts: each choice's first chunk is its prompt.
+    chunks = list(tiny_server.client.completions.create(prompt=[PROMPT, "Hello"], stream=True,
+                                                        **kw))
+    texts: dict[int, list[str]] = {0: [], 1: []}
+    for chunk in chunks:
+        for c in chunk.choices:
+            texts[c.index].append(c.text)
+    assert texts[0][0] == PROMPT and texts[1][0] == "Hello"
+    assert "".join(texts[0]) == r.text
+    streamed_lp = [t for chunk in chunks for c in chunk.choices if c.index == 0 and c.logprobs
+                   for t in c.logprobs.token_logprobs]
+    assert streamed_lp[0] is None
+    assert streamed_lp[1:] == pytest.approx(lp.token_logprobs[1:])
+
+
 def test_chat_uses_the_chat_template(tiny_server: Live) -> None:
     """Chat counts the prompt through the model's chat template and answers as assistant."""
     messages = [{"role": "user", "content": "Hello, world!"}]
@@ -401,7 +445,6 @@ ERROR_CASES = [
     ("bias-key", _COMPLETION, {**_OK, "logit_bias": {"fox": 1}}, None, 400, "logit_bias keys"),
     ("bias-value", _CHAT, {**_OK_CHAT, "logit_bias": {"5": 500}}, None, 400, "logit_bias values"),
     ("bias-vocab", _COMPLETION, {**_OK, "logit_bias": {"999999": 1}}, None, 400, "vocabulary"),
-    ("echo", _COMPLETION, {**_OK, "echo": True}, None, 400, "echo is not supported"),
     ("best-of", _COMPLETION, {**_OK, "best_of": 3}, None, 400, "best_of"),
     ("suffix", _COMPLETION, {**_OK, "suffix": "end"}, None, 400, "suffix"),
     ("n-zero", _COMPLETION, {**_OK, "n": 0}, None, 400, "n must"),

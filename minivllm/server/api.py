@@ -8,6 +8,7 @@ the message the client sees.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any, Literal
 
@@ -105,22 +106,23 @@ class CompletionRequest(_SamplingRequest):
     # A string, token ids, or a batch of either (one set of n choices per prompt).
     prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = None
+    echo: bool = False  # the prompt before the completion (its logprobs too, with logprobs)
     # OpenAI's fields this server does not implement: a 400 if a client asks for them, rather
     # than an answer that silently differs from what it asked for.
-    echo: bool = False
     best_of: int | None = None
     suffix: str | None = None
 
     def sampling_params(
         self, default_max_tokens: int | None, logprobs: int | None
     ) -> SamplingParams:
-        if self.echo:
-            raise ValueError("echo is not supported")
         if self.best_of is not None and self.best_of != self.n:
             raise ValueError(f"best_of is not supported (only best_of == n), got {self.best_of}")
         if self.suffix:
             raise ValueError("suffix is not supported")
-        return super().sampling_params(default_max_tokens, logprobs)
+        params = super().sampling_params(default_max_tokens, logprobs)
+        if self.echo and logprobs is not None:
+            params = dataclasses.replace(params, prompt_logprobs=logprobs)
+        return params
 
 
 class ContentPart(_Request):
@@ -163,8 +165,8 @@ class Usage(BaseModel):
 
 class CompletionLogprobs(BaseModel):
     tokens: list[str] = []
-    token_logprobs: list[float] = []
-    top_logprobs: list[dict[str, float]] = []
+    token_logprobs: list[float | None] = []  # None for an echoed prompt's first token
+    top_logprobs: list[dict[str, float] | None] = []
     text_offset: list[int] = []
 
 

@@ -163,6 +163,8 @@ class _ChoiceState:
 
     text_sent: int = 0  # characters of the cumulative text already sent
     tokens_sent: int = 0  # completion tokens whose logprobs were already sent
+    started: bool = False  # the choice's first chunk (an echoed prompt) went out
+    offset: int = 0  # characters sent before the completion's text (the echoed prompt)
 
 
 def _text_delta(out: CompletionOutput, sent: int, hold_back: int) -> tuple[str, int]:
@@ -354,12 +356,49 @@ class OpenAIServer:
             text = self.token_text(token_id)
             result.tokens.append(text)
             result.token_logprobs.append(top.get(token_id, float("-inf")))
-            result.top_logprobs.append(
-                {self.token_text(t): lp for t, lp in sorted(top.items(), key=lambda kv: -kv[1])}
-            )
+            result.top_logprobs.append(self.by_text(top))
             result.text_offset.append(offset)
             offset += len(text)
         return result
+
+    def by_text(self, top: dict[int, float]) -> dict[str, float]:
+        """Token id -> logprob as OpenAI's token text -> logprob, most likely first."""
+        return {self.token_text(t): lp for t, lp in sorted(top.items(), key=lambda kv: -kv[1])}
+
+    def echo_logprobs(self, output: RequestOutput) -> api.CompletionLogprobs:
+        """OpenAI's logprobs of an echoed prompt: every prompt token, None for the first."""
+        result = api.CompletionLogprobs()
+        offset = 0
+        scores = output.prompt_logprobs or [None] * len(output.prompt_token_ids)
+        for token_id, top in zip(output.prompt_token_ids, scores, strict=True):
+            text = self.token_text(token_id)
+            result.tokens.append(text)
+            result.token_logprobs.append(None if top is None else top[token_id])
+            result.top_logprobs.append(None if top is None else self.by_text(top))
+            result.text_offset.append(offset)
+            offset += len(text)
+        return result
+
+    def echoed(
+        self, output: RequestOutput, prompt_text: str, logprobs: api.CompletionLogprobs | None
+    ) -> tuple[str, api.CompletionLogprobs | None]:
+        """The echoed prompt's text and (when asked for) its logprobs, with the completion's
+        `logprobs` appended, their offsets moved past the prompt."""
+        if logprobs is None:
+            return prompt_text, None
+        merged = self.echo_logprobs(output)
+        merged.tokens += logprobs.tokens
+        merged.token_logprobs += logprobs.token_logprobs
+        merged.top_logprobs += logprobs.top_logprobs
+        merged.text_offset += [offset + len(prompt_text) for offset in logprobs.text_offset]
+        return prompt_text, merged
+
+    def echo_text(self, prompt: str | list[int]) -> str:
+        """What `echo` puts before the completion: the prompt string as given, token ids
+        decoded."""
+        if isinstance(prompt, str):
+            return prompt
+        return self.tokenizer.decode(prompt) if self.tokenizer is not None else ""
 
     def chat_logprobs(
         self, out: CompletionOutput, start: int, num_top: int
@@ -407,6 +446,7 @@ class OpenAIServer:
                 prompts.append(await asyncio.to_thread(self.encode, p, True))
             else:
                 prompts.append(list(p))
+        echo = [self.echo_text(p) for p in raw_prompts] if req.echo else None  # per prompt
         request_id = f"cmpl-{uuid.uuid4().hex}"
         start = time.monotonic()
         stream = await self.start(request_id, prompts, params)
@@ -414,7 +454,8 @@ class OpenAIServer:
         prompt_tokens = sum(map(len, prompts))
         if req.stream:
             gen = self.stream_completion(
-                request_id, stream, params, num_choices, prompt_tokens, req.include_usage, start
+                request_id, stream, params, num_choices, prompt_tokens, req.include_usage, start,
+                echo,
             )
             return _SSEResponse(gen, on_close=stream.close)
         try:
@@ -425,12 +466,13 @@ class OpenAIServer:
         choices = []
         for index, output in enumerate(outputs):
             out = output.outputs[0]
+            text, logprobs = out.text, self.completion_logprobs(out, 0, 0)
+            if echo is not None:
+                prompt_text, logprobs = self.echoed(output, echo[index // params.n], logprobs)
+                text = prompt_text + text
             choices.append(
                 api.CompletionChoice(
-                    index=index,
-                    text=out.text,
-                    logprobs=self.completion_logprobs(out, 0, 0),
-                    finish_reason=out.finish_reason,
+                    index=index, text=text, logprobs=logprobs, finish_reason=out.finish_reason
                 )
             )
         usage = _usage(prompt_tokens, outputs)
@@ -449,7 +491,15 @@ class OpenAIServer:
         prompt_tokens: int,
         include_usage: bool,
         start: float,
+        echo: list[str] | None,
     ) -> AsyncIterator[str]:
+        def echo_chunk(index: int, output: RequestOutput) -> tuple[str, int]:
+            """The echoed prompt, as the choice's first chunk, and its length."""
+            assert echo is not None
+            text = echo[index // params.n]
+            logprobs = self.echo_logprobs(output) if params.logprobs is not None else None
+            return choice(index, text, logprobs, None), len(text)
+
         def choice(index: int, delta: str, logprobs: Any, finish_reason: str | None) -> str:
             return _sse(api.CompletionResponse(
                 id=request_id, model=self.served_model_name,
@@ -465,9 +515,10 @@ class OpenAIServer:
         async for line in self.stream_choices(
             request_id, stream, params, num_choices, prompt_tokens, start,
             logprobs_of=lambda out, state: self.completion_logprobs(
-                out, state.tokens_sent, state.text_sent),
+                out, state.tokens_sent, state.offset + state.text_sent),
             choice_chunk=choice,
             usage_chunk=usage if include_usage else None,
+            first_chunk=echo_chunk if echo is not None else None,
         ):
             yield line
 
@@ -483,6 +534,7 @@ class OpenAIServer:
         choice_chunk: Callable[[int, str, Any, str | None], str],
         usage_chunk: Callable[[api.Usage], str] | None,
         preamble: tuple[str, ...] = (),
+        first_chunk: Callable[[int, RequestOutput], tuple[str, int]] | None = None,
     ) -> AsyncIterator[str]:
         """The SSE lines of a streamed request, completions and chat alike: one chunk per
         committed step and choice (text deltas, held back at a possible stop string or an
@@ -502,6 +554,10 @@ class OpenAIServer:
                     yield "data: [DONE]\n\n"
                     return
                 state = states[index]
+                if first_chunk is not None and not state.started:
+                    line, state.offset = first_chunk(index, output)
+                    yield line
+                state.started = True
                 delta, end = _text_delta(out, state.text_sent, hold_back)
                 logprobs = logprobs_of(out, state)
                 state.text_sent, state.tokens_sent = end, len(out.token_ids)

@@ -188,6 +188,9 @@ class ModelRunner:
             check_quantization(config.quantization, self.device, self.dtype)
             count = quantize_model_int8(self.model)
             logger.info("int8 weights for %d linear layers", count)
+        lm_head = getattr(self.model, "lm_head", None)
+        if lm_head is not None and hasattr(lm_head, "pack_for_cpu") and lm_head.pack_for_cpu():
+            logger.info("LM head: oneDNN-packed fp32 weight")
         self.vocab_size: int = int(self.hf_config.vocab_size)
         self.num_layers = int(self.hf_config.num_hidden_layers)
         num_heads = int(self.hf_config.num_attention_heads)

@@ -17,6 +17,7 @@ import asyncio
 import hmac
 import json
 import logging
+import math
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -351,12 +352,19 @@ class OpenAIServer:
     ) -> api.CompletionLogprobs | None:
         if out.logprobs is None:
             return None
+        return self.logprobs_of_tokens(out.token_ids[start:], out.logprobs[start:], offset)
+
+    def logprobs_of_tokens(
+        self, token_ids: list[int], scores: list[dict[int, float] | None], offset: int
+    ) -> api.CompletionLogprobs:
+        """OpenAI's completions logprobs of `token_ids`, the first at character `offset`; a
+        None score (an echoed prompt's first token) has no logprobs."""
         result = api.CompletionLogprobs()
-        for token_id, top in zip(out.token_ids[start:], out.logprobs[start:], strict=False):
+        for token_id, top in zip(token_ids, scores, strict=False):
             text = self.token_text(token_id)
             result.tokens.append(text)
-            result.token_logprobs.append(top.get(token_id, float("-inf")))
-            result.top_logprobs.append(self.by_text(top))
+            result.token_logprobs.append(None if top is None else top.get(token_id, -math.inf))
+            result.top_logprobs.append(None if top is None else self.by_text(top))
             result.text_offset.append(offset)
             offset += len(text)
         return result
@@ -367,31 +375,8 @@ class OpenAIServer:
 
     def echo_logprobs(self, output: RequestOutput) -> api.CompletionLogprobs:
         """OpenAI's logprobs of an echoed prompt: every prompt token, None for the first."""
-        result = api.CompletionLogprobs()
-        offset = 0
         scores = output.prompt_logprobs or [None] * len(output.prompt_token_ids)
-        for token_id, top in zip(output.prompt_token_ids, scores, strict=True):
-            text = self.token_text(token_id)
-            result.tokens.append(text)
-            result.token_logprobs.append(None if top is None else top[token_id])
-            result.top_logprobs.append(None if top is None else self.by_text(top))
-            result.text_offset.append(offset)
-            offset += len(text)
-        return result
-
-    def echoed(
-        self, output: RequestOutput, prompt_text: str, logprobs: api.CompletionLogprobs | None
-    ) -> tuple[str, api.CompletionLogprobs | None]:
-        """The echoed prompt's text and (when asked for) its logprobs, with the completion's
-        `logprobs` appended, their offsets moved past the prompt."""
-        if logprobs is None:
-            return prompt_text, None
-        merged = self.echo_logprobs(output)
-        merged.tokens += logprobs.tokens
-        merged.token_logprobs += logprobs.token_logprobs
-        merged.top_logprobs += logprobs.top_logprobs
-        merged.text_offset += [offset + len(prompt_text) for offset in logprobs.text_offset]
-        return prompt_text, merged
+        return self.logprobs_of_tokens(output.prompt_token_ids, scores, 0)
 
     def echo_text(self, prompt: str | list[int]) -> str:
         """What `echo` puts before the completion: the prompt string as given, token ids
@@ -466,10 +451,16 @@ class OpenAIServer:
         choices = []
         for index, output in enumerate(outputs):
             out = output.outputs[0]
-            text, logprobs = out.text, self.completion_logprobs(out, 0, 0)
-            if echo is not None:
-                prompt_text, logprobs = self.echoed(output, echo[index // params.n], logprobs)
-                text = prompt_text + text
+            text = out.text if echo is None else echo[index // params.n] + out.text
+            logprobs = self.completion_logprobs(out, 0, len(text) - len(out.text))
+            if echo is not None and logprobs is not None:  # the prompt's tokens come first
+                prompt = self.echo_logprobs(output)
+                logprobs = api.CompletionLogprobs(
+                    tokens=prompt.tokens + logprobs.tokens,
+                    token_logprobs=prompt.token_logprobs + logprobs.token_logprobs,
+                    top_logprobs=prompt.top_logprobs + logprobs.top_logprobs,
+                    text_offset=prompt.text_offset + logprobs.text_offset,
+                )
             choices.append(
                 api.CompletionChoice(
                     index=index, text=text, logprobs=logprobs, finish_reason=out.finish_reason

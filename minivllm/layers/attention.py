@@ -19,6 +19,7 @@ Two implementations of the attention itself:
   kernel reading the paged cache through the block table directly.
 """
 
+import itertools
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -126,10 +127,7 @@ class AttentionMetadata:
     @cached_property
     def query_starts_cpu(self) -> list[int]:
         """Python mirror of `query_start_loc`."""
-        starts = [0]
-        for n in self.query_lens_cpu:
-            starts.append(starts[-1] + n)
-        return starts
+        return list(itertools.accumulate(self.query_lens_cpu, initial=0))
 
     @cached_property
     def groups(self) -> list[tuple[torch.Tensor, "AttentionMetadata"]]:
@@ -147,15 +145,14 @@ class AttentionMetadata:
         tokens = [t for i in seqs for t in range(starts[i], starts[i + 1])]
         query_lens = [self.query_lens_cpu[i] for i in seqs]
         seq_lens = [self.seq_lens_cpu[i] for i in seqs]
-        sub_starts = [0]
-        for n in query_lens:
-            sub_starts.append(sub_starts[-1] + n)
         rows = torch.tensor(seqs, dtype=torch.int64, device=device)
         token_index = torch.tensor(tokens, dtype=torch.int64, device=device)
         max_blocks = -(-max(seq_lens) // self.block_size)
         sub = AttentionMetadata(
             slot_mapping=self.slot_mapping.index_select(0, token_index),
-            query_start_loc=torch.tensor(sub_starts, dtype=torch.int64, device=device),
+            query_start_loc=torch.tensor(
+                list(itertools.accumulate(query_lens, initial=0)), dtype=torch.int64, device=device
+            ),
             seq_lens=self.seq_lens.index_select(0, rows),
             block_tables=self.block_tables.index_select(0, rows)[:, :max_blocks],
             query_lens_cpu=query_lens,

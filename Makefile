@@ -3,7 +3,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run test install lint clean
+.PHONY: run test test-quick install lint clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -20,6 +20,10 @@ run: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q
+
+# The edit-test loop: the engine core on the fake runner and the layers (seconds).
+test-quick: $(STAMP)
+	$(PY) -m pytest -q tests/engine tests/layers
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check minivllm tests

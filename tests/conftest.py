@@ -1,33 +1,23 @@
 """Shared fixtures. `make_engine` builds engine-core engines on the fake runner and checks,
-after every test, that nothing leaked: no request left queued, every block free."""
+after every test, that nothing leaked: no request left queued, every block free.
+
+Helpers live in `tests/support/` (on pytest's pythonpath); the tiny HF checkpoints are the
+session-scoped fixtures of `support.model_fixtures`.
+"""
 
 from __future__ import annotations
 
-import os
-import sys
 from collections.abc import Callable, Iterator
 
 import pytest
+from support.engine_checks import assert_no_leaks
+from support.fake_runner import FakeModelRunner
 
-sys.path.insert(0, os.path.dirname(__file__))
+from minivllm.config import EngineConfig
+from minivllm.engine.llm_engine import LLMEngine
+from minivllm.engine.tracing import Tracer
 
-pytest_plugins = ["model_fixtures"]
-
-from fake_runner import FakeModelRunner  # noqa: E402
-
-from minivllm.config import EngineConfig  # noqa: E402
-from minivllm.engine.llm_engine import LLMEngine  # noqa: E402
-from minivllm.engine.tracing import Tracer  # noqa: E402
-
-
-def assert_no_leaks(engine: LLMEngine) -> None:
-    """The leak check: nothing queued, every block back in the pool with ref_count 0."""
-    scheduler = engine.scheduler
-    assert not scheduler.waiting and not scheduler.running, "requests left in the queues"
-    bm = scheduler.block_manager
-    assert bm.num_free_blocks == bm.num_blocks, "blocks not returned"
-    assert all(b.ref_count == 0 for b in bm.blocks), "ref counts not back to 0"
-    scheduler.check_invariants()
+pytest_plugins = ["support.model_fixtures"]
 
 
 @pytest.fixture
@@ -55,18 +45,3 @@ def default_llm():
     from minivllm import LLM
 
     return LLM(None, num_kv_blocks=1024, max_model_len=2048)
-
-
-def run_to_completion(engine: LLMEngine, check: bool = True, max_steps: int = 10_000) -> dict:
-    """Step until idle; return {request_id: final RequestOutput}. Checks invariants each step."""
-    finals = {}
-    for _ in range(max_steps):
-        if not engine.has_unfinished_requests():
-            return finals
-        for out in engine.step():
-            if out.finished:
-                assert out.request_id not in finals, "a request finished twice"
-                finals[out.request_id] = out
-        if check:
-            engine.scheduler.check_invariants()
-    raise AssertionError("engine did not finish: a hang")

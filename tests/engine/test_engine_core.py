@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from conftest import run_to_completion
-from fake_runner import FakeModelRunner, reference_completion
+from support.engine_checks import run_to_completion
+from support.fake_runner import FakeModelRunner, reference_completion
 
 from minivllm.config import EngineConfig
 from minivllm.engine.scheduler import Scheduler

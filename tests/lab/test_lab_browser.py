@@ -34,7 +34,7 @@ ARGS = [
     "--disable-component-update",
     "--disable-sync",
 ]
-DOCS_SHOT = Path(__file__).resolve().parents[1] / "docs" / "lab.png"
+DOCS_SHOT = Path(__file__).resolve().parents[2] / "docs" / "lab.png"
 
 
 def _need_browser() -> None:

@@ -1,6 +1,6 @@
 """Reliability: runner faults under load, a bad-input matrix, determinism under batching.
 
-- Faults (tests/faults.py wraps the model runner): a failed step commits nothing, its plan is
+- Faults (tests/support/faults.py wraps the model runner): a failed step commits nothing, its plan is
   dropped, its batch's requests end with finish_reason "error" (HTTP: an error event when
   streamed, a 500 JSON body when not), every other request produces exactly the greedy
   tokens it produces without the fault, and every KV block comes back.
@@ -24,10 +24,10 @@ from typing import Any
 
 import httpx
 import pytest
-from conftest import assert_no_leaks, run_to_completion
-from fake_runner import reference_completion
-from faults import INJECTED, FaultyRunner
-from server_helpers import scrape_metrics, wait_idle
+from support.engine_checks import assert_no_leaks, run_to_completion
+from support.fake_runner import reference_completion
+from support.faults import INJECTED, FaultyRunner
+from support.server_helpers import scrape_metrics, wait_idle
 
 from minivllm import LLM
 from minivllm.engine.llm_engine import LLMEngine

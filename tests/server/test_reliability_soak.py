@@ -16,7 +16,7 @@ import torch
 
 from minivllm.engine.llm_engine import LLMEngine
 
-_SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "soak.py"
+_SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "soak.py"
 _spec = importlib.util.spec_from_file_location("minivllm_soak", _SCRIPT)
 soak = importlib.util.module_from_spec(_spec)
 sys.modules[_spec.name] = soak  # dataclasses look their module up there

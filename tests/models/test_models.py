@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from model_fixtures import allocate_kv_caches, make_attention_metadata
+from support.model_fixtures import allocate_kv_caches, make_attention_metadata
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 

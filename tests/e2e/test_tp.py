@@ -18,7 +18,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-from model_fixtures import build_tokenizer, save_tiny_checkpoint, tiny_config_kwargs
+from support.model_fixtures import build_tokenizer, save_tiny_checkpoint, tiny_config_kwargs
 from transformers import Qwen3Config
 from transformers import Qwen3ForCausalLM as HFQwen3ForCausalLM
 

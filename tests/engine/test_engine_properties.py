@@ -8,8 +8,8 @@ with exactly the tokens the fake model gives it alone, and no block leaks.
 
 from __future__ import annotations
 
-from conftest import assert_no_leaks
-from fake_runner import FakeModelRunner, reference_completion
+from support.engine_checks import assert_no_leaks
+from support.fake_runner import FakeModelRunner, reference_completion
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from model_fixtures import LONG_CONTEXT
+from support.model_fixtures import LONG_CONTEXT
 
 SHUTDOWN_TIMEOUT_S = 1.0
 # Cannot finish within the grace period, even on a fast machine (at 0.5 ms a step it needs 4 s):

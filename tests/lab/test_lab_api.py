@@ -9,7 +9,7 @@ import threading
 from pathlib import Path
 
 import pytest
-from fake_runner import FakeModelRunner
+from support.fake_runner import FakeModelRunner
 from fastapi.testclient import TestClient
 
 from minivllm.config import EngineConfig
@@ -18,7 +18,7 @@ from minivllm.engine.tracing import Tracer
 from minivllm.lab.app import create_app
 from minivllm.lab.scenarios import SCENARIOS, SEQ8_TEXT, EngineShape
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SEQ_KEYS = {
     "seq_id",
     "status",

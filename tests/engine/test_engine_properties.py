@@ -8,10 +8,10 @@ with exactly the tokens the fake model gives it alone, and no block leaks.
 
 from __future__ import annotations
 
-from support.engine_checks import assert_no_leaks
-from support.fake_runner import FakeModelRunner, reference_completion
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from support.engine_checks import assert_no_leaks
+from support.fake_runner import FakeModelRunner, reference_completion
 
 from minivllm.config import EngineConfig
 from minivllm.engine.llm_engine import LLMEngine

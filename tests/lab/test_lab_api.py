@@ -9,8 +9,8 @@ import threading
 from pathlib import Path
 
 import pytest
-from support.fake_runner import FakeModelRunner
 from fastapi.testclient import TestClient
+from support.fake_runner import FakeModelRunner
 
 from minivllm.config import EngineConfig
 from minivllm.engine.llm_engine import LLMEngine

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from support.model_fixtures import allocate_kv_caches, make_attention_metadata
 from safetensors.torch import load_file, save_file
+from support.model_fixtures import allocate_kv_caches, make_attention_metadata
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 
 from minivllm.models.loader import load_model

@@ -1,8 +1,8 @@
 """Reliability: runner faults under load, a bad-input matrix, determinism under batching.
 
 - Faults (tests/support/faults.py wraps the model runner): a failed step commits nothing,
-  its plan is dropped, its batch's requests end with finish_reason "error" (HTTP: an error event when
-  streamed, a 500 JSON body when not), every other request produces exactly the greedy
+  its plan is dropped, its batch's requests end with finish_reason "error" (HTTP: an error
+  event when streamed, a 500 JSON body when not), every other request produces exactly the greedy
   tokens it produces without the fault, and every KV block comes back.
 - Bad input: one table of cases over the Python API and HTTP; each gets a clear error (HTTP:
   its status and OpenAI's error JSON) and the engine serves the next request.

@@ -23,7 +23,7 @@ from support.server_helpers import scrape_metrics, wait_idle
 from minivllm import SamplingParams
 from minivllm.engine.llm_engine import LLMEngine
 from minivllm.server import ServerThread, create_app
-from minivllm.server.app import OpenAIServer
+from minivllm.server.serving import OpenAIServer
 
 API_KEY = "test-key"
 MODEL = "tiny-llama"

@@ -44,27 +44,22 @@ class LabError(Exception):
 
 
 class PhaseTracer(Tracer):
-    """A Tracer that calls `on_phase(old, new)` whenever the engine enters another phase.
+    """A Tracer that calls `on_enter(phase)` and `on_exit(phase)` around each engine phase.
 
-    The engine sets `tracer.phase = "execute"` once the plan is made and `"commit"` once the
-    runner has run, so this is where the lab photographs the state in between.
+    The engine runs `with tracer.phase("plan")`, then `"execute"`, then `"commit"`, so the
+    lab photographs the state in between.
     """
 
-    def __init__(self, on_phase: Callable[[str | None, str], None]) -> None:
-        self._on_phase: Callable[[str | None, str], None] | None = None
-        self._phase: str | None = None
+    def __init__(self, on_enter: Callable[[str], None], on_exit: Callable[[str], None]) -> None:
         super().__init__()
-        self._on_phase = on_phase
+        self._on_enter = on_enter
+        self._on_exit = on_exit
 
-    @property  # type: ignore[override]
-    def phase(self) -> str | None:
-        return self._phase
+    def on_phase_enter(self, name: str) -> None:
+        self._on_enter(name)
 
-    @phase.setter
-    def phase(self, value: str) -> None:
-        old, self._phase = self._phase, value
-        if self._on_phase is not None and old != value:
-            self._on_phase(old, value)
+    def on_phase_exit(self, name: str) -> None:
+        self._on_exit(name)
 
 
 class Experiment:
@@ -72,7 +67,7 @@ class Experiment:
 
     def __init__(self, scenario: Scenario, factory: EngineFactory) -> None:
         self.scenario = scenario
-        self.tracer = PhaseTracer(self._on_phase)
+        self.tracer = PhaseTracer(self._on_phase_enter, self._on_phase_exit)
         self.engine = factory(scenario.shape, self.tracer)
         self.block_size = self.engine.config.block_size
         self.seqs: list[Sequence] = []
@@ -178,11 +173,13 @@ class Experiment:
             self._action = action
         self._new_frames = []
 
-    def _on_phase(self, old: str | None, new: str) -> None:
-        if new == "execute" and not self._plan_framed:
+    def _on_phase_enter(self, name: str) -> None:
+        if name == "execute" and not self._plan_framed:  # a whole step: the plan's frame
             self._plan_framed = True
             self._frame("plan")
-        elif new == "commit" and old == "execute":
+
+    def _on_phase_exit(self, name: str) -> None:
+        if name == "execute":  # the KV written, nothing committed yet
             self._frame("execute")
 
     def _frame(self, stage: str) -> None:

@@ -1,6 +1,6 @@
 """A request's record: its tokens, its progress counters, its block table, its state.
 
-Who writes each field (the seed's rule: scheduled is not cached):
+Who writes each field (the tutorial chapter's rule: scheduled is not cached):
 - `token_ids`, `num_tokens`: set from the prompt at creation; `append_token()` after a sample.
 - `num_prompt_tokens`: fixed at creation.
 - `num_scheduled_tokens`: the Scheduler's plan for this step (`Scheduler.schedule`).

@@ -70,7 +70,8 @@ class LLMEngine:
     def from_options(cls, tracer: NullTracer | None = None, **options: Any) -> LLMEngine:
         """Build an engine on a real model: `model` (HF dir, .gguf, or None for the default)
         and any EngineConfig option."""
-        from minivllm.engine.model_runner import ModelRunner, load_tokenizer, resolve_config
+        from minivllm.engine.model_runner import ModelRunner
+        from minivllm.models.config import load_tokenizer, resolve_config
 
         config = EngineConfig.from_options(**options)
         config, model_dir, hf_config = resolve_config(config)

@@ -20,12 +20,16 @@ def paged_attention_flash(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """flash-attn varlen attention reading the paged cache through the block tables.
 
     `q` `[num_tokens, num_heads, head_dim]` -> `[num_tokens, num_heads, head_dim]`. flash-attn's
-    `causal=True` aligns the mask bottom-right, i.e. the last query sees the last key.
+    `causal=True` aligns the mask bottom-right, i.e. the last query sees the last key; its
+    `window_size=(w - 1, 0)` lets each query see itself and the `w - 1` keys before it.
     """
+    window = (-1, -1) if sliding_window is None else (sliding_window - 1, 0)
     return flash_attn_varlen_func(
         q,
         k_cache,
@@ -36,6 +40,8 @@ def paged_attention_flash(
         max_seqlen_k=meta.max_seq_len,
         softmax_scale=scale,
         causal=True,
+        window_size=window,
+        softcap=0.0 if softcap is None else softcap,
         block_table=meta.block_tables_i32,
     )
 

@@ -24,8 +24,20 @@ class Attention(nn.Module):
     stores the step's K/V in the cache, then attends (see the module docstring).
     """
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+    def __init__(
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        scale: float,
+        sliding_window: int | None = None,
+        logit_softcap: float | None = None,
+    ) -> None:
+        """`sliding_window`: each query sees only its last `sliding_window` keys (itself
+        included); `logit_softcap`: scores become `cap * tanh(score / cap)` before the softmax."""
         super().__init__()
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be a positive integer, got {sliding_window}")
         if num_heads % num_kv_heads:
             raise ValueError(
                 f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})"
@@ -34,6 +46,8 @@ class Attention(nn.Module):
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = scale
+        self.sliding_window = sliding_window
+        self.logit_softcap = logit_softcap
 
     def forward(
         self,
@@ -50,7 +64,9 @@ class Attention(nn.Module):
         k_cache, v_cache = kv_cache
         store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         if can_use_flash_attn(q, meta.block_size):
-            out = paged_attention_flash(q, k_cache, v_cache, meta, self.scale)
+            out = paged_attention_flash(
+                q, k_cache, v_cache, meta, self.scale, self.sliding_window, self.logit_softcap
+            )
             return out.reshape(num_tokens, self.num_heads * self.head_dim)  # [T, H*D]
         groups = meta.groups
         if len(groups) == 1:
@@ -74,10 +90,20 @@ class Attention(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         """One group's attention, `[T, H, D]`: without the cache for a lone prefill that has no
-        context, else through the paged cache."""
-        if meta.is_single_prefill_without_context:
+        context (and needs no window or cap), else through the paged cache."""
+        window = self.sliding_window
+        if (
+            meta.is_single_prefill_without_context
+            and self.logit_softcap is None
+            and (window is None or meta.max_seq_len <= window)
+        ):
             return causal_attention_sdpa(q, k, v, self.scale)
-        return paged_attention_sdpa(q, kv_cache[0], kv_cache[1], meta, self.scale)
+        return paged_attention_sdpa(
+            q, kv_cache[0], kv_cache[1], meta, self.scale, window, self.logit_softcap
+        )
 
     def extra_repr(self) -> str:
-        return f"heads={self.num_heads}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}"
+        return (
+            f"heads={self.num_heads}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
+            f"sliding_window={self.sliding_window}, logit_softcap={self.logit_softcap}"
+        )

@@ -39,6 +39,8 @@ class AttentionMetadata:
     _scratch: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = field(
         default_factory=dict, init=False, repr=False
     )
+    # Per-step sliding-window masks, keyed by window; see mask_for.
+    _window_masks: dict[int, torch.Tensor] = field(default_factory=dict, init=False, repr=False)
 
     @property
     def num_seqs(self) -> int:
@@ -79,6 +81,18 @@ class AttentionMetadata:
         return paged_causal_mask(
             self.query_lens, self.seq_lens, self.max_query_len, self.max_seq_len
         )
+
+    def mask_for(self, sliding_window: int | None) -> torch.Tensor:
+        """`attn_mask`, or for a sliding-window layer the same causal mask cut to each query's
+        last `sliding_window` keys (itself included); built once per step and window."""
+        if sliding_window is None or sliding_window >= self.max_seq_len:
+            return self.attn_mask
+        if sliding_window not in self._window_masks:
+            self._window_masks[sliding_window] = paged_causal_mask(
+                self.query_lens, self.seq_lens, self.max_query_len, self.max_seq_len,
+                sliding_window,
+            )
+        return self._window_masks[sliding_window]
 
     @cached_property
     def query_pad_index(self) -> torch.Tensor:
@@ -172,18 +186,29 @@ def paged_kv_gather_index(
 
 
 def paged_causal_mask(
-    query_lens: torch.Tensor, seq_lens: torch.Tensor, max_query_len: int, max_seq_len: int
+    query_lens: torch.Tensor,
+    seq_lens: torch.Tensor,
+    max_query_len: int,
+    max_seq_len: int,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Boolean mask `[num_seqs, 1, max_query_len, max_seq_len]`: query `i` of sequence `s` sits at
-    position `seq_lens[s] - query_lens[s] + i` and sees keys `0..that position`.
+    position `p = seq_lens[s] - query_lens[s] + i` and sees keys `0..p`, or with a sliding
+    window only keys `p - sliding_window + 1 .. p` (HF's `kv_idx > q_idx - sliding_window`).
 
     Padded query rows (`i >= query_lens[s]`) see at least key 0, so no row is fully masked.
     """
     device = seq_lens.device
     context_lens = (seq_lens - query_lens)[:, None, None]  # [num_seqs, 1, 1]
-    q_pos = context_lens + torch.arange(max_query_len, device=device)[None, :, None]
+    rows = torch.arange(max_query_len, device=device)[None, :, None]  # [1, max_query_len, 1]
+    q_pos = context_lens + rows  # [num_seqs, max_query_len, 1]
     k_pos = torch.arange(max_seq_len, device=device)[None, None, :]  # [1, 1, max_seq_len]
-    return (k_pos <= q_pos).unsqueeze(1)  # [num_seqs, 1, max_query_len, max_seq_len]
+    mask = k_pos <= q_pos  # [num_seqs, max_query_len, max_seq_len]
+    if sliding_window is not None:
+        mask &= k_pos > q_pos - sliding_window
+        # A padded row's position can lie past every key its window would reach.
+        mask |= (rows >= query_lens[:, None, None]) & (k_pos == 0)
+    return mask.unsqueeze(1)  # [num_seqs, 1, max_query_len, max_seq_len]
 
 
 def query_pad_index(

@@ -31,9 +31,12 @@ def paged_attention_sdpa(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Attention of `q` `[num_tokens, num_heads, head_dim]` over the paged cache (which already
-    holds this step's K/V). Returns `[num_tokens, num_heads, head_dim]`."""
+    holds this step's K/V), each query seeing its last `sliding_window` keys when given, with
+    scores soft-capped at `softcap` when given. Returns `[num_tokens, num_heads, head_dim]`."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[-2]
     num_seqs, max_q, max_kv = meta.num_seqs, meta.max_query_len, meta.max_seq_len
@@ -43,18 +46,20 @@ def paged_attention_sdpa(
     v = torch.index_select(v_cache.view(-1, num_kv_heads, head_dim), 0, gather, out=v_buf)
     k = k.view(num_seqs, max_kv, num_kv_heads, head_dim)  # [S, max_kv, KVH, D]
     v = v.view(num_seqs, max_kv, num_kv_heads, head_dim)  # [S, max_kv, KVH, D]
+    mask = meta.mask_for(sliding_window)
 
     if meta.is_decode_only:
         # One query per sequence: fold each KV head's group of query heads into the query
         # dim, so SDPA reads every K/V once instead of expanding them for GQA (same mask row).
         group = num_heads // num_kv_heads
         q_folded = q.view(num_seqs, num_kv_heads, group, head_dim)  # [S, KVH, G, D]
-        out = F.scaled_dot_product_attention(
+        out = attend(
             q_folded,
             k.transpose(1, 2),  # [S, KVH, max_kv, D]
             v.transpose(1, 2),  # [S, KVH, max_kv, D]
-            attn_mask=meta.attn_mask,  # [S, 1, 1, max_kv]
-            scale=scale,
+            mask,  # [S, 1, 1, max_kv]
+            scale,
+            softcap,
         )  # [S, KVH, G, D]
         return out.reshape(num_tokens, num_heads, head_dim)  # [T, H, D]
 
@@ -62,13 +67,13 @@ def paged_attention_sdpa(
     q_padded.index_copy_(0, meta.query_pad_index, q)  # [S * max_q, H, D]
     q_padded = q_padded.view(num_seqs, max_q, num_heads, head_dim)  # [S, max_q, H, D]
 
-    out = F.scaled_dot_product_attention(
+    out = attend(
         q_padded.transpose(1, 2),  # [S, H, max_q, D]
         k.transpose(1, 2),  # [S, KVH, max_kv, D]
         v.transpose(1, 2),  # [S, KVH, max_kv, D]
-        attn_mask=meta.attn_mask,  # [S, 1, max_q, max_kv]
-        scale=scale,
-        enable_gqa=num_heads != num_kv_heads,
+        mask,  # [S, 1, max_q, max_kv]
+        scale,
+        softcap,
     )  # [S, H, max_q, D]
     out = out.transpose(1, 2)  # [S, max_q, H, D]
     out = out.reshape(num_seqs * max_q, num_heads, head_dim)  # [S * max_q, H, D]
@@ -91,3 +96,28 @@ def causal_attention_sdpa(
         enable_gqa=q.shape[1] != k.shape[1],
     )  # [H, T, D]
     return out.transpose(0, 1)  # [T, H, D]
+
+
+def attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """Masked attention `[B, H, Q, D]` over `k`/`v` `[B, KVH, K, D]` (grouped-query when
+    KVH < H): torch's SDPA, or, with `softcap`, the scores spelled out so they can be capped
+    (`softcap * tanh(s / softcap)`, Gemma 2) before the float32 softmax, as HF's eager path."""
+    num_heads, num_kv_heads = q.shape[-3], k.shape[-3]
+    if softcap is None:
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, scale=scale, enable_gqa=num_heads != num_kv_heads
+        )
+    group = num_heads // num_kv_heads
+    k = k.repeat_interleave(group, dim=-3)  # [B, H, K, D]
+    v = v.repeat_interleave(group, dim=-3)  # [B, H, K, D]
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale  # [B, H, Q, K]
+    scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(scores.softmax(-1, dtype=torch.float32).to(q.dtype), v)  # [B, H, Q, D]

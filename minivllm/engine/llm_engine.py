@@ -18,7 +18,7 @@ from typing import Any, Protocol
 
 from minivllm.config import EngineConfig
 from minivllm.engine.scheduler import SampledToken, ScheduledBatch, Scheduler
-from minivllm.engine.sequence import Sequence
+from minivllm.engine.sequence import FinishReason, Sequence
 from minivllm.engine.tracing import NullTracer
 from minivllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from minivllm.sampling_params import SamplingParams
@@ -70,7 +70,8 @@ class LLMEngine:
     def from_options(cls, tracer: NullTracer | None = None, **options: Any) -> LLMEngine:
         """Build an engine on a real model: `model` (HF dir, .gguf, or None for the default)
         and any EngineConfig option."""
-        from minivllm.engine.model_runner import ModelRunner, load_tokenizer, resolve_config
+        from minivllm.engine.model_runner import ModelRunner
+        from minivllm.models.config import load_tokenizer, resolve_config
 
         config = EngineConfig.from_options(**options)
         config, model_dir, hf_config = resolve_config(config)
@@ -143,7 +144,7 @@ class LLMEngine:
         if request is None:
             return False
         with self.tracer.phase("abort"):
-            self.scheduler.finish(request.seq, "abort")
+            self.scheduler.finish(request.seq, FinishReason.ABORT)
         return True
 
     def has_unfinished_requests(self) -> bool:
@@ -189,7 +190,7 @@ class LLMEngine:
             return self._outputs(seqs, sampled=set(map(id, batch.sample_seqs)))
 
     def _fail(self, batch: ScheduledBatch, exc: Exception) -> list[RequestOutput]:
-        self.scheduler.discard(batch, "error")
+        self.scheduler.discard(batch, FinishReason.ERROR)
         for seq in batch.seqs:
             request = self._requests.get(seq.seq_id)
             if request is not None:
@@ -233,9 +234,9 @@ class LLMEngine:
         if hits:
             request.text = request.text[: min(hits)[0]]
             if seq.is_finished:
-                seq.finish_reason = "stop"
+                seq.finish_reason = FinishReason.STOP
             else:
-                self.scheduler.finish(seq, "stop")
+                self.scheduler.finish(seq, FinishReason.STOP)
 
     def make_output(self, request: _Request) -> RequestOutput:
         seq = request.seq
@@ -250,7 +251,8 @@ class LLMEngine:
             index=0,
             text=request.text,
             token_ids=list(seq.completion_token_ids),
-            finish_reason=seq.finish_reason,
+            # the API speaks vLLM's plain strings
+            finish_reason=None if seq.finish_reason is None else seq.finish_reason.value,
             logprobs=logprobs,
             cumulative_logprob=cumulative,
         )

@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from minivllm.engine.sequence import Sequence, SequenceStatus
+from minivllm.engine.sequence import FinishReason, Sequence, SequenceStatus
 from minivllm.sampling_params import SamplingParams
 
 TRACED_FIELDS = frozenset(
@@ -54,6 +54,8 @@ class TraceEvent:
 def _plain(value: Any) -> Any:
     if isinstance(value, SequenceStatus):
         return value.name
+    if isinstance(value, FinishReason):
+        return value.value
     if isinstance(value, list):
         return list(value)
     return value

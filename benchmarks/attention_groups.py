@@ -15,7 +15,9 @@ import time
 
 import torch
 
-import minivllm.layers.attention as attention
+import minivllm.layers.attention.metadata as attention_metadata
+from minivllm.layers.attention import Attention, AttentionMetadata
+from minivllm.layers.attention.partition import GROUP_OVERHEAD, partition_batch
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
 LAYERS, REPEATS = 30, 7
@@ -53,8 +55,8 @@ def make_batch(seq_lens: list[int], query_lens: list[int]):
         for p in range(n - q, n)
     ]
 
-    def meta() -> attention.AttentionMetadata:
-        return attention.AttentionMetadata(
+    def meta() -> AttentionMetadata:
+        return AttentionMetadata(
             slot_mapping=torch.tensor(slots),
             query_start_loc=torch.tensor(starts),
             seq_lens=torch.tensor(seq_lens),
@@ -73,9 +75,9 @@ def make_batch(seq_lens: list[int], query_lens: list[int]):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--overhead", type=int, default=attention.GROUP_OVERHEAD)
+    parser.add_argument("--overhead", type=int, default=GROUP_OVERHEAD)
     args = parser.parse_args()
-    real = attention.partition_batch
+    real = partition_batch
 
     def partition(query_lens: list[int], seq_lens: list[int]) -> list[list[int]]:
         return real(query_lens, seq_lens, args.overhead)
@@ -93,7 +95,7 @@ def main() -> None:
         ),
         ("16 prefills, 32-256", prefill_lens, prefill_lens),
     ]
-    layer = attention.Attention(HEADS, KV_HEADS, HEAD_DIM, HEAD_DIM**-0.5)
+    layer = Attention(HEADS, KV_HEADS, HEAD_DIM, HEAD_DIM**-0.5)
     variants = [("one group", one_group), ("kind only", kind_only), ("minivllm", partition)]
     print(f"ms per step ({LAYERS} layers), best of {REPEATS}; overhead {args.overhead}")
     with torch.inference_mode():
@@ -102,14 +104,14 @@ def main() -> None:
             best: dict[str, float] = {}
             for _ in range(REPEATS):
                 for variant, fn in variants:
-                    attention.partition_batch = fn
+                    attention_metadata.partition_batch = fn
                     m = meta()
                     start = time.perf_counter()
                     for _ in range(LAYERS):
                         layer(q, k, v, cache, m)
                     ms = (time.perf_counter() - start) * 1e3
                     best[variant] = min(best.get(variant, float("inf")), ms)
-            attention.partition_batch = real
+            attention_metadata.partition_batch = real
             groups = len(partition(query_lens, seq_lens))
             ratio = best["one group"] / best["minivllm"]
             cells = "  ".join(f"{v}: {t:7.1f}" for v, t in best.items())

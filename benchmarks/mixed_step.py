@@ -13,7 +13,7 @@ from __future__ import annotations
 import random
 import time
 
-import minivllm.layers.attention as attention
+import minivllm.layers.attention.metadata as attention_metadata
 from minivllm import LLM, SamplingParams
 
 
@@ -22,7 +22,7 @@ def one_group(query_lens: list[int], seq_lens: list[int], overhead: int = 0) -> 
 
 
 def main() -> None:
-    real = attention.partition_batch
+    real = attention_metadata.partition_batch
     engine = LLM(None).llm_engine
     rng = random.Random(0)
     vocab = engine.model_runner.vocab_size
@@ -32,7 +32,7 @@ def main() -> None:
         return [rng.randrange(100, vocab - 100) for _ in range(n)]
 
     for name, partition in [("groups", real), ("one group", one_group)] * 2:
-        attention.partition_batch = partition
+        attention_metadata.partition_batch = partition
         for _ in range(15):
             engine.add_request(prompt(rng.randint(64, 400)), params)
         for _ in range(4):  # the prefill of all 15, then decodes
@@ -48,7 +48,7 @@ def main() -> None:
               flush=True)
         for seq_id in list(engine._requests):
             engine.abort_request(seq_id)
-    attention.partition_batch = real
+    attention_metadata.partition_batch = real
 
 
 if __name__ == "__main__":

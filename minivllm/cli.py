@@ -6,7 +6,10 @@ import argparse
 import logging
 import sys
 import time
+from dataclasses import Field, fields
 from typing import Any
+
+from minivllm.config import EngineConfig
 
 DEMO_QUESTIONS = [
     "What is the capital of France?",
@@ -16,40 +19,34 @@ DEMO_QUESTIONS = [
 ]
 
 
+_TYPES = {"bool": bool, "int": int, "float": float}
+
+
 def add_engine_options(parser: argparse.ArgumentParser) -> None:
-    """The EngineConfig options every subcommand that builds an engine accepts."""
+    """The EngineConfig options, one `--flag` per field (help and choices from the field), for
+    every subcommand that builds an engine."""
     g = parser.add_argument_group("engine")
-    g.add_argument("--model", default=None,
-                   help="HF model directory or .gguf file (default: SmolLM2-135M-Instruct)")
-    g.add_argument("--block-size", type=int, default=None)
-    g.add_argument("--max-num-seqs", type=int, default=None)
-    g.add_argument("--max-num-batched-tokens", type=int, default=None)
-    g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--num-kv-blocks", type=int, default=None)
-    g.add_argument("--kv-cache-memory-gb", type=float, default=None)
-    g.add_argument("--gpu-memory-utilization", type=float, default=None)
-    g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
-                   default=None, help="disable prefix caching")
-    g.add_argument("--device", choices=["cpu", "cuda"], default=None)
-    g.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
-    g.add_argument("--seed", type=int, default=None)
-    g.add_argument("--tensor-parallel-size", type=int, default=None)
-    g.add_argument("--quantization", choices=["int8"], default=None,
-                   help="int8 weights for the linear layers (CPU, fp32 activations)")
+    for f in engine_fields():
+        flag = "--" + f.name.replace("_", "-")
+        kind = next((t for name, t in _TYPES.items() if name in str(f.type)), str)
+        if kind is bool:  # the options that default to on get a --no-... switch
+            flag = "--no-" + f.name.removeprefix("enable_").replace("_", "-")
+            g.add_argument(flag, dest=f.name, action="store_false", default=None,
+                           help=f"do not {f.metadata['help']}")
+            continue
+        g.add_argument(flag, type=kind, default=None, choices=f.metadata["choices"],
+                       help=f.metadata["help"])
 
 
-ENGINE_OPTIONS = [
-    "model", "block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
-    "num_kv_blocks", "kv_cache_memory_gb", "gpu_memory_utilization", "enable_prefix_caching",
-    "device", "dtype", "seed", "tensor_parallel_size", "quantization",
-]
+def engine_fields() -> list[Field]:
+    return [f for f in fields(EngineConfig) if f.metadata.get("cli", False)]
 
 
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:
     """The engine options the user set (unset ones keep EngineConfig's defaults)."""
     return {
-        name: getattr(args, name) for name in ENGINE_OPTIONS
-        if getattr(args, name, None) is not None
+        f.name: getattr(args, f.name) for f in engine_fields()
+        if getattr(args, f.name, None) is not None
     }
 
 

@@ -6,28 +6,45 @@ once, by building a new config with `dataclasses.replace`; nothing writes to a c
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+
+def _option(default: Any, help: str, choices: tuple[str, ...] | None = None,
+            cli: bool = True) -> Any:
+    """A config field with its help text: the CLI's `--flags` are made from these."""
+    return field(default=default, metadata={"help": help, "choices": choices, "cli": cli})
 
 
 @dataclass(frozen=True)
 class EngineConfig:
     """Every knob of one engine. Pure Python; no torch import here."""
 
-    model: str | None = None  # HF directory or .gguf file; None = the default model
-    block_size: int = 16  # tokens per KV block
-    max_num_seqs: int = 256  # most sequences RUNNING at once
-    max_num_batched_tokens: int = 4096  # token budget of one step (decodes + prefill chunks)
-    max_model_len: int | None = None  # prompt + completion limit; None = the model's own
-    enable_prefix_caching: bool = True
-    num_kv_blocks: int | None = None  # override the KV pool size (tiny pools force preemption)
-    kv_cache_memory_gb: float | None = None  # KV budget on CPU; None = a share of free RAM
-    gpu_memory_utilization: float = 0.9  # share of GPU memory the engine may use
-    device: str | None = None  # "cpu" or "cuda"; None = cuda when available
-    dtype: str | None = None  # "float32", "bfloat16", "float16"; None = fp32 on CPU, bf16 on CUDA
-    seed: int = 0
-    tensor_parallel_size: int = 1
-    quantization: str | None = None  # "int8": int8 weights for the linear layers (CPU)
-    eos_token_ids: tuple[int, ...] = ()  # filled from the model when the engine is built
+    model: str | None = _option(
+        None, "HF model directory or .gguf file (default: SmolLM2-135M-Instruct)")
+    block_size: int = _option(16, "tokens per KV block")
+    max_num_seqs: int = _option(256, "most sequences RUNNING at once")
+    max_num_batched_tokens: int = _option(
+        4096, "token budget of one step (decodes + prefill chunks)")
+    max_model_len: int | None = _option(
+        None, "prompt + completion limit (default: the model's own)")
+    enable_prefix_caching: bool = _option(True, "reuse KV blocks of identical prompt prefixes")
+    num_kv_blocks: int | None = _option(
+        None, "KV pool size, overriding the memory budget (tiny pools force preemption)")
+    kv_cache_memory_gb: float | None = _option(
+        None, "KV budget on the CPU (default: a share of free RAM)")
+    gpu_memory_utilization: float = _option(0.9, "share of GPU memory the engine may use")
+    device: str | None = _option(
+        None, "cpu or cuda (default: cuda when available)", ("cpu", "cuda"))
+    dtype: str | None = _option(
+        None, "compute dtype (default: float32 on the CPU, bfloat16 on CUDA)",
+        ("float32", "bfloat16", "float16"))
+    seed: int = _option(0, "the engine's random seed (requests without their own seed)")
+    tensor_parallel_size: int = _option(1, "processes the model is split over")
+    quantization: str | None = _option(
+        None, "int8: int8 weights for the MLP's gate/up projection (CPU, float32)", ("int8",))
+    # filled from the model when the engine is built
+    eos_token_ids: tuple[int, ...] = _option((), "end-of-sequence token ids", cli=False)
 
     def __post_init__(self) -> None:
         positive = ["block_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size"]

@@ -12,7 +12,7 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    finish_reason: str | None = None  # None while running; "stop" | "length" | "abort" | "error"
+    finish_reason: str | None = None  # None while running; a FinishReason value
     # One dict per generated token, token id -> logprob (top-N plus the sampled token).
     logprobs: list[dict[int, float]] | None = None
     cumulative_logprob: float | None = None

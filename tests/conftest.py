@@ -1,5 +1,6 @@
-"""Shared fixtures. `make_engine` builds engine-core engines on the fake runner and checks,
-after every test, that nothing leaked: no request left queued, every block free.
+"""Shared fixtures. `make_engine` builds engine-core engines on the fake runner (wrapped in a
+FaultyRunner that fails nothing until a test arms it) and checks, after every test, that
+nothing leaked: no request left queued, every block free.
 
 Helpers live in `tests/support/` (on pytest's pythonpath); the tiny HF checkpoints are the
 session-scoped fixtures of `support.model_fixtures`.
@@ -12,6 +13,7 @@ from collections.abc import Callable, Iterator
 import pytest
 from support.engine_checks import assert_no_leaks
 from support.fake_runner import FakeModelRunner
+from support.faults import FaultyRunner
 
 from minivllm.config import EngineConfig
 from minivllm.engine.llm_engine import LLMEngine
@@ -29,7 +31,7 @@ def make_engine() -> Iterator[Callable[..., LLMEngine]]:
         options.setdefault("block_size", 4)
         options.setdefault("max_model_len", 512)
         config = EngineConfig(**options)  # type: ignore[arg-type]
-        runner = FakeModelRunner(num_blocks, config.block_size, vocab_size)
+        runner = FaultyRunner(FakeModelRunner(num_blocks, config.block_size, vocab_size))
         engine = LLMEngine(config, runner, tracer=Tracer() if trace else None)
         engines.append(engine)
         return engine

@@ -18,8 +18,8 @@ from typing import Any, Protocol
 
 from minivllm.config import EngineConfig
 from minivllm.engine.scheduler import SampledToken, ScheduledBatch, Scheduler
-from minivllm.engine.sequence import Sequence
-from minivllm.engine.tracing import TracedSequence, Tracer, source_of
+from minivllm.engine.sequence import FinishReason, Sequence
+from minivllm.engine.tracing import NullTracer
 from minivllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from minivllm.sampling_params import SamplingParams
 
@@ -56,21 +56,22 @@ class LLMEngine:
         config: EngineConfig,
         model_runner: ModelRunnerLike,
         tokenizer: Any | None = None,
-        tracer: Tracer | None = None,
+        tracer: NullTracer | None = None,
     ) -> None:
         self.config = config
         self.model_runner = model_runner
         self.tokenizer = tokenizer
-        self.tracer = tracer
+        self.tracer = tracer or NullTracer()
         self.scheduler = Scheduler(config, model_runner.num_kv_blocks)
         self._requests: dict[int, _Request] = {}
         self._seq_ids = itertools.count()
 
     @classmethod
-    def from_options(cls, tracer: Tracer | None = None, **options: Any) -> LLMEngine:
+    def from_options(cls, tracer: NullTracer | None = None, **options: Any) -> LLMEngine:
         """Build an engine on a real model: `model` (HF dir, .gguf, or None for the default)
         and any EngineConfig option."""
-        from minivllm.engine.model_runner import ModelRunner, load_tokenizer, resolve_config
+        from minivllm.engine.model_runner import ModelRunner
+        from minivllm.models.config import load_tokenizer, resolve_config
 
         config = EngineConfig.from_options(**options)
         config, model_dir, hf_config = resolve_config(config)
@@ -110,12 +111,9 @@ class LLMEngine:
                 f"logit_bias token id {outside[0]} is outside the vocabulary [0, {vocab})"
             )
         seq_id = next(self._seq_ids)
-        if self.tracer is not None:
-            self.tracer.phase = "add"
-            seq: Sequence = TracedSequence(self.tracer, seq_id, token_ids, sampling_params)
-        else:
-            seq = Sequence(seq_id, token_ids, sampling_params)
-        self.scheduler.add(seq)
+        with self.tracer.phase("add"):
+            seq = self.tracer.new_sequence(seq_id, token_ids, sampling_params)
+            self.scheduler.add(seq)
         request_id = str(seq_id) if request_id is None else request_id
         self._requests[seq_id] = _Request(request_id, text, seq, RequestMetrics(seq.arrival_time))
         return seq
@@ -145,9 +143,8 @@ class LLMEngine:
         request = self._requests.pop(seq_id, None)
         if request is None:
             return False
-        if self.tracer is not None:
-            self.tracer.phase = "abort"
-        self.scheduler.finish(request.seq, "abort")
+        with self.tracer.phase("abort"):
+            self.scheduler.finish(request.seq, FinishReason.ABORT)
         return True
 
     def has_unfinished_requests(self) -> bool:
@@ -162,10 +159,9 @@ class LLMEngine:
 
     def plan(self) -> ScheduledBatch:
         """Plan: Scheduler.schedule writes num_scheduled_tokens and allocates blocks."""
-        if self.tracer is not None:
-            self.tracer.step += 1
-            self.tracer.phase = "plan"
-        batch = self.scheduler.schedule()
+        self.tracer.next_step()
+        with self.tracer.phase("plan"):
+            batch = self.scheduler.schedule()
         for seq in batch.seqs:
             request = self._requests.get(seq.seq_id)
             if request is not None and request.num_cached_prompt_tokens is None:
@@ -177,43 +173,29 @@ class LLMEngine:
         batch = batch.without_finished()
         if batch.is_empty:
             return []
-        if self.tracer is not None:
-            self.tracer.phase = "execute"
-        try:
-            samples = self.model_runner.run(batch)
-        except Exception as exc:  # the plan is dropped; the engine stays usable
-            logger.exception("ModelRunner.run failed; ending the %d sequences of this batch",
-                             len(batch.seqs))
-            return self._fail(batch, exc)
-        if self.tracer is not None:
-            self._trace_execute(batch, samples)
-            self.tracer.phase = "commit"
-        seqs = self.scheduler.postprocess(batch, samples)
-        return self._outputs(seqs, sampled=set(map(id, batch.sample_seqs)))
+        failure: Exception | None = None
+        with self.tracer.phase("execute"):
+            try:
+                samples = self.model_runner.run(batch)
+            except Exception as exc:  # the plan is dropped; the engine stays usable
+                logger.exception("ModelRunner.run failed; ending the %d sequences of this "
+                                 "batch", len(batch.seqs))
+                failure = exc
+            else:
+                self.tracer.record_execute(batch, samples, self.model_runner)
+        with self.tracer.phase("commit"):
+            if failure is not None:
+                return self._fail(batch, failure)
+            seqs = self.scheduler.postprocess(batch, samples)
+            return self._outputs(seqs, sampled=set(map(id, batch.sample_seqs)))
 
     def _fail(self, batch: ScheduledBatch, exc: Exception) -> list[RequestOutput]:
-        if self.tracer is not None:
-            self.tracer.phase = "commit"
-        self.scheduler.discard(batch, "error")
+        self.scheduler.discard(batch, FinishReason.ERROR)
         for seq in batch.seqs:
             request = self._requests.get(seq.seq_id)
             if request is not None:
                 request.error = f"{type(exc).__name__}: {exc}"
         return self._outputs(batch.seqs, sampled=set())
-
-    def _trace_execute(self, batch: ScheduledBatch, samples: list[SampledToken]) -> None:
-        """The runner changes no Sequence field; record what it did to each of them."""
-        assert self.tracer is not None
-        run = type(self.model_runner).run
-        source = source_of(run)
-        actor = f"{type(self.model_runner).__name__}.run"
-        for seq in batch.seqs:
-            start = seq.num_cached_tokens
-            self.tracer.record(seq.seq_id, "kv_written", start,
-                               start + seq.num_scheduled_tokens, actor=actor, source=source)
-        for seq, sample in zip(batch.sample_seqs, samples):
-            self.tracer.record(seq.seq_id, "sampled_token", None, sample.token_id,
-                               actor=actor, source=source)
 
     # ---- outputs --------------------------------------------------------------------------
 
@@ -252,9 +234,9 @@ class LLMEngine:
         if hits:
             request.text = request.text[: min(hits)[0]]
             if seq.is_finished:
-                seq.finish_reason = "stop"
+                seq.finish_reason = FinishReason.STOP
             else:
-                self.scheduler.finish(seq, "stop")
+                self.scheduler.finish(seq, FinishReason.STOP)
 
     def make_output(self, request: _Request) -> RequestOutput:
         seq = request.seq
@@ -269,7 +251,8 @@ class LLMEngine:
             index=0,
             text=request.text,
             token_ids=list(seq.completion_token_ids),
-            finish_reason=seq.finish_reason,
+            # the API speaks vLLM's plain strings
+            finish_reason=None if seq.finish_reason is None else seq.finish_reason.value,
             logprobs=logprobs,
             cumulative_logprob=cumulative,
         )

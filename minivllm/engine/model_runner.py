@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +27,6 @@ from minivllm.layers.attention import AttentionMetadata
 from minivllm.layers.quantization import check_quantization, quantize_model_int8
 from minivllm.layers.sampler import Sampler, SamplingBatch
 from minivllm.models.loader import load_model
-from minivllm.models.registry import get_model_class
 
 logger = logging.getLogger(__name__)
 
@@ -48,33 +47,6 @@ def resolve_dtype(config: EngineConfig, device: torch.device) -> torch.dtype:
     if config.dtype is not None:
         return DTYPES[config.dtype]
     return torch.bfloat16 if device.type == "cuda" else torch.float32
-
-
-def resolve_config(config: EngineConfig) -> tuple[EngineConfig, Path, Any]:
-    """Find the model, read its HF config, and fill the model-dependent options."""
-    from transformers import AutoConfig
-
-    from minivllm.models.paths import resolve_model_dir
-
-    model_dir = resolve_model_dir(config.model)
-    hf_config = AutoConfig.from_pretrained(model_dir)
-    get_model_class(hf_config)  # an unsupported architecture fails here, before any loading
-    model_max = int(getattr(hf_config, "max_position_embeddings", 0) or 0) or None
-    max_model_len = config.max_model_len or model_max
-    if max_model_len is None:
-        raise ValueError("the model config gives no max_position_embeddings: set max_model_len")
-    if model_max is not None and max_model_len > model_max:
-        raise ValueError(
-            f"max_model_len ({max_model_len}) exceeds the model's max_position_embeddings "
-            f"({model_max})"
-        )
-    return replace(config, max_model_len=max_model_len), model_dir, hf_config
-
-
-def load_tokenizer(model_dir: Path) -> Any:
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(model_dir)
 
 
 def slot_mapping_for(block_table: list[int], start: int, length: int, block_size: int) -> list[int]:

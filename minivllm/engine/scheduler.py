@@ -19,7 +19,13 @@ from dataclasses import dataclass, field
 
 from minivllm.config import EngineConfig
 from minivllm.engine.block_manager import BlockManager, HashFn, hash_block
-from minivllm.engine.sequence import Sequence, SequenceStatus, blocks_for, check_invariants
+from minivllm.engine.sequence import (
+    FinishReason,
+    Sequence,
+    SequenceStatus,
+    blocks_for,
+    check_invariants,
+)
 
 
 @dataclass
@@ -206,7 +212,7 @@ class Scheduler:
                 self.finish(seq, reason)
         return batch.seqs
 
-    def discard(self, batch: ScheduledBatch, reason: str = "error") -> None:
+    def discard(self, batch: ScheduledBatch, reason: FinishReason = FinishReason.ERROR) -> None:
         """Drop a plan whose execution failed: nothing advances; its sequences end."""
         for seq in batch.seqs:
             if seq.is_finished:
@@ -214,20 +220,20 @@ class Scheduler:
             seq.num_scheduled_tokens = 0
             self.finish(seq, reason)
 
-    def _stop_reason(self, seq: Sequence, token_id: int) -> str | None:
+    def _stop_reason(self, seq: Sequence, token_id: int) -> FinishReason | None:
         sp = seq.sampling_params
         if seq.num_completion_tokens >= sp.min_tokens:
             if not sp.ignore_eos and token_id in self.eos_token_ids:
-                return "stop"
+                return FinishReason.STOP
             if token_id in sp.stop_token_ids:
-                return "stop"
+                return FinishReason.STOP
         if seq.num_completion_tokens >= self.max_completion_tokens(seq):
-            return "length"
+            return FinishReason.LENGTH
         if seq.num_tokens >= self.max_model_len:
-            return "length"
+            return FinishReason.LENGTH
         return None
 
-    def finish(self, seq: Sequence, reason: str) -> None:
+    def finish(self, seq: Sequence, reason: FinishReason) -> None:
         """End `seq` in any state and give its blocks back."""
         if seq.is_finished:
             return

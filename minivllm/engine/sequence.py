@@ -1,6 +1,6 @@
 """A request's record: its tokens, its progress counters, its block table, its state.
 
-Who writes each field (the seed's rule: scheduled is not cached):
+Who writes each field (the tutorial chapter's rule: scheduled is not cached):
 - `token_ids`, `num_tokens`: set from the prompt at creation; `append_token()` after a sample.
 - `num_prompt_tokens`: fixed at creation.
 - `num_scheduled_tokens`: the Scheduler's plan for this step (`Scheduler.schedule`).
@@ -27,7 +27,16 @@ class SequenceStatus(Enum):
     FINISHED = "FINISHED"
 
 
-FINISH_REASONS = ("stop", "length", "abort", "error")
+class FinishReason(str, Enum):
+    """Why a sequence ended; the values are OpenAI's and vLLM's `finish_reason` strings."""
+
+    STOP = "stop"  # EOS, a stop token or a stop string
+    LENGTH = "length"  # max_tokens or max_model_len reached
+    ABORT = "abort"  # the client went away or the request was cancelled
+    ERROR = "error"  # the model run of its batch failed
+
+    def __str__(self) -> str:  # f-strings and format() give the plain value
+        return self.value
 
 
 class Sequence:
@@ -49,7 +58,7 @@ class Sequence:
         self.num_scheduled_tokens = 0
         self.block_table: list[int] = []
         self.sampling_params = sampling_params or SamplingParams()
-        self.finish_reason: str | None = None
+        self.finish_reason: FinishReason | None = None
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         # One entry per completion token when sampling_params.logprobs is set:
         # (sampled token's logprob, {token_id: logprob} of the top-N).
@@ -123,6 +132,6 @@ def check_invariants(seq: Sequence, block_size: int) -> None:
     if seq.status == SequenceStatus.WAITING:
         assert seq.num_cached_tokens == 0, where
     if seq.status == SequenceStatus.FINISHED:
-        assert seq.finish_reason in FINISH_REASONS, where
+        assert isinstance(seq.finish_reason, FinishReason), where
     else:
         assert seq.finish_reason is None, where

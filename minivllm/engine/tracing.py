@@ -1,20 +1,26 @@
 """An optional record of every field change of every sequence, for the lab and for tests.
 
-Off by default and free when off: the engine then creates plain `Sequence` objects. With a
-`Tracer`, the engine creates `TracedSequence` objects instead, whose attribute writes (and
-block-table edits) are recorded with the phase the engine is in (plan, execute, commit), the
-function that made the change, and its real source line, read from the caller's frame.
+Off by default and free when off: the engine holds a `NullTracer`, which makes plain
+`Sequence` objects and records nothing. With a `Tracer`, the engine creates `TracedSequence`
+objects instead, whose attribute writes (and block-table edits) are recorded with the phase the
+engine is in (plan, execute, commit), the function that made the change, and its real source
+line, read from the caller's frame. The engine marks its phases with scoped blocks,
+`with tracer.phase("execute"): ...`, so `LLMEngine.step` still reads as plan -> execute ->
+commit.
 """
 
 from __future__ import annotations
 
 import inspect
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from minivllm.engine.sequence import Sequence, SequenceStatus
+from minivllm.engine.sequence import FinishReason, Sequence, SequenceStatus
+from minivllm.sampling_params import SamplingParams
 
 TRACED_FIELDS = frozenset(
     {
@@ -48,6 +54,8 @@ class TraceEvent:
 def _plain(value: Any) -> Any:
     if isinstance(value, SequenceStatus):
         return value.name
+    if isinstance(value, FinishReason):
+        return value.value
     if isinstance(value, list):
         return list(value)
     return value
@@ -75,13 +83,77 @@ def source_of(func: Any) -> str:
     return f"{_relative(code.co_filename)}:{code.co_firstlineno}"
 
 
-class Tracer:
-    """Collects TraceEvents. The engine sets `step` and `phase`; sequences report changes."""
+class NullTracer:
+    """The tracer when tracing is off: plain sequences, empty phases, nothing recorded."""
+
+    step = 0
+    current_phase: str | None = None
+
+    def next_step(self) -> None:
+        """Called by the engine at the start of each plan."""
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """Changes made inside the block belong to phase `name` (see Tracer)."""
+        yield
+
+    def new_sequence(
+        self, seq_id: int, token_ids: list[int], sampling_params: SamplingParams
+    ) -> Sequence:
+        return Sequence(seq_id, token_ids, sampling_params)
+
+    def record_execute(self, batch: Any, samples: list[Any], runner: Any) -> None:
+        """What the runner did to each sequence of `batch` (it writes no Sequence field)."""
+
+
+class Tracer(NullTracer):
+    """Collects TraceEvents. The engine marks steps and phases; sequences report changes.
+
+    Subclasses may override `on_phase_enter` / `on_phase_exit` to act between phases (the
+    lab photographs the whole state there).
+    """
 
     def __init__(self) -> None:
         self.events: list[TraceEvent] = []
         self.step = 0
-        self.phase = "add"
+        self.current_phase: str | None = None
+
+    def next_step(self) -> None:
+        self.step += 1
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """Changes recorded inside the block get phase `name`; the previous phase comes back
+        at its end."""
+        outer, self.current_phase = self.current_phase, name
+        self.on_phase_enter(name)
+        try:
+            yield
+        finally:
+            self.on_phase_exit(name)
+            self.current_phase = outer
+
+    def on_phase_enter(self, name: str) -> None:
+        """Hook: the engine has entered phase `name`."""
+
+    def on_phase_exit(self, name: str) -> None:
+        """Hook: the engine is leaving phase `name`."""
+
+    def new_sequence(
+        self, seq_id: int, token_ids: list[int], sampling_params: SamplingParams
+    ) -> Sequence:
+        return TracedSequence(self, seq_id, token_ids, sampling_params)
+
+    def record_execute(self, batch: Any, samples: list[Any], runner: Any) -> None:
+        actor = f"{type(runner).__name__}.run"
+        source = source_of(type(runner).run)
+        for seq in batch.seqs:
+            start = seq.num_cached_tokens
+            self.record(seq.seq_id, "kv_written", start, start + seq.num_scheduled_tokens,
+                        actor=actor, source=source)
+        for seq, sample in zip(batch.sample_seqs, samples):
+            self.record(seq.seq_id, "sampled_token", None, sample.token_id,
+                        actor=actor, source=source)
 
     def record(
         self, seq_id: int, field: str, before: Any, after: Any, depth: int = 0,
@@ -94,7 +166,7 @@ class Tracer:
             actor = actor or found_actor
             source = source or found_source
         self.events.append(
-            TraceEvent(self.step, self.phase, actor, seq_id, field, _plain(before),
+            TraceEvent(self.step, self.current_phase or "add", actor, seq_id, field, _plain(before),
                        _plain(after), source)
         )
 

@@ -4,6 +4,6 @@ on the real engine, in the browser. `minivllm lab` serves it; see `app.py` for t
 The lab sits on top of the engine and imports from it; the engine never imports the lab.
 """
 
-from minivllm.lab.app import add_lab_parser, create_app, run_lab, serve_lab
+from minivllm.lab.app import create_app, serve_lab
 
-__all__ = ["add_lab_parser", "create_app", "run_lab", "serve_lab"]
+__all__ = ["create_app", "serve_lab"]

@@ -7,7 +7,7 @@ status, and a refused request never changes the lab's state.
 
 from __future__ import annotations
 
-import argparse
+import threading
 from pathlib import Path
 
 from fastapi import FastAPI, Query
@@ -17,8 +17,9 @@ from fastapi.staticfiles import StaticFiles
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from minivllm.lab.experiment import MAX_LEARNER_TOKENS, EngineFactory, Experiment, LabError
 from minivllm.lab.scenarios import SCENARIOS
-from minivllm.lab.session import MAX_LEARNER_TOKENS, EngineFactory, Lab, LabError, State
+from minivllm.lab.snapshot import State
 from minivllm.lab.source import SourceNotFound, function_source
 
 STATIC_DIR = Path(__file__).resolve().parent / "static"
@@ -33,6 +34,55 @@ class AddRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     prompt: str = Field(..., min_length=1, max_length=2000)
     max_tokens: int = Field(8, ge=1, le=MAX_LEARNER_TOKENS)
+
+
+class Lab:
+    """The current experiment behind one lock: HTTP requests may arrive concurrently."""
+
+    def __init__(self, factory: EngineFactory, default_scenario: str = "seq8") -> None:
+        self._factory = factory
+        self._default = default_scenario
+        self._lock = threading.Lock()
+        self._experiment: Experiment | None = None
+
+    def _current(self) -> Experiment:
+        if self._experiment is None:
+            self._experiment = Experiment(SCENARIOS[self._default], self._factory)
+        return self._experiment
+
+    def reset(self, scenario: str) -> State:
+        if scenario not in SCENARIOS:
+            known = ", ".join(SCENARIOS)
+            raise LabError(400, f"unknown scenario {scenario!r}; choose one of: {known}")
+        with self._lock:
+            # Built aside and swapped in only once set up: a failure keeps the old one.
+            experiment = Experiment(SCENARIOS[scenario], self._factory)
+            self._experiment = experiment
+            return {**experiment.frames[-1], "frames": list(experiment.frames)}
+
+    def state(self) -> State:
+        with self._lock:
+            return self._current().frames[-1]
+
+    def history(self) -> list[State]:
+        with self._lock:
+            return list(self._current().frames)
+
+    def plan(self) -> State:
+        with self._lock:
+            return self._current().plan()
+
+    def commit(self) -> State:
+        with self._lock:
+            return self._current().commit()
+
+    def step(self) -> State:
+        with self._lock:
+            return self._current().step()
+
+    def add(self, prompt: str, max_tokens: int) -> State:
+        with self._lock:
+            return self._current().add_text(prompt, max_tokens)
 
 
 def create_app(engine_factory: EngineFactory) -> FastAPI:
@@ -73,6 +123,7 @@ def create_app(engine_factory: EngineFactory) -> FastAPI:
 
     @app.get("/api/lab/scenarios")
     def scenarios() -> dict[str, list[str]]:
+        """The scenario names, in the order of the page's tabs."""
         return {"scenarios": list(SCENARIOS)}
 
     @app.post("/api/lab/reset")
@@ -127,31 +178,3 @@ def serve_lab(
     )
     uvicorn.run(app, host=host, port=port, log_level="warning")
 
-
-def add_lab_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    """Add `lab` to the CLI's subcommands; the parsed args carry `func=run_lab`."""
-    parser = subparsers.add_parser(
-        "lab", help="serve the Engine Lab: the request state machine, live, in the browser"
-    )
-    parser.add_argument(
-        "--host", default="127.0.0.1", help="address to bind (default: %(default)s)"
-    )
-    parser.add_argument("--port", type=int, default=8765, help="port (default: %(default)s)")
-    parser.add_argument(
-        "--model",
-        default=None,
-        help="HF model directory or .gguf file (default: the default model)",
-    )
-    parser.add_argument(
-        "--block-size",
-        type=int,
-        default=4,
-        help="tokens per KV block; small so block tables stay visible (default: %(default)s)",
-    )
-    parser.set_defaults(func=run_lab)
-    return parser
-
-
-def run_lab(args: argparse.Namespace) -> int:
-    serve_lab(args.host, args.port, args.model, args.block_size)
-    return 0

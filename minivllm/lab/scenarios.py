@@ -14,10 +14,20 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
-if TYPE_CHECKING:  # the experiment imports this module; only the type is needed here
-    from minivllm.lab.session import Experiment
+
+class Driver(Protocol):
+    """What a scenario's setup may do (the experiment provides it): the setup knows nothing
+    else of the lab, so this module imports none of it."""
+
+    block_size: int
+
+    def prompt(self, text: str, num_tokens: int) -> list[int]: ...
+
+    def add_tokens(self, token_ids: list[int], max_tokens: int) -> Any: ...
+
+    def step(self) -> Any: ...
 
 
 @dataclass(frozen=True)
@@ -32,7 +42,7 @@ class EngineShape:
 class Scenario:
     name: str
     shape: EngineShape
-    setup: Callable[[Experiment], None]
+    setup: Callable[[Driver], None]
     focus: int  # index, in order of arrival, of the sequence the page selects first
 
 
@@ -46,17 +56,17 @@ PREEMPT_TEXTS = ("The capital of France is Paris, and", "Paged attention stores 
 FINISH_TEXT = "The sky is blue because of"
 
 
-def _seq8(lab: Experiment) -> None:
+def _seq8(lab: Driver) -> None:
     """The seed's preset: one 8-token Sequence, WAITING, nothing planned yet."""
     lab.add_tokens(lab.prompt(SEQ8_TEXT, 8), max_tokens=4)
 
 
-def _chunked(lab: Experiment) -> None:
+def _chunked(lab: Driver) -> None:
     """A 20-token prompt against an 8-token step budget: prefilled in chunks of 8, 8, 4."""
     lab.add_tokens(lab.prompt(CHUNKED_TEXT, 20), max_tokens=3)
 
 
-def _prefix(lab: Experiment) -> None:
+def _prefix(lab: Driver) -> None:
     """Request A is prefilled (its full prompt blocks are committed and hashed) and keeps
     decoding; request B starts with A's first three blocks and waits to be planned."""
     bs = lab.block_size
@@ -66,14 +76,14 @@ def _prefix(lab: Experiment) -> None:
     lab.add_tokens(a[: 3 * bs] + lab.prompt(PREFIX_SUFFIX, 3), max_tokens=4)
 
 
-def _preempt(lab: Experiment) -> None:
+def _preempt(lab: Driver) -> None:
     """Two 2-block prompts fill a 4-block pool; the next decode needs a fifth block."""
     for text in PREEMPT_TEXTS:
         lab.add_tokens(lab.prompt(text, 2 * lab.block_size), max_tokens=4)
     lab.step()
 
 
-def _finish(lab: Experiment) -> None:
+def _finish(lab: Driver) -> None:
     """max_tokens=2: one token from the prefill, one from the first decode, then FINISHED."""
     lab.add_tokens(lab.prompt(FINISH_TEXT, 6), max_tokens=2)
 

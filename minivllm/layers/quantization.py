@@ -10,10 +10,14 @@ default.
 
 from __future__ import annotations
 
+import functools
+import logging
 import warnings
 from typing import Any
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 QUANTIZATION_METHODS = ("int8",)
 # Which layers get int8 weights, chosen by measurement on SmolLM2-135M (12 prompts, 24 greedy
@@ -53,15 +57,28 @@ def pack_int8(weight: torch.Tensor) -> Any:
     return torch.ops.quantized.linear_prepack(qweight, None)
 
 
+@functools.cache
+def int8_reduce_range() -> bool:
+    """Whether activations must be quantized to 7 bits on this CPU.
+
+    Without VNNI (AVX2, or AVX-512 before VNNI) fbgemm multiplies u8 x s8 pairs with an int16
+    sum that saturates on full-range activations, so they get 7 bits. With VNNI the products
+    accumulate straight into int32 and the 8th bit is worth keeping: with 7 bits on an
+    AVX-512 VNNI CPU the default model's chat answer loses "Paris" (issue 11).
+    """
+    has_vnni = getattr(torch.cpu, "_is_vnni_supported", lambda: False)()
+    logger.info("int8 linear layers: %s-bit activations (VNNI %s)", 8 if has_vnni else 7,
+                "present" if has_vnni else "absent")
+    return not has_vnni
+
+
 def int8_linear(x: torch.Tensor, packed: Any) -> torch.Tensor:
     """`x @ W.T` with the prepacked int8 `W`: [..., in] float32 -> [..., out] float32."""
-    # reduce_range: 7-bit activations, so AVX2's int16 pair sums cannot saturate (without it
-    # the outputs are garbage on AVX2 machines).
     # fbgemm quantizes the activations with one scale per tensor; dividing each row (token)
     # by its own max first makes that one scale per token, and the linear map lets the
     # row scale come back out of the product exactly.
     scale = x.abs().amax(dim=-1, keepdim=True).clamp_(min=1e-6)  # [..., 1]
-    return torch.ops.quantized.linear_dynamic(x / scale, packed, True) * scale
+    return torch.ops.quantized.linear_dynamic(x / scale, packed, int8_reduce_range()) * scale
 
 
 def quantize_model_int8(model: torch.nn.Module) -> int:

@@ -31,6 +31,8 @@ import torch
 from gguf import GGMLQuantizationType, GGUFReader, ReaderTensor
 from gguf.quants import dequantize as _gguf_dequantize
 
+from minivllm.models.cache import cache_dir
+
 logger = logging.getLogger(__name__)
 
 # Bump when the output of `convert_gguf` changes, so stale caches are not reused.
@@ -319,8 +321,6 @@ def cache_key(gguf_path: str | Path) -> str:
 
 def cached_dir_for(gguf_path: str | Path) -> Path:
     """Where `convert_gguf_cached` puts (or finds) the conversion of `gguf_path`."""
-    from minivllm.models.paths import cache_dir
-
     path = Path(gguf_path)
     return cache_dir() / "gguf" / f"{path.stem}-{cache_key(path)}"
 

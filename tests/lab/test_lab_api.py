@@ -334,9 +334,15 @@ def test_page_and_its_hooks_are_served(client: TestClient) -> None:
     """The page, its script and styles come from the package; the data-testid hooks the
     issue lists are in the page or built by the script."""
     html = client.get("/").text
-    js = client.get("/static/lab.js").text
+    modules = ["main", "core", "i18n", "guides", "sequence", "pool", "log"]
+    scripts = {m: client.get(f"/static/{m}.js") for m in modules}
+    assert all(r.status_code == 200 for r in scripts.values())
+    js = "".join(r.text for r in scripts.values())
     assert client.get("/static/lab.css").status_code == 200
-    assert client.get("/static/i18n.js").status_code == 200
+    assert '<script type="module" src="/static/main.js">' in html
+    # The tabs come from the server's list, not from a copy in the page.
+    assert client.get("/api/lab/scenarios").json() == {"scenarios": list(SCENARIOS)}
+    assert '"/api/lab/scenarios"' in scripts["main"].text
     for hook in [
         "btn-plan",
         "btn-commit",

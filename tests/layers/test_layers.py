@@ -24,15 +24,10 @@ from transformers.models.llama.modeling_llama import (
 )
 
 from minivllm.layers.activation import SiluAndMul
-from minivllm.layers.attention import (
-    MAX_GROUPS,
-    Attention,
-    paged_attention_sdpa,
-    paged_causal_mask,
-    paged_kv_gather_index,
-    partition_batch,
-    store_kv,
-)
+from minivllm.layers.attention import Attention
+from minivllm.layers.attention.metadata import paged_causal_mask, paged_kv_gather_index
+from minivllm.layers.attention.partition import MAX_GROUPS, partition_batch
+from minivllm.layers.attention.sdpa import paged_attention_sdpa, store_kv
 from minivllm.layers.linear import (
     MergedColumnParallelLinear,
     QKVParallelLinear,

@@ -18,6 +18,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from support.faults import FaultyRunner
 from support.server_helpers import scrape_metrics, wait_idle
 
 from minivllm import SamplingParams
@@ -542,16 +543,10 @@ def test_runner_fault_ends_only_its_batch(
 ) -> None:
     """A ModelRunner exception ends the failed batch's requests (non-streamed: 500 with a
     JSON body; streamed: an error event), and the server goes on serving."""
-    runner = tiny_server.engine.model_runner
-    real_run = runner.run
-    poison = tiny_server.engine.tokenizer.encode("Paged attention", add_special_tokens=True)
-
-    def faulty(batch):
-        if any(s.prompt_token_ids == poison for s in batch.seqs):
-            raise RuntimeError("injected fault")
-        return real_run(batch)
-
-    monkeypatch.setattr(runner, "run", faulty)
+    engine = tiny_server.engine
+    poison = engine.tokenizer.encode("Paged attention", add_special_tokens=True)
+    faulty = FaultyRunner(engine.model_runner, fail_when=lambda s: s.prompt_token_ids == poison)
+    monkeypatch.setattr(engine, "model_runner", faulty)
     body = {"model": MODEL, "prompt": poison, "max_tokens": 4}
     r = httpx.post(f"{tiny_server.base_url}/v1/completions", json=body, headers=_auth(), timeout=30)
     assert r.status_code == 500

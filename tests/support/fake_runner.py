@@ -3,7 +3,8 @@
 It guards the paging logic: `run` writes each scheduled token id into a fake KV cache at the
 slot the block table gives, then "samples" the next token from the context it reads back
 through the block table. A wrong block table, slot, or prefix-cache hit changes the output,
-and a context slot never written (scheduled but not computed) fails loudly.
+and a context slot never written (scheduled but not computed) fails loudly. Faults are
+injected the one way every test uses: wrap it in `support.faults.FaultyRunner`.
 """
 
 from __future__ import annotations
@@ -26,19 +27,11 @@ class FakeModelRunner:
         self.block_size = block_size
         self.vocab_size = vocab_size
         self.kv: list[int | None] = [None] * (num_kv_blocks * block_size)
-        self.calls = 0
-        self.fail_on_calls: set[int] = set()  # raise on these call numbers (1-based)
-        self.fail_on_seq_ids: set[int] = set()  # raise when a batch holds one of these
 
     def slot(self, block_table: list[int], pos: int) -> int:
         return block_table[pos // self.block_size] * self.block_size + pos % self.block_size
 
     def run(self, batch: ScheduledBatch) -> list[SampledToken]:
-        self.calls += 1
-        if self.calls in self.fail_on_calls or any(
-            s.seq_id in self.fail_on_seq_ids for s in batch.seqs
-        ):
-            raise RuntimeError(f"injected fault on run {self.calls}")
         for seq in batch.seqs:
             assert seq.num_scheduled_tokens > 0, "zero-length query scheduled"
             start = seq.num_cached_tokens

@@ -1,8 +1,7 @@
 // Every word the page shows, in English and in Chinese (the seed's language).
 // `{name}` is filled in by t(key, {name: value}).
-"use strict";
 
-const I18N = {
+export const I18N = {
   en: {
     lang_name: "English",
     other_lang: "中文",

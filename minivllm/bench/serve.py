@@ -10,10 +10,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import random
 import statistics
 import time
 from typing import Any
+
+from minivllm.bench.workloads import Workload
+
+# Prompt ids are drawn below this: the served model's vocabulary is not asked for.
+SERVE_VOCAB_SIZE = 20100
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -77,13 +81,12 @@ def cmd_serve_bench(args: argparse.Namespace) -> dict[str, Any]:
 
     url = args.url.rstrip("/")
     model = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
-    rng = random.Random(args.seed)
     levels = []
     for concurrency in (1, 8, 32):
         count = max(concurrency, args.num_requests if concurrency > 1 else 4)
-        prompts = [[rng.randrange(100, 20000) for _ in range(rng.randint(args.input_min,
-                                                                         args.input_max))]
-                   for _ in range(count)]
+        workload = Workload(count, (args.input_min, args.input_max), (1, 1),
+                            args.seed + concurrency)
+        prompts, _ = workload.make(SERVE_VOCAB_SIZE)
         level = asyncio.run(run_level(url, model, prompts, args.output_len, concurrency))
         levels.append(level)
         print(f"concurrency {concurrency:>2}: {level['requests']} requests, "

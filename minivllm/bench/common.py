@@ -1,0 +1,56 @@
+"""What every benchmark shares: a result line, the machine's description, the chart."""
+
+from __future__ import annotations
+
+import os
+import platform
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+
+@dataclass
+class Result:
+    name: str
+    requests: int
+    output_tokens: int
+    seconds: float
+
+    @property
+    def tok_per_s(self) -> float:
+        return self.output_tokens / self.seconds
+
+    def line(self) -> str:
+        return (f"{self.name:>12}: {self.requests} requests, {self.output_tokens} output tokens, "
+                f"{self.seconds:.2f} s, {self.tok_per_s:.1f} tok/s")
+
+
+def machine() -> dict[str, Any]:
+    import torch
+
+    return {
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "cpus": os.cpu_count(),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+    }
+
+
+def chart(report: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    results = report["results"]
+    fig, ax = plt.subplots(figsize=(6, 3.2))
+    ax.barh([r["name"] for r in results], [r["tok_per_s"] for r in results], color="#3b6ea5")
+    ax.set_xlim(0, 1.18 * max(r["tok_per_s"] for r in results))  # room for the labels
+    ax.set_xlabel("output tokens / s")
+    ax.set_title(f"minivllm bench {report['benchmark']}")
+    for i, r in enumerate(results):
+        ax.text(r["tok_per_s"], i, f" {r['tok_per_s']:.1f}", va="center")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)

@@ -1,0 +1,198 @@
+"""One lab experiment: a scenario on a fresh engine, its pending plan, its recorded frames.
+
+The experiment drives the engine only through its public calls: `plan()` (Scheduler.schedule),
+`execute_and_commit()` (ModelRunner.run, then Scheduler.postprocess), `step()` (both) and
+`add_request()`. Every field change the page shows is a TraceEvent recorded by the engine's
+own tracer; the experiment adds snapshots ("frames", see `snapshot.py`) of the whole state
+after each action, and between the phases inside one action, so time travel never re-runs
+the engine.
+
+Pure Python: no torch here.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Callable
+
+from minivllm.engine.llm_engine import LLMEngine
+from minivllm.engine.scheduler import ScheduledBatch
+from minivllm.engine.sequence import Sequence
+from minivllm.engine.tracing import Tracer
+from minivllm.lab.scenarios import EngineShape, Scenario
+from minivllm.lab.snapshot import Snapshotter, State
+from minivllm.sampling_params import SamplingParams
+
+EngineFactory = Callable[[EngineShape, Tracer], LLMEngine]
+"""Builds a fresh engine of the given shape that records into the given tracer."""
+
+MAX_LEARNER_TOKENS = 64  # a learner's request: enough to watch, small enough for the pool
+
+
+class LabError(Exception):
+    """A request the lab refuses, with the HTTP status to answer it with."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+class PhaseTracer(Tracer):
+    """A Tracer that calls `on_enter(phase)` and `on_exit(phase)` around each engine phase.
+
+    The engine runs `with tracer.phase("plan")`, then `"execute"`, then `"commit"`, so the
+    lab photographs the state in between.
+    """
+
+    def __init__(self, on_enter: Callable[[str], None], on_exit: Callable[[str], None]) -> None:
+        super().__init__()
+        self._on_enter = on_enter
+        self._on_exit = on_exit
+
+    def on_phase_enter(self, name: str) -> None:
+        self._on_enter(name)
+
+    def on_phase_exit(self, name: str) -> None:
+        self._on_exit(name)
+
+
+class Experiment:
+    """One scenario on one fresh engine: set up, then driven click by click."""
+
+    def __init__(self, scenario: Scenario, factory: EngineFactory) -> None:
+        self.scenario = scenario
+        self.tracer = PhaseTracer(self._on_phase_enter, self._on_phase_exit)
+        self.engine = factory(scenario.shape, self.tracer)
+        self.block_size = self.engine.config.block_size
+        self.seqs: list[Sequence] = []
+        self.pending: ScheduledBatch | None = None
+        self.frames: list[State] = []
+        self._new_frames: list[State] = []
+        self._action = "setup"
+        self._plan_framed = True
+        self._snapshot = Snapshotter(self.engine)
+        scenario.setup(self)  # its frames are the first of the timeline; the last is the start
+        self._action = "reset"
+
+    # ---- what the scenarios and the learner do ----------------------------------------------
+
+    def prompt(self, text: str, num_tokens: int) -> list[int]:
+        """Exactly `num_tokens` prompt tokens: `text` tokenized (repeated if short), or, with no
+        tokenizer, deterministic stand-in ids."""
+        tokenizer = self.engine.tokenizer
+        if tokenizer is None:
+            vocab = self.engine.model_runner.vocab_size
+            return [2 + zlib.crc32(f"{text}|{i}".encode()) % (vocab - 2) for i in range(num_tokens)]
+        ids = list(tokenizer.encode(text, add_special_tokens=False))
+        while len(ids) < num_tokens:
+            ids += tokenizer.encode(" " + text, add_special_tokens=False)
+        return ids[:num_tokens]
+
+    def add_tokens(self, token_ids: list[int], max_tokens: int) -> State:
+        """Queue a scenario request: greedy, EOS ignored, so its field sequence is exact."""
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        return self._add(token_ids, params)
+
+    def add_text(self, prompt: str, max_tokens: int) -> State:
+        """Queue the learner's own request (greedy; stops at EOS like any request)."""
+        if self.engine.tokenizer is None:
+            raise LabError(400, "this lab's engine has no tokenizer: it cannot take a text prompt")
+        if not prompt.strip():
+            raise LabError(400, "the prompt is empty: type a few words")
+        if not 1 <= max_tokens <= MAX_LEARNER_TOKENS:
+            raise LabError(400, f"max_tokens must be between 1 and {MAX_LEARNER_TOKENS}")
+        return self._add(prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens))
+
+    def _add(self, prompt: str | list[int], params: SamplingParams) -> State:
+        self._begin("add")
+        try:
+            seq = self.engine.add_request(prompt, params)
+        except ValueError as exc:
+            raise LabError(400, str(exc)) from exc
+        self.seqs.append(seq)
+        self._frame("add")
+        return self._answer()
+
+    def plan(self) -> State:
+        """Scheduler.schedule only: the plan is written, nothing is executed."""
+        if self.pending is not None:
+            raise LabError(409, "a plan is already pending: Commit it (execute + commit) first")
+        self._begin("plan")
+        num_events = len(self.tracer.events)
+        batch = self.engine.plan()
+        if batch.is_empty and len(self.tracer.events) == num_events:
+            raise LabError(409, self._why_nothing_planned())
+        self.pending = None if batch.is_empty else batch
+        self._frame("plan")
+        return self._answer()
+
+    def commit(self) -> State:
+        """ModelRunner.run, then Scheduler.postprocess, on the pending plan."""
+        if self.pending is None:
+            raise LabError(409, "no plan to commit: click Plan first")
+        batch, self.pending = self.pending, None
+        self._begin("commit")
+        self._plan_framed = True  # the plan was framed when it was made
+        self.engine.execute_and_commit(batch)
+        self._frame("commit")
+        return self._answer()
+
+    def step(self) -> State:
+        """One whole LLMEngine.step: plan, execute, commit (what Decode does)."""
+        if self.pending is not None:
+            raise LabError(409, "a plan is pending: Commit it first; Decode runs a whole step")
+        if not self.engine.has_unfinished_requests():
+            raise LabError(409, "nothing left to run: every sequence is FINISHED")
+        self._begin("step")
+        self._plan_framed = False
+        num_events = len(self.tracer.events)
+        self.engine.step()
+        if not self._new_frames:  # the plan was empty: execute never started
+            if len(self.tracer.events) == num_events:
+                raise LabError(409, self._why_nothing_planned())
+            self._frame("plan")  # it preempted, and scheduled nothing
+            return self._answer()
+        self._frame("commit")
+        return self._answer()
+
+    def _why_nothing_planned(self) -> str:
+        if not self.engine.has_unfinished_requests():
+            return "nothing to plan: every sequence is FINISHED; add a request or reset"
+        return "the scheduler planned nothing: no waiting sequence fits the free KV blocks"
+
+    # ---- frames -----------------------------------------------------------------------------
+
+    def _begin(self, action: str) -> None:
+        if self._action != "setup":
+            self._action = action
+        self._new_frames = []
+
+    def _on_phase_enter(self, name: str) -> None:
+        if name == "execute" and not self._plan_framed:  # a whole step: the plan's frame
+            self._plan_framed = True
+            self._frame("plan")
+
+    def _on_phase_exit(self, name: str) -> None:
+        if name == "execute":  # the KV written, nothing committed yet
+            self._frame("execute")
+
+    def state(self, stage: str) -> State:
+        """The engine's state (see `snapshot.py`), with the scenario and the pending plan."""
+        focus = self.seqs[self.scenario.focus] if len(self.seqs) > self.scenario.focus else None
+        return {
+            "scenario": self.scenario.name,
+            "focus_seq_id": None if focus is None else focus.seq_id,
+            **self._snapshot.state(self.seqs, stage),
+            "pending_plan": self.pending is not None,
+        }
+
+    def _frame(self, stage: str) -> None:
+        state = self.state(stage)
+        state["frame"] = {"index": len(self.frames), "action": self._action, "stage": stage}
+        self.frames.append(state)
+        self._new_frames.append(state)
+
+    def _answer(self) -> State:
+        """The latest state, plus every frame this action recorded (the last one is it)."""
+        return {**self.frames[-1], "frames": list(self._new_frames)}

@@ -1,0 +1,14 @@
+"""Paged attention over a block-structured KV cache, for batches mixing prefills and decodes.
+
+- `metadata.py`: `AttentionMetadata`, the per-step inputs, and the index tensors derived from
+  them (gather index, causal mask, query padding).
+- `partition.py`: the batch split into groups of like sequences before the padded SDPA.
+- `sdpa.py`: the portable path (torch's `scaled_dot_product_attention`, any device).
+- `flash.py`: flash-attn's varlen kernel on CUDA.
+- `layer.py`: the `Attention` module choosing between them.
+"""
+
+from minivllm.layers.attention.layer import Attention
+from minivllm.layers.attention.metadata import AttentionMetadata
+
+__all__ = ["Attention", "AttentionMetadata"]

@@ -1,0 +1,123 @@
+"""Paged attention with torch's `scaled_dot_product_attention` (any device).
+
+Gather each sequence's K/V through its block table into `[num_seqs, max_seq_len, ...]`, pad the
+queries to `[num_seqs, max_query_len, ...]`, and make one SDPA call with a boolean causal mask.
+All-decode batches skip the query padding; a lone prefill with no cached context attends over
+its own new K/V directly.
+"""
+
+import torch
+import torch.nn.functional as F
+
+from minivllm.layers.attention.metadata import AttentionMetadata
+
+
+def store_kv(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Write new keys/values `[num_tokens, num_kv_heads, head_dim]` into their cache slots."""
+    num_kv_heads, head_dim = k_cache.shape[-2:]
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)  # [slots, KVH, D]
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)  # [slots, KVH, D]
+
+
+def paged_attention_sdpa(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """Attention of `q` `[num_tokens, num_heads, head_dim]` over the paged cache (which already
+    holds this step's K/V), each query seeing its last `sliding_window` keys when given, with
+    scores soft-capped at `softcap` when given. Returns `[num_tokens, num_heads, head_dim]`."""
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[-2]
+    num_seqs, max_q, max_kv = meta.num_seqs, meta.max_query_len, meta.max_seq_len
+    gather = meta.kv_gather_index.view(-1)  # [S * max_kv]
+    k_buf, v_buf = meta.kv_gather_buffers(k_cache)
+    k = torch.index_select(k_cache.view(-1, num_kv_heads, head_dim), 0, gather, out=k_buf)
+    v = torch.index_select(v_cache.view(-1, num_kv_heads, head_dim), 0, gather, out=v_buf)
+    k = k.view(num_seqs, max_kv, num_kv_heads, head_dim)  # [S, max_kv, KVH, D]
+    v = v.view(num_seqs, max_kv, num_kv_heads, head_dim)  # [S, max_kv, KVH, D]
+    mask = meta.mask_for(sliding_window)
+
+    if meta.is_decode_only:
+        # One query per sequence: fold each KV head's group of query heads into the query
+        # dim, so SDPA reads every K/V once instead of expanding them for GQA (same mask row).
+        group = num_heads // num_kv_heads
+        q_folded = q.view(num_seqs, num_kv_heads, group, head_dim)  # [S, KVH, G, D]
+        out = attend(
+            q_folded,
+            k.transpose(1, 2),  # [S, KVH, max_kv, D]
+            v.transpose(1, 2),  # [S, KVH, max_kv, D]
+            mask,  # [S, 1, 1, max_kv]
+            scale,
+            softcap,
+        )  # [S, KVH, G, D]
+        return out.reshape(num_tokens, num_heads, head_dim)  # [T, H, D]
+
+    q_padded = q.new_zeros(num_seqs * max_q, num_heads, head_dim)
+    q_padded.index_copy_(0, meta.query_pad_index, q)  # [S * max_q, H, D]
+    q_padded = q_padded.view(num_seqs, max_q, num_heads, head_dim)  # [S, max_q, H, D]
+
+    out = attend(
+        q_padded.transpose(1, 2),  # [S, H, max_q, D]
+        k.transpose(1, 2),  # [S, KVH, max_kv, D]
+        v.transpose(1, 2),  # [S, KVH, max_kv, D]
+        mask,  # [S, 1, max_q, max_kv]
+        scale,
+        softcap,
+    )  # [S, H, max_q, D]
+    out = out.transpose(1, 2)  # [S, max_q, H, D]
+    out = out.reshape(num_seqs * max_q, num_heads, head_dim)  # [S * max_q, H, D]
+    return out.index_select(0, meta.query_pad_index)  # [T, H, D]
+
+
+def causal_attention_sdpa(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Plain causal attention of one sequence's tokens among themselves (no cached context).
+
+    `q` `[T, H, D]`, `k`/`v` `[T, KVH, D]` -> `[T, H, D]`; no gather, no mask tensor.
+    """
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1),  # [H, T, D]
+        k.transpose(0, 1),  # [KVH, T, D]
+        v.transpose(0, 1),  # [KVH, T, D]
+        is_causal=True,
+        scale=scale,
+        enable_gqa=q.shape[1] != k.shape[1],
+    )  # [H, T, D]
+    return out.transpose(0, 1)  # [T, H, D]
+
+
+def attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """Masked attention `[B, H, Q, D]` over `k`/`v` `[B, KVH, K, D]` (grouped-query when
+    KVH < H): torch's SDPA, or, with `softcap`, the scores spelled out so they can be capped
+    (`softcap * tanh(s / softcap)`, Gemma 2) before the float32 softmax, as HF's eager path."""
+    num_heads, num_kv_heads = q.shape[-3], k.shape[-3]
+    if softcap is None:
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, scale=scale, enable_gqa=num_heads != num_kv_heads
+        )
+    group = num_heads // num_kv_heads
+    k = k.repeat_interleave(group, dim=-3)  # [B, H, K, D]
+    v = v.repeat_interleave(group, dim=-3)  # [B, H, K, D]
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale  # [B, H, Q, K]
+    scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(scores.softmax(-1, dtype=torch.float32).to(q.dtype), v)  # [B, H, Q, D]

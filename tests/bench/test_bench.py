@@ -1,0 +1,39 @@
+"""`minivllm bench` end to end on a tiny random checkpoint: every offline benchmark runs,
+writes its JSON report, and the shared workloads are reproducible (no timing asserted)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from minivllm.bench.workloads import Workload, shared_prefix_prompts
+from minivllm.cli import main
+
+
+def test_workload_is_the_same_for_the_same_seed_and_within_its_ranges():
+    """Every benchmark and every peer it compares with must see the same prompts."""
+    a = Workload(5, (3, 9), (2, 4), seed=7).make(1000)
+    assert a == Workload(5, (3, 9), (2, 4), seed=7).make(1000)
+    assert a != Workload(5, (3, 9), (2, 4), seed=8).make(1000)
+    prompts, outs = a
+    assert all(3 <= len(p) <= 9 and all(100 <= t < 900 for t in p) for p in prompts)
+    assert all(2 <= n <= 4 for n in outs)
+    shared = shared_prefix_prompts(4, 6, 2, 1000, seed=1)
+    assert {tuple(p[:6]) for p in shared} == {tuple(shared[0][:6])}
+    assert len({tuple(p) for p in shared}) == 4
+
+
+@pytest.mark.parametrize("which", ["throughput", "prefix", "overhead"])
+def test_offline_benchmarks_write_their_report(which: str, tiny_llama_dir: Path,
+                                               tmp_path: Path):
+    out = tmp_path / f"{which}.json"
+    rc = main(["bench", which, "--model", str(tiny_llama_dir), "--num-requests", "3",
+               "--input-min", "4", "--input-max", "12", "--output-min", "2",
+               "--output-max", "5", "--prefix-len", "16", "--suffix-len", "4",
+               "--output-len", "3", "--output", str(out)])
+    assert rc == 0
+    report = json.loads(out.read_text())
+    assert report["benchmark"] == which
+    assert all(r["tok_per_s"] > 0 for r in report["results"])

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from minivllm.engine import requests
 from minivllm.engine.llm_engine import LLMEngine
 from minivllm.engine.requests import Choice
+from minivllm.engine.sequence import FinishReason
 from minivllm.outputs import CompletionOutput, RequestOutput
 
 logger = logging.getLogger(__name__)
@@ -311,9 +312,9 @@ class AsyncLLMEngine:
 
 def _final_output(sub_id: str, exc: Exception | None) -> RequestOutput:
     if exc is None:
-        reason, error = "abort", "the server is shutting down"
+        reason, error = FinishReason.ABORT, "the server is shutting down"
     else:
-        reason, error = "error", f"{type(exc).__name__}: {exc}"
+        reason, error = FinishReason.ERROR, f"{type(exc).__name__}: {exc}"
     return RequestOutput(
         request_id=sub_id,
         prompt=None,

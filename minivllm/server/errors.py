@@ -11,6 +11,7 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from minivllm.engine.sequence import FinishReason
 from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import SamplingParams
 from minivllm.server import protocol
@@ -73,7 +74,7 @@ def validation_error(exc: ValidationError) -> APIError:
 
 def error_of(output: RequestOutput) -> protocol.ErrorResponse:
     """The error body of a request that ended with finish_reason "abort" or "error"."""
-    if output.outputs[0].finish_reason == "abort":
+    if output.outputs[0].finish_reason == FinishReason.ABORT:
         info = protocol.ErrorInfo(
             message=output.error or "the request was aborted",
             type="service_unavailable",
@@ -89,14 +90,14 @@ def error_of(output: RequestOutput) -> protocol.ErrorResponse:
 
 
 def is_failed(output: RequestOutput) -> bool:
-    return output.outputs[0].finish_reason in ("error", "abort")
+    return output.outputs[0].finish_reason in (FinishReason.ERROR, FinishReason.ABORT)
 
 
 def raise_if_failed(output: RequestOutput) -> None:
     """503 for an aborted request (shutdown), 500 for an engine fault."""
     if is_failed(output):
         error = error_of(output).error
-        status = 500 if output.outputs[0].finish_reason == "error" else 503
+        status = 500 if output.outputs[0].finish_reason == FinishReason.ERROR else 503
         raise APIError(status, error.message, error.type, code=error.code)
 
 

@@ -351,11 +351,12 @@ def test_page_and_its_hooks_are_served(client: TestClient) -> None:
     """The page, its script and styles come from the package; the data-testid hooks the
     issue lists are in the page or built by the script."""
     html = client.get("/").text
-    modules = ["main", "core", "i18n", "guides", "sequence", "pool", "log"]
+    modules = ["main", "core", "i18n", "words_en", "words_zh", "guides", "sequence", "pool",
+               "log", "timeline"]
     scripts = {m: client.get(f"/static/{m}.js") for m in modules}
     assert all(r.status_code == 200 for r in scripts.values())
     js = "".join(r.text for r in scripts.values())
-    assert client.get("/static/lab.css").status_code == 200
+    assert all(client.get(f"/static/{c}.css").status_code == 200 for c in ["lab", "state"])
     assert '<script type="module" src="/static/main.js">' in html
     # The tabs come from the server's list, not from a copy in the page.
     assert client.get("/api/lab/scenarios").json() == {"scenarios": list(SCENARIOS)}
@@ -363,7 +364,7 @@ def test_page_and_its_hooks_are_served(client: TestClient) -> None:
     for hook in [
         "btn-plan",
         "btn-commit",
-        "btn-decode",
+        "btn-step",
         "btn-back",
         "btn-forward",
         "block-table",

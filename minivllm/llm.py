@@ -4,16 +4,15 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence as Seq
-from dataclasses import replace
 from typing import Any
 
 from tqdm import tqdm
 
+from minivllm.engine import requests
 from minivllm.engine.llm_engine import LLMEngine, PromptInput
+from minivllm.engine.requests import Message
 from minivllm.outputs import CompletionOutput, RequestOutput
 from minivllm.sampling_params import SamplingParams
-
-Message = dict[str, str]
 
 
 class LLM:
@@ -48,7 +47,7 @@ class LLM:
         A prompt is a string, a list of token ids, or {"prompt_token_ids": [...]}.
         `sampling_params` is one SamplingParams for all prompts or one per prompt.
         """
-        prompt_list = _as_prompt_list(prompts)
+        prompt_list = requests.as_prompt_list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params or SamplingParams()] * len(prompt_list)
         else:
@@ -56,30 +55,14 @@ class LLM:
             for params in params_list:
                 if not isinstance(params, SamplingParams):
                     raise TypeError(f"sampling_params must be SamplingParams, got {params!r}")
-            if len(params_list) != len(prompt_list):
-                raise ValueError(
-                    f"got {len(params_list)} sampling_params for {len(prompt_list)} prompts"
-                )
-        engine = self.llm_engine
-        # (prompt index, sample index) of each request id; n > 1 adds n sequences.
-        owners: dict[str, tuple[int, int]] = {}
-        added: list[int] = []
-        try:
-            for i, (prompt, params) in enumerate(zip(prompt_list, params_list)):
-                for j in range(params.n):
-                    sample_params = _nth_sample(params, j)
-                    request_id = f"{i}-{j}"
-                    seq = engine.add_request(prompt, sample_params, request_id=request_id)
-                    owners[request_id] = (i, j)
-                    added.append(seq.seq_id)
-        except Exception:
-            for seq_id in added:  # leave no half-added batch behind
-                engine.abort_request(seq_id)
-            raise
+        choices = requests.fan_out(prompt_list, params_list)
+        # (prompt index, sample index) of each request id, in the order fan_out made them.
+        owners = [(i, j) for i, p in enumerate(params_list) for j in range(p.n)]
+        request_ids = [f"{i}-{j}" for i, j in owners]
+        requests.add_all(self.llm_engine, choices, request_ids)
         finals = self._run(len(owners), use_tqdm)
         results: list[RequestOutput | None] = [None] * len(prompt_list)
-        for request_id in sorted(owners, key=lambda r: owners[r]):
-            i, j = owners[request_id]
+        for request_id, (i, j) in zip(request_ids, owners):
             out = finals[request_id]
             completion: CompletionOutput = out.outputs[0]
             completion.index = j
@@ -98,29 +81,24 @@ class LLM:
         add_generation_prompt: bool = True,
     ) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation or a list of them."""
-        if not isinstance(messages, list):
-            raise TypeError(f"messages must be a list of {{'role', 'content'}} dicts, got "
-                            f"{messages!r:.80}")
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        for conv in conversations:
-            _check_conversation(conv)
-        prompts = [
-            self.apply_chat_template(conv, add_generation_prompt)  # type: ignore[arg-type]
-            for conv in conversations
+        conversations = requests.as_conversation_list(messages)
+        prompts: list[PromptInput] = [
+            self.apply_chat_template(conv, add_generation_prompt) for conv in conversations
         ]
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def apply_chat_template(
         self, messages: list[Message], add_generation_prompt: bool = True
     ) -> list[int]:
-        tokenizer = self.get_tokenizer()
-        if getattr(tokenizer, "chat_template", None) is None:
-            raise ValueError("this model's tokenizer has no chat template: use generate()")
-        ids = tokenizer.apply_chat_template(
-            messages, add_generation_prompt=add_generation_prompt, tokenize=True,
-            return_dict=False,
-        )
-        return list(ids)
+        """The conversation's prompt token ids through the model's chat template."""
+        try:
+            return requests.chat_prompt(
+                self.get_tokenizer(), messages, add_generation_prompt=add_generation_prompt
+            )
+        except requests.NoChatTemplateError:
+            raise ValueError(
+                "this model's tokenizer has no chat template: use generate()"
+            ) from None
 
     def _run(self, num_requests: int, use_tqdm: bool) -> dict[str, RequestOutput]:
         engine = self.llm_engine
@@ -150,36 +128,3 @@ class LLM:
             bar.close()
         return finals
 
-
-def _check_conversation(conv: object) -> None:
-    """A conversation is a list of messages, each a dict with a string role and content."""
-    if not isinstance(conv, list):
-        raise TypeError(f"a conversation must be a list of messages, got {conv!r:.80}")
-    for i, message in enumerate(conv):
-        if not isinstance(message, dict):
-            raise TypeError(f"message {i} must be a dict, got {message!r:.80}")
-        role = message.get("role")
-        if not isinstance(role, str) or not role:
-            raise ValueError(f"message {i} needs a non-empty string 'role', got {role!r:.80}")
-        content = message.get("content")
-        if content is not None and not isinstance(content, str):
-            raise ValueError(f"message {i}'s 'content' must be a string, got {content!r:.80}")
-
-
-def _as_prompt_list(prompts: PromptInput | Seq[PromptInput]) -> list[PromptInput]:
-    if not isinstance(prompts, (str, dict, list, tuple)):
-        raise TypeError(
-            "prompts must be a string, a list of token ids, a dict, or a list of those, "
-            f"got {prompts!r:.80}"
-        )
-    if isinstance(prompts, (str, dict)):
-        return [prompts]
-    if isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], int):
-        return [list(prompts)]  # one prompt given as token ids
-    return list(prompts)  # type: ignore[arg-type]
-
-
-def _nth_sample(params: SamplingParams, j: int) -> SamplingParams:
-    """The j-th of n samples: the same params with n=1 (and seed + j when seeded)."""
-    seed = None if params.seed is None else params.seed + j
-    return replace(params, n=1, seed=seed)

@@ -35,7 +35,7 @@ from typing import Any
 import httpx
 
 REPO = Path(__file__).resolve().parent.parent
-INJECTED = "injected fault"  # the message of tests/faults.py's InjectedFault
+INJECTED = "injected fault"  # the message of tests/support/faults.py's InjectedFault
 WORDS = (
     "the quick brown fox jumps over lazy dog paged attention stores keys and values in "
     "blocks a scheduler mixes prefill chunks with decode steps one batch hello world how "
@@ -322,7 +322,7 @@ class _ErrorLog(logging.Handler):
 
 @contextlib.contextmanager
 def local_server(model_dir: str, **engine_options: Any) -> Iterator[tuple[str, Any, _ErrorLog]]:
-    """A server on `model_dir` in this process, its runner behind tests/faults.py's
+    """A server on `model_dir` in this process, its runner behind tests/support/faults.py's
     FaultyRunner (disarmed); yields (base_url, its OpenAIServer, the error log)."""
     from minivllm.engine.llm_engine import LLMEngine
     from minivllm.server import ServerThread, create_app
@@ -336,7 +336,7 @@ def local_server(model_dir: str, **engine_options: Any) -> Iterator[tuple[str, A
     }
     engine = LLMEngine.from_options(model=model_dir, **options)
     sys.path.insert(0, str(REPO / "tests"))
-    from faults import FaultyRunner
+    from support.faults import FaultyRunner
 
     engine = LLMEngine(engine.config, FaultyRunner(engine.model_runner), engine.tokenizer)
     errors = _ErrorLog()

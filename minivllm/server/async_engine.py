@@ -24,9 +24,11 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from minivllm.engine import requests
 from minivllm.engine.llm_engine import LLMEngine
+from minivllm.engine.requests import Choice
+from minivllm.engine.sequence import FinishReason
 from minivllm.outputs import CompletionOutput, RequestOutput
-from minivllm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -112,7 +114,6 @@ class RequestStream:
         self._closed = True
 
 
-Choice = tuple[list[int], SamplingParams]  # one sub-request: prompt token ids, sampling
 OutputHook = Callable[[RequestOutput, int], None]  # (output, number of new tokens)
 
 
@@ -264,16 +265,12 @@ class AsyncLLMEngine:
                 f"the server is overloaded: {int(waiting)} requests are waiting "
                 f"(limit {limit}); retry later"
             )
-        added: list[_Sub] = []
-        try:
-            for index, (prompt, params) in enumerate(command.choices):
-                sub_id = f"{command.request_id}/{index}"
-                seq = self.engine.add_request(prompt, params, request_id=sub_id)
-                added.append(_Sub(sub_id, command.request_id, index, seq.seq_id))
-        except Exception:
-            for sub in added:  # all sub-requests or none
-                self.engine.abort_request(sub.seq_id)
-            raise
+        sub_ids = [f"{command.request_id}/{i}" for i in range(len(command.choices))]
+        seqs = requests.add_all(self.engine, command.choices, sub_ids)  # all or none
+        added = [
+            _Sub(sub_id, command.request_id, index, seq.seq_id)
+            for index, (sub_id, seq) in enumerate(zip(sub_ids, seqs))
+        ]
         for sub in added:
             self._subs[sub.sub_id] = sub
             command.stream.sub_ids.add(sub.sub_id)
@@ -315,9 +312,9 @@ class AsyncLLMEngine:
 
 def _final_output(sub_id: str, exc: Exception | None) -> RequestOutput:
     if exc is None:
-        reason, error = "abort", "the server is shutting down"
+        reason, error = FinishReason.ABORT, "the server is shutting down"
     else:
-        reason, error = "error", f"{type(exc).__name__}: {exc}"
+        reason, error = FinishReason.ERROR, f"{type(exc).__name__}: {exc}"
     return RequestOutput(
         request_id=sub_id,
         prompt=None,

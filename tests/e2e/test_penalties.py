@@ -8,11 +8,9 @@ batching or vectorised penalties is shared with it.
 
 from __future__ import annotations
 
-import functools
-
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from support.penalties import hf_model, reference_greedy, reference_penalties
 
 from minivllm import LLM, SamplingParams
 from minivllm.layers.sampler import Sampler, SamplingBatch, apply_penalties
@@ -20,20 +18,6 @@ from minivllm.layers.sampler import Sampler, SamplingBatch, apply_penalties
 VOCAB = 50
 PROMPTS = [[5, 17, 42, 99, 3, 5, 5], [7] * 9, list(range(10, 30)), [200, 201, 3, 200]]
 MAX_TOKENS = 16
-
-
-def reference_penalties(logits, tokens, num_prompt, repetition, presence, frequency):
-    """One row, the rules as written: repetition over prompt + completion (HF), then frequency
-    and presence over the completion (OpenAI)."""
-    out = logits.clone()
-    completion = tokens[num_prompt:]
-    for token in set(tokens):
-        value = out[token].item()
-        out[token] = value / repetition if value > 0 else value * repetition
-    for token in set(completion):
-        count = completion.count(token)
-        out[token] -= frequency * count + presence
-    return out
 
 
 def test_apply_penalties_matches_the_rules_row_by_row():
@@ -99,28 +83,6 @@ def test_invalid_penalties_are_clear_errors(kw, match):
 # ---- end to end ---------------------------------------------------------------------------
 
 
-@functools.cache
-def _hf_model(model_dir: str):
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-
-
-@torch.inference_mode()
-def reference_greedy(model_dir: str, prompt: list[int], params: SamplingParams) -> list[int]:
-    """Greedy decoding by recomputing the whole sequence each step, penalties in Python."""
-    model = _hf_model(model_dir)
-    tokens = list(prompt)
-    for _ in range(params.max_tokens):
-        logits = model(torch.tensor([tokens])).logits[0, -1].float()
-        for token, bias in (params.logit_bias or {}).items():
-            logits[token] += bias
-        logits = reference_penalties(
-            logits, tokens, len(prompt), params.repetition_penalty, params.presence_penalty,
-            params.frequency_penalty,
-        )
-        tokens.append(int(logits.argmax()))
-    return tokens[len(prompt) :]
-
-
 def greedy(**kw) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, **kw)
 
@@ -154,7 +116,7 @@ def test_penalised_greedy_matches_the_reference_in_one_mixed_batch(model, option
 
 
 def test_repetition_penalty_matches_hf_generate(tiny_llama_dir):
-    model = _hf_model(str(tiny_llama_dir))
+    model = hf_model(str(tiny_llama_dir))
     llm = LLM(str(tiny_llama_dir))
     for prompt in PROMPTS:
         hf = model.generate(

@@ -24,7 +24,7 @@ from support.server_helpers import scrape_metrics, wait_idle
 from minivllm import SamplingParams
 from minivllm.engine.llm_engine import LLMEngine
 from minivllm.server import ServerThread, create_app
-from minivllm.server.app import OpenAIServer
+from minivllm.server.serving import OpenAIServer
 
 API_KEY = "test-key"
 MODEL = "tiny-llama"
@@ -124,9 +124,9 @@ def test_completion_token_id_prompt_matches_text_prompt(tiny_server: Live) -> No
 
 def test_penalties_and_logit_bias_reach_the_sampler(tiny_server: Live, tiny_llama_dir) -> None:
     """OpenAI's presence/frequency penalties and logit_bias (string keys) and vLLM's
-    repetition_penalty give the text of the plain-Python reference (tests/e2e/test_penalties.py),
+    repetition_penalty give the text of the plain-Python reference (tests/support/penalties.py),
     streamed or not; logprobs stay those of the raw model."""
-    from test_penalties import reference_greedy
+    from support.penalties import reference_greedy
 
     ids = tiny_server.engine.tokenizer.encode(PROMPT, add_special_tokens=True)
     params = SamplingParams(

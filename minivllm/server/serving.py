@@ -1,0 +1,195 @@
+"""OpenAIServer: what every endpoint shares over one AsyncLLMEngine: parsing a request body,
+its sampling parameters, tokenizing, adding its choices (all or none) and collecting them.
+
+The endpoints themselves live in `completions.py` and `chat.py`; `app.py` routes to them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from typing import TypeVar
+
+from fastapi import Request
+from fastapi.responses import Response
+from pydantic import BaseModel, ValidationError
+
+from minivllm.engine import requests
+from minivllm.engine.llm_engine import LLMEngine
+from minivllm.outputs import RequestOutput
+from minivllm.sampling_params import SamplingParams
+from minivllm.server import protocol
+from minivllm.server.async_engine import (
+    AsyncLLMEngine,
+    QueueFullError,
+    RequestStream,
+    ShuttingDownError,
+)
+from minivllm.server.errors import APIError, bad_request, bad_value, raise_if_failed
+from minivllm.server.errors import validation_error as _validation_error
+from minivllm.server.logprobs import LogprobFormatter
+from minivllm.server.metrics import ServerMetrics
+from minivllm.server.middleware import check_auth
+
+logger = logging.getLogger("minivllm.server")
+
+R = TypeVar("R", bound=protocol._Request)
+
+
+class OpenAIServer:
+    """The endpoints' shared state and steps, over one AsyncLLMEngine."""
+
+    def __init__(
+        self,
+        engine: LLMEngine,
+        served_model_name: str,
+        api_key: str | None,
+        max_waiting_requests: int | None,
+    ) -> None:
+        self.engine = engine
+        self.served_model_name = served_model_name
+        self.api_key = api_key
+        self.tokenizer = engine.tokenizer
+        self.max_model_len = engine.config.max_model_len
+        self.metrics = ServerMetrics(lambda: self.async_engine.stats)
+        self.async_engine = AsyncLLMEngine(
+            engine, max_waiting_requests=max_waiting_requests, on_output=self.metrics.on_output
+        )
+        self.logprobs = LogprobFormatter(self.tokenizer)
+
+    def check_auth(self, request: Request) -> None:
+        check_auth(request, self.api_key)
+
+    async def parse(self, request: Request, model: type[R]) -> R:
+        """The authorised request's body as `model`: 400 for bad bytes, JSON or fields, 404
+        for a model this server does not serve."""
+        self.check_auth(request)
+        body = await request.body()
+        try:
+            text = body.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise bad_request(f"the request body is not valid UTF-8: {exc}") from None
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise bad_request(f"the request body is not valid JSON: {exc}") from None
+        if not isinstance(data, dict):
+            raise bad_request("the request body must be a JSON object")
+        try:
+            parsed = model.model_validate(data)
+        except ValidationError as exc:
+            raise _validation_error(exc) from None
+        name = getattr(parsed, "model", None)
+        if name is not None and name != self.served_model_name:
+            raise APIError(
+                404,
+                f"the model {name!r} does not exist; this server serves "
+                f"{self.served_model_name!r}",
+                param="model",
+                code="model_not_found",
+            )
+        return parsed
+
+    def sampling_params(
+        self, req: protocol._SamplingRequest, default_max_tokens: int | None, logprobs: int | None
+    ) -> SamplingParams:
+        try:
+            return req.sampling_params(default_max_tokens, logprobs)
+        except ValueError as exc:
+            raise bad_value(exc) from None
+
+    def encode(self, prompt: str, add_special_tokens: bool) -> list[int]:
+        if self.tokenizer is None:
+            raise bad_request("this model has no tokenizer: send the prompt as token ids")
+        return list(self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens))
+
+    def check_prompt(self, token_ids: list[int]) -> None:
+        if not token_ids:
+            raise bad_request("the prompt is empty: give at least one token", param="prompt")
+        if self.max_model_len is not None and len(token_ids) >= self.max_model_len:
+            raise bad_request(
+                f"the prompt has {len(token_ids)} tokens, but this model's max_model_len is "
+                f"{self.max_model_len}: shorten the prompt",
+                param="prompt",
+            )
+
+    async def start(
+        self, request_id: str, prompts: list[list[int]], params: SamplingParams
+    ) -> RequestStream:
+        """Add n choices per prompt (seed + i for choice i when seeded), all or none."""
+        for prompt in prompts:
+            self.check_prompt(prompt)
+        choices = requests.fan_out(list(prompts), [params] * len(prompts))
+        try:
+            return await self.async_engine.add_request(request_id, choices)
+        except QueueFullError as exc:
+            raise APIError(503, str(exc), type="service_unavailable", code="overloaded") from None
+        except ShuttingDownError as exc:
+            raise APIError(
+                503, str(exc), type="service_unavailable", code="shutting_down"
+            ) from None
+        except (ValueError, TypeError) as exc:
+            raise bad_value(exc) from None
+
+    async def collect(
+        self, request: Request, stream: RequestStream, num_choices: int
+    ) -> list[RequestOutput]:
+        """The final output of every choice; aborts if the client disconnects first."""
+        finals: list[RequestOutput | None] = [None] * num_choices
+
+        async def drain() -> None:
+            async for index, output in stream:
+                if output.finished:
+                    finals[index] = output
+
+        drain_task = asyncio.ensure_future(drain())
+        watch_task = asyncio.ensure_future(_until_disconnected(request))
+        try:
+            await asyncio.wait({drain_task, watch_task}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watch_task.cancel()
+            if not drain_task.done():
+                drain_task.cancel()
+            stream.close()
+        if not drain_task.done() or drain_task.cancelled():
+            raise APIError(499, "the client disconnected", code="client_disconnected")
+        drain_task.result()
+        outputs = [f for f in finals if f is not None]
+        for output in outputs:
+            raise_if_failed(output)
+        return outputs
+
+    def log_finished(
+        self, request_id: str, prompt_tokens: int, completion_tokens: int, start: float, how: str
+    ) -> None:
+        logger.info(
+            "request %s %s: prompt_tokens=%d completion_tokens=%d latency=%.3fs",
+            request_id,
+            how,
+            prompt_tokens,
+            completion_tokens,
+            time.monotonic() - start,
+        )
+
+
+
+def json_response(body: BaseModel) -> Response:
+    return Response(body.model_dump_json(), media_type="application/json")
+
+
+def usage_of(prompt_tokens: int, outputs: list[RequestOutput]) -> protocol.Usage:
+    completion = sum(len(o.outputs[0].token_ids) for o in outputs)
+    return protocol.Usage(
+        prompt_tokens=prompt_tokens,
+        completion_tokens=completion,
+        total_tokens=prompt_tokens + completion,
+    )
+
+
+async def _until_disconnected(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return

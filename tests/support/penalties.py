@@ -1,0 +1,47 @@
+"""Plain-Python references for the sampler's penalties: the rules as written, one row at a
+time, and greedy decoding on HF transformers that recomputes the whole sequence each step."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from minivllm import SamplingParams
+
+
+def reference_penalties(logits, tokens, num_prompt, repetition, presence, frequency):
+    """One row, the rules as written: repetition over prompt + completion (HF), then frequency
+    and presence over the completion (OpenAI)."""
+    out = logits.clone()
+    completion = tokens[num_prompt:]
+    for token in set(tokens):
+        value = out[token].item()
+        out[token] = value / repetition if value > 0 else value * repetition
+    for token in set(completion):
+        count = completion.count(token)
+        out[token] -= frequency * count + presence
+    return out
+
+
+@functools.cache
+def hf_model(model_dir: str):
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+@torch.inference_mode()
+def reference_greedy(model_dir: str, prompt: list[int], params: SamplingParams) -> list[int]:
+    """Greedy decoding by recomputing the whole sequence each step, penalties in Python."""
+    model = hf_model(model_dir)
+    tokens = list(prompt)
+    for _ in range(params.max_tokens):
+        logits = model(torch.tensor([tokens])).logits[0, -1].float()
+        for token, bias in (params.logit_bias or {}).items():
+            logits[token] += bias
+        logits = reference_penalties(
+            logits, tokens, len(prompt), params.repetition_penalty, params.presence_penalty,
+            params.frequency_penalty,
+        )
+        tokens.append(int(logits.argmax()))
+    return tokens[len(prompt) :]

@@ -8,7 +8,6 @@ The engine knows the model only through a runner with `num_kv_blocks`, `vocab_si
 
 from __future__ import annotations
 
-import itertools
 import json
 import logging
 import time
@@ -64,7 +63,7 @@ class LLMEngine:
         self.tracer = tracer or NullTracer()
         self.scheduler = Scheduler(config, model_runner.num_kv_blocks)
         self._requests: dict[int, _Request] = {}
-        self._seq_ids = itertools.count()
+        self._next_seq_id = 0  # taken only by an accepted request: a refusal uses no id
 
     @classmethod
     def from_options(cls, tracer: NullTracer | None = None, **options: Any) -> LLMEngine:
@@ -110,10 +109,11 @@ class LLMEngine:
             raise ValueError(
                 f"logit_bias token id {outside[0]} is outside the vocabulary [0, {vocab})"
             )
-        seq_id = next(self._seq_ids)
+        seq_id = self._next_seq_id
         with self.tracer.phase("add"):
             seq = self.tracer.new_sequence(seq_id, token_ids, sampling_params)
             self.scheduler.add(seq)
+        self._next_seq_id += 1
         request_id = str(seq_id) if request_id is None else request_id
         self._requests[seq_id] = _Request(request_id, text, seq, RequestMetrics(seq.arrival_time))
         return seq

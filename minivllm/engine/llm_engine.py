@@ -8,7 +8,6 @@ The engine knows the model only through a runner with `num_kv_blocks`, `vocab_si
 
 from __future__ import annotations
 
-import itertools
 import json
 import logging
 import time
@@ -69,7 +68,7 @@ class LLMEngine:
             tokenizer, model_runner.vocab_size, config.eos_token_ids
         )
         self._requests: dict[int, _Request] = {}
-        self._seq_ids = itertools.count()
+        self._next_seq_id = 0  # taken only by an accepted request: a refusal uses no id
 
     @classmethod
     def from_options(cls, tracer: NullTracer | None = None, **options: Any) -> LLMEngine:
@@ -116,10 +115,11 @@ class LLMEngine:
                 f"logit_bias token id {outside[0]} is outside the vocabulary [0, {vocab})"
             )
         matcher = self.structured.matcher_for(sampling_params)  # GrammarError: a bad spec
-        seq_id = next(self._seq_ids)
+        seq_id = self._next_seq_id
         with self.tracer.phase("add"):
             seq = self.tracer.new_sequence(seq_id, token_ids, sampling_params)
             self.scheduler.add(seq)
+        self._next_seq_id += 1
         request_id = str(seq_id) if request_id is None else request_id
         self._requests[seq_id] = _Request(
             request_id, text, seq, RequestMetrics(seq.arrival_time), matcher=matcher

@@ -22,7 +22,7 @@ from minivllm.config import EngineConfig
 from minivllm.distributed import parallel_state
 from minivllm.distributed.heads import shard_heads
 from minivllm.engine.scheduler import SampledToken, ScheduledBatch
-from minivllm.engine.sequence import Sequence
+from minivllm.engine.sequence import Sequence, blocks_for
 from minivllm.layers.attention import AttentionMetadata
 from minivllm.layers.quantization import check_quantization, quantize_model_int8
 from minivllm.layers.sampler import Sampler, SamplingBatch
@@ -210,7 +210,7 @@ class ModelRunner:
             budget = min(DEFAULT_CPU_KV_GB * 1e9, 0.25 * _available_ram())
         blocks = int(budget // self._bytes_per_block())
         # More blocks than max_num_seqs full-length sequences could ever use are wasted.
-        most = self.config.max_num_seqs * -(-self.config.max_model_len // self.block_size)
+        most = self.config.max_num_seqs * blocks_for(self.config.max_model_len, self.block_size)
         blocks = min(blocks, most)
         if blocks < 1:
             raise ValueError(

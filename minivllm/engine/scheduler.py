@@ -163,8 +163,8 @@ class Scheduler:
                 break
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
-            # A prefix-cache hit is the one case where cached moves at plan time: those
-            # blocks' KV was committed by an earlier sequence.
+            # On a prefix-cache hit cached grows at plan time (the only way it grows before a
+            # commit; preemption resets it here): an earlier sequence committed that KV.
             self.block_manager.take_prefix(seq, hits)
             self.block_manager.allocate(seq, num_new)
             seq.num_scheduled_tokens = num_new

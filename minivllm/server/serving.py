@@ -27,6 +27,7 @@ from minivllm.server.async_engine import (
     QueueFullError,
     RequestStream,
     ShuttingDownError,
+    StepRecorder,
 )
 from minivllm.server.constraints import Constraint
 from minivllm.server.errors import APIError, bad_request, bad_value, raise_if_failed
@@ -50,6 +51,7 @@ class OpenAIServer:
         served_model_name: str,
         api_key: str | None,
         max_waiting_requests: int | None,
+        recorder: StepRecorder | None = None,
     ) -> None:
         self.engine = engine
         self.served_model_name = served_model_name
@@ -58,7 +60,10 @@ class OpenAIServer:
         self.max_model_len = engine.config.max_model_len
         self.metrics = ServerMetrics(lambda: self.async_engine.stats)
         self.async_engine = AsyncLLMEngine(
-            engine, max_waiting_requests=max_waiting_requests, on_output=self.metrics.on_output
+            engine,
+            max_waiting_requests=max_waiting_requests,
+            on_output=self.metrics.on_output,
+            recorder=recorder,
         )
         self.logprobs = LogprobFormatter(self.tokenizer)
 

@@ -17,7 +17,6 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import Response
 
-from minivllm.engine import requests
 from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import SamplingParams
 from minivllm.server import protocol, responses, tools
@@ -70,16 +69,9 @@ def chat_prompt(
     template = server.chat_template or getattr(server.tokenizer, "chat_template", None)
     if tool_dicts and "tools" not in str(template or ""):
         messages, tool_dicts = tools.with_fallback_prompt(messages, tool_dicts), None
-    kwargs = {**server.chat_template_kwargs, **(req.chat_template_kwargs or {})}
-    try:
-        return requests.chat_prompt(
-            server.tokenizer, messages, add_generation_prompt=req.add_generation_prompt,
-            tools=tool_dicts, chat_template_kwargs=kwargs, chat_template=server.chat_template,
-        )
-    except requests.NoChatTemplateError:
-        raise bad_request("this model has no chat template: use /v1/completions") from None
-    except ValueError as exc:
-        raise bad_request(str(exc), param="messages") from None
+    text = server.chat_text(messages, req.add_generation_prompt, tool_dicts,
+                            req.chat_template_kwargs)
+    return server.encode(text, add_special_tokens=False)
 
 
 @dataclass

@@ -154,6 +154,27 @@ class OpenAIServer:
             raise bad_request(f"{field} is invalid: {exc.reason}", param=field) from None
         return dataclasses.replace(params, structured_outputs=spec)
 
+    def chat_text(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool,
+        tools: list[dict[str, Any]] | None = None,
+        template_kwargs: dict[str, Any] | None = None,
+    ) -> str:
+        """The conversation through the chat template (the server's --chat-template, else the
+        model's), with the template kwargs (the server's defaults, then the request's); 400 if
+        there is no template or it rejects the messages."""
+        try:
+            return requests.chat_text(
+                self.tokenizer, messages, add_generation_prompt=add_generation_prompt,
+                tools=tools, chat_template=self.chat_template,
+                chat_template_kwargs={**self.chat_template_kwargs, **(template_kwargs or {})},
+            )
+        except requests.NoChatTemplateError:
+            raise bad_request("this model has no chat template: use /v1/completions") from None
+        except ValueError as exc:
+            raise bad_request(str(exc), param="messages") from None
+
     def encode(self, prompt: str, add_special_tokens: bool) -> list[int]:
         if self.tokenizer is None:
             raise bad_request("this model has no tokenizer: send the prompt as token ids")

@@ -8,7 +8,6 @@ import asyncio
 from fastapi import Request
 from fastapi.responses import Response
 
-from minivllm.engine import requests
 from minivllm.server import protocol, responses
 from minivllm.server.errors import bad_request
 from minivllm.server.serving import OpenAIServer, json_response
@@ -33,14 +32,10 @@ def _chat_tokens(server: OpenAIServer, req: protocol.TokenizeRequest) -> list[in
     assert req.messages is not None
     try:
         messages = [m.template_dict() for m in req.messages]
-        text = requests.chat_text(
-            server.tokenizer, messages, add_generation_prompt=req.add_generation_prompt,
-            chat_template_kwargs=req.chat_template_kwargs,
-        )
-    except requests.NoChatTemplateError:
-        raise bad_request("this model has no chat template", param="messages") from None
     except ValueError as exc:
         raise bad_request(str(exc), param="messages") from None
+    text = server.chat_text(messages, req.add_generation_prompt,
+                            template_kwargs=req.chat_template_kwargs)
     return server.encode(text, add_special_tokens=bool(req.add_special_tokens))
 
 

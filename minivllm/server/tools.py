@@ -132,6 +132,10 @@ def with_fallback_prompt(
 def parse_calls(text: str, mode: Mode, named: str | None) -> tuple[str | None, list[Any]]:
     """The message content and tool calls of a finished output."""
     if mode == "named":
+        try:
+            json.loads(text)
+        except json.JSONDecodeError:
+            return text, []  # cut short (max_tokens): no call to give
         return None, [_call(named or "", text)]
     if mode == "required":
         try:

@@ -116,11 +116,13 @@ def prepare_inputs(batch: ScheduledBatch, block_size: int, device: torch.device)
         seq_lens_cpu=seq_lens,
         block_size=block_size,
     )
+    bitmask = batch.token_bitmask
     sampling = SamplingBatch(
         params=[s.sampling_params for s in batch.sample_seqs],
         positions=[s.num_tokens for s in batch.sample_seqs],
         token_ids=[s.token_ids for s in batch.sample_seqs],
         num_prompt_tokens=[s.num_prompt_tokens for s in batch.sample_seqs],
+        token_bitmask=None if bitmask is None else torch.from_numpy(bitmask),  # [rows, words]
     )
     return StepInputs(tensor(input_ids), tensor(positions), meta, tensor(logits_indices),
                       sampling, prompt_runs)

@@ -413,3 +413,29 @@ def test_seq8_on_the_default_model() -> None:
 
     s0 = post(client, "reset", {"scenario": "prefix"})
     assert fields(seq(post(client, "plan"))) == ("RUNNING", 3, 12, 15)
+
+
+def test_snapshot_of_any_engine_without_a_tracer() -> None:
+    """snapshot.py photographs a plain LLMEngine (a server's, with the null tracer): the
+    queues, the sequences and the KV pool, no events; it changes nothing."""
+    from minivllm.lab.snapshot import Snapshotter
+    from minivllm.sampling_params import SamplingParams
+
+    config = EngineConfig(block_size=4, num_kv_blocks=8, max_num_batched_tokens=64,
+                          max_model_len=64)
+    engine = LLMEngine(config, FakeModelRunner(8, 4), None)
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    engine.add_request(list(range(5, 11)), params)
+    engine.step()
+    engine.add_request(list(range(20, 23)), params)
+    snap = Snapshotter(engine)
+    state = snap.state()
+    assert state["events"] == [] and state["waiting"] == [1] and state["running"] == [0]
+    assert [s["seq_id"] for s in state["sequences"]] == [1, 0]  # waiting, then running
+    running = state["sequences"][1]
+    assert (running["num_cached_tokens"], running["num_tokens"]) == (6, 7)
+    assert running["text"] is None and running["pieces"] is None
+    held = [s for b in state["blocks"] for s in b["slots"] if s["owners"]]
+    assert [s["state"] for s in held] == ["committed"] * 6 + ["reserved"] * 2
+    assert state["code"]["Scheduler.postprocess"].startswith("minivllm/engine/scheduler.py:")
+    assert snap.state() == state

@@ -145,8 +145,26 @@ def set_language(page, lang: str) -> None:
 
 
 def no_horizontal_overflow(page) -> None:
+    """Nothing wider than the window, and nothing spilling out of its card."""
     width = page.evaluate("document.documentElement.scrollWidth")
     assert width <= page.viewport_size["width"], f"page is {width}px wide"
+    spilled = page.evaluate(
+        """() => [...document.querySelectorAll('.card, .narration')].flatMap((card) => {
+            const box = card.getBoundingClientRect();
+            const clipped = (el) => {  // inside a box that scrolls or clips it on purpose
+              for (let p = el.parentElement; p && p !== card; p = p.parentElement) {
+                if (getComputedStyle(p).overflowX !== 'visible') return true;
+              }
+              return false;
+            };
+            return [...card.querySelectorAll('*')].filter((el) => {
+              const r = el.getBoundingClientRect();
+              return r.width > 0 && (r.right > box.right + 1 || r.left < box.left - 1)
+                && !clipped(el);
+            }).map((el) => el.className || el.tagName);
+          })"""
+    )
+    assert spilled == [], spilled
 
 
 def test_seed_experiment_on_the_desktop(page) -> None:
@@ -294,10 +312,11 @@ def test_phone_layout_chunked_narration_and_chinese(page) -> None:
 def test_other_scenarios_and_play(page) -> None:
     """The prefix hit shows cached > 0 right after Plan; preemption sends seq 1 back to
     WAITING; FINISHED disables Plan and Step with the reason; Play plays the current scenario
-    (it is not reset, its progress is kept) and Stop leaves the view where it is."""
+    (it is not reset, its progress is kept) and Stop leaves the view where it is. At 1440 px
+    (three columns) nothing spills out of its card."""
     from playwright.sync_api import expect
 
-    page.set_viewport_size(DESKTOP)
+    page.set_viewport_size({"width": 1440, "height": 900})
     set_language(page, "en")
     tid(page, "scenario-prefix").click()
     tid(page, "predict-choice-12").click()
@@ -322,6 +341,7 @@ def test_other_scenarios_and_play(page) -> None:
     expect(tid(page, "btn-plan")).to_be_disabled()
     expect(tid(page, "btn-step")).to_be_disabled()
     expect(tid(page, "run-why")).to_contain_text("FINISHED")
+    no_horizontal_overflow(page)
 
     # Play in the chunked scenario after one Plan: it keeps the scenario and the plan.
     tid(page, "scenario-chunked").click()

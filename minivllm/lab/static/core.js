@@ -192,10 +192,11 @@ let renderAll = () => {};
 export function setRenderer(fn) { renderAll = fn; }
 export function render() { renderAll(); }
 
-/** A field name that may wrap after its underscores, never inside a word. */
+/** A field or function name that may wrap after its underscores and dots, never inside a
+ *  word. */
 export function breakable(name) {
-  const parts = name.split("_");
-  return parts.flatMap((p, i) => (i < parts.length - 1 ? [`${p}_`, h("wbr")] : [p]));
+  const parts = name.split(/(?<=[_.])/);
+  return parts.flatMap((p, i) => (i < parts.length - 1 ? [p, h("wbr")] : [p]));
 }
 
 /** What a step's plan scheduled: "decode", "prefill", "chunk" (a prefill not yet whole), or

@@ -15,6 +15,13 @@ const OWNER_CODE = {
   num_scheduled_tokens: "Scheduler.schedule",
 };
 
+/** `text` with the code name inside it made breakable at its dots and underscores. */
+function withName(text, name) {
+  const at = text.indexOf(name);
+  if (at < 0) return [text];
+  return [text.slice(0, at), ...breakable(name), text.slice(at + name.length)];
+}
+
 function showCode(loc) {
   if (!loc) return;
   S.codeLoc = loc;
@@ -92,9 +99,10 @@ export function renderFields(seq, prevSeq, events) {
     const phase = ev ? ev.phase : changed ? "commit" : "";
     const owner = changed && ev
       ? h("button", { type: "button", class: "f-owner link", onclick: () => showCode(ev.source) },
-        t("changed_by", { actor: ev.actor }))
+        ...withName(t("changed_by", { actor: ev.actor }), ev.actor))
       : h("button", { type: "button", class: "f-owner link", "data-testid": `owner-${field}`,
-                      onclick: () => showCode(code[OWNER_CODE[field]]) }, t(`owner_${field}`));
+                      onclick: () => showCode(code[OWNER_CODE[field]]) },
+      ...withName(t(`owner_${field}`), OWNER_CODE[field]));
     return h("div", { class: `field ${field === "status" ? "status-tile " + value : ""} ${changed ? "changed " + phase : ""}` },
       h("div", { class: "f-name" }, breakable(field)),
       h("div", { class: "f-value-row" },

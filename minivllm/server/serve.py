@@ -100,7 +100,12 @@ def chat_options(args: argparse.Namespace) -> ChatOptions:
         template = Path(template).read_text()
     kwargs = getattr(args, "chat_template_kwargs", None)
     if isinstance(kwargs, str):
-        kwargs = json.loads(kwargs)
+        try:
+            kwargs = json.loads(kwargs)
+        except json.JSONDecodeError as exc:
+            raise SystemExit(f"--chat-template-kwargs is not valid JSON: {exc}") from None
+        if not isinstance(kwargs, dict):
+            raise SystemExit("--chat-template-kwargs must be a JSON object")
     return ChatOptions(template, dict(kwargs or {}), getattr(args, "reasoning_parser", None))
 
 

@@ -189,3 +189,20 @@ def test_chat_template_and_its_kwargs(tiny_llama_dir: Path) -> None:
 
         assert "LOUD" not in text() and text().startswith("<|user|>")
         assert "LOUD" in text(chat_template_kwargs={"shout": True})
+
+
+def test_serve_takes_the_model_positionally_and_the_chat_flags(tmp_path: Path) -> None:
+    from minivllm.cli import build_parser
+    from minivllm.server.serve import chat_options
+
+    template = tmp_path / "t.jinja"
+    template.write_text(TEMPLATE)
+    args = build_parser().parse_args([
+        "serve", "some/model", "--chat-template", str(template),
+        "--chat-template-kwargs", '{"shout": true}', "--reasoning-parser", "qwen3",
+    ])
+    assert args.model_tag == "some/model"
+    assert chat_options(args) == ChatOptions(TEMPLATE, {"shout": True}, "qwen3")
+    args.chat_template_kwargs = "{nope"
+    with pytest.raises(SystemExit, match="not valid JSON"):
+        chat_options(args)

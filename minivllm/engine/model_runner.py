@@ -50,7 +50,7 @@ def resolve_dtype(config: EngineConfig, device: torch.device) -> torch.dtype:
 
 
 def slot_mapping_for(block_table: list[int], start: int, length: int, block_size: int) -> list[int]:
-    """KV slots of positions start .. start+length-1 (the seed's formula)."""
+    """KV slots of positions start .. start+length-1 (the tutorial chapter's formula)."""
     return [
         block_table[pos // block_size] * block_size + pos % block_size
         for pos in range(start, start + length)
@@ -116,11 +116,13 @@ def prepare_inputs(batch: ScheduledBatch, block_size: int, device: torch.device)
         seq_lens_cpu=seq_lens,
         block_size=block_size,
     )
+    bitmask = batch.token_bitmask
     sampling = SamplingBatch(
         params=[s.sampling_params for s in batch.sample_seqs],
         positions=[s.num_tokens for s in batch.sample_seqs],
         token_ids=[s.token_ids for s in batch.sample_seqs],
         num_prompt_tokens=[s.num_prompt_tokens for s in batch.sample_seqs],
+        token_bitmask=None if bitmask is None else torch.from_numpy(bitmask),  # [rows, words]
     )
     return StepInputs(tensor(input_ids), tensor(positions), meta, tensor(logits_indices),
                       sampling, prompt_runs)

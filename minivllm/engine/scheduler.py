@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any
 
 from minivllm.config import EngineConfig
 from minivllm.engine.block_manager import BlockManager, HashFn, hash_block
@@ -42,6 +43,9 @@ class ScheduledBatch:
     prompt_logprobs: dict[int, tuple[int, list[dict[int, float]]]] = field(
         default_factory=dict, init=False
     )
+    # Set by the engine before execution when a sampling sequence has structured outputs: the
+    # allowed tokens of each `sample_seqs` row, an int32 [rows, ceil(vocab / 32)] bitmask.
+    token_bitmask: Any = field(default=None, init=False)
 
     def __post_init__(self) -> None:
         self.sample_seqs = [

@@ -88,8 +88,8 @@ class Lab:
             return self._current().add_text(prompt, max_tokens)
 
 
-def _answer_errors_as_json(app: FastAPI) -> None:
-    """Every refusal as `LabError.to_dict()`: a message and a code the page translates."""
+def _install_error_handlers(app: FastAPI) -> None:
+    """Every error the lab answers is `LabError.to_dict()`: a code the page translates."""
 
     @app.exception_handler(LabError)
     def _lab_error(_request, exc: LabError) -> JSONResponse:
@@ -118,7 +118,7 @@ def create_app(engine_factory: EngineFactory) -> FastAPI:
     app = FastAPI(title="minivllm Engine Lab", docs_url=None, redoc_url=None)
     app.state.lab = lab
 
-    _answer_errors_as_json(app)
+    _install_error_handlers(app)
 
     @app.get("/")
     def index() -> FileResponse:

@@ -173,14 +173,15 @@ class LiveRecorder:
 
     def frames_after(self, index: int) -> dict[str, Any]:
         """What the page polls: the frames recorded after frame `index` (-1: all kept), with
-        the pool's shape. A frame's `hashed_blocks` is null when it equals the frame before."""
-        frames = self.frames()
+        the pool's shape. A frame's `hashed_blocks` is null when it equals the one of the
+        frame before it in the same answer (the first frame always carries them)."""
         out: list[dict[str, Any]] = []
         previous: tuple[int, ...] | None = None
-        for frame in frames:
-            if frame.index > index:
-                same = previous is not None and frame.hashed_blocks == previous
-                out.append(_frame_json(frame, None if same else frame.hashed_blocks))
+        for frame in self.frames():
+            if frame.index <= index:
+                continue
+            same = previous is not None and frame.hashed_blocks == previous
+            out.append(_frame_json(frame, None if same else frame.hashed_blocks))
             previous = frame.hashed_blocks
         return {
             "num_blocks": self.num_blocks,

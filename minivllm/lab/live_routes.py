@@ -21,8 +21,9 @@ from starlette.exceptions import HTTPException
 from minivllm.lab.live import LiveRecorder
 
 STATIC_DIR = Path(__file__).resolve().parent / "static"
-# The files the live page loads (lab.css: the lab's colours and cards).
+# The files the live page loads (lab.css and state.css: the lab's colours, cards and chips).
 PAGE_FILES = {
+    "state.css": "text/css",
     "live.js": "text/javascript",
     "live-i18n.js": "text/javascript",
     "live-charts.js": "text/javascript",

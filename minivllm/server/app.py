@@ -26,7 +26,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from minivllm.engine.llm_engine import LLMEngine
-from minivllm.server import protocol
+from minivllm.server import responses
 from minivllm.server.chat import create_chat_completion
 from minivllm.server.completions import create_completion
 from minivllm.server.errors import APIError, install_error_handlers
@@ -97,8 +97,8 @@ def openai_routes(server: OpenAIServer) -> APIRouter:
     @router.get("/v1/models")
     async def models(request: Request) -> Response:
         server.check_auth(request)
-        card = protocol.ModelCard(id=server.served_model_name, max_model_len=server.max_model_len)
-        return json_response(protocol.ModelList(data=[card]))
+        card = responses.ModelCard(id=server.served_model_name, max_model_len=server.max_model_len)
+        return json_response(responses.ModelList(data=[card]))
 
     @router.post("/v1/completions")
     async def completions(request: Request) -> Response:

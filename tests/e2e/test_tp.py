@@ -172,7 +172,7 @@ def test_tp2_greedy_tokens_equal_tp1(request, arch):
     the prefix cache. Qwen3 is untied with q/k norms, Llama ties the LM head to the
     embedding, the third model replicates its single KV head."""
     model_dir = str(request.getfixturevalue(arch))
-    options = dict(max_model_len=128, max_num_batched_tokens=16)
+    options = dict(max_model_len=128, max_num_batched_tokens=16, dtype="float32")
     want = tokens(LLM(model_dir, **options), PROMPTS)
     with tp_llm(model_dir, **options) as llm:
         for _ in range(2):

@@ -19,7 +19,7 @@ const niceMax = (v) => Math.max(1, Math.ceil(v));
  * line, red marks on steps that preempted. `frames` are the page's frames; `at` the viewed
  * one; `pick(i)` is called with a frame index when a column is clicked. */
 export function timelineChart(frames, at, pick, tr, onMark) {
-  const H = 190, top = 18, bottom = 22, left = 40, right = 44;
+  const H = 190, top = 18, bottom = 22, left = 40, right = 60;
   const steps = frames.map((f, i) => [f.timeline, i]).filter(([t]) => t);
   const root = svg("svg", { viewBox: `0 0 ${W} ${H}`, class: "tl-svg", role: "img" });
   if (!steps.length) return root;
@@ -30,7 +30,7 @@ export function timelineChart(frames, at, pick, tr, onMark) {
   const colW = (W - left - right) / steps.length;
   const y = (v, max) => top + plotH - (v / max) * plotH;
   root.append(svg("line", { x1: left, x2: W - right, y1: top + plotH, y2: top + plotH, class: "axis" }));
-  for (const [v, anchor, x, cls] of [[maxTok, "end", left - 4, "ax-tok"], [`${maxMs.toFixed(1)} ms`, "start", W - right + 4, "ax-ms"]]) {
+  for (const [v, anchor, x, cls] of [[maxTok, "end", left - 4, "ax-tok"], [`${maxMs.toFixed(1)} ms`, "end", W - 2, "ax-ms"]]) {
     root.append(svg("text", { x, y: top + 4, "text-anchor": anchor, class: `ax-label ${cls}` }, document.createTextNode(v)));
   }
   const line = [];

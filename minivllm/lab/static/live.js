@@ -52,6 +52,10 @@ const byStatus = (f, status) => (f ? f.requests.filter((r) => r.status === statu
 // ---- polling ------------------------------------------------------------------------------
 
 async function poll() {
+  if (S.cursor !== null) { // paused: the buffer stays as it is until Live
+    setTimeout(poll, POLL_MS);
+    return;
+  }
   const headers = S.key ? { Authorization: `Bearer ${S.key}` } : {};
   try {
     const res = await fetch(`/lab/api/frames?after=${S.after}`, { headers, cache: "no-store" });
@@ -78,10 +82,7 @@ function take(body) {
     S.after = f.index;
   }
   const extra = S.frames.length - body.history;
-  if (extra > 0) {
-    S.frames.splice(0, extra);
-    if (S.cursor !== null) S.cursor = Math.max(0, S.cursor - extra);
-  }
+  if (extra > 0) S.frames.splice(0, extra);
 }
 
 // ---- render -------------------------------------------------------------------------------

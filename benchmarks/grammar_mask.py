@@ -2,7 +2,8 @@
 
 For each engine and batch size: compile a JSON schema once, then decode `--steps` tokens for
 `--batch` requests at once: fill every row's bitmask (one batched call), apply it to
-[batch, vocab] logits, pick a random allowed token per row and advance the matcher. Prints the
+[batch, vocab] logits with the engine's own `apply_token_bitmask` (both libraries use the same
+bitmask layout), pick a random allowed token per row and advance the matcher. Prints the
 mean milliseconds per step of mask fill, apply and advance, and the compile time.
 
     python benchmarks/grammar_mask.py --batch 1 16 --steps 64
@@ -17,6 +18,7 @@ import time
 
 import torch
 
+from minivllm.layers.sampler import apply_token_bitmask
 from minivllm.models.config import load_tokenizer
 from minivllm.models.paths import resolve_model_dir
 
@@ -37,7 +39,7 @@ SCHEMA = {
 }
 
 
-def pick(row: torch.Tensor, logits_row: torch.Tensor, rng: random.Random) -> int:
+def pick(logits_row: torch.Tensor, rng: random.Random) -> int:
     allowed = torch.nonzero(logits_row > -1e30).flatten()
     return int(allowed[rng.randrange(len(allowed))])
 
@@ -62,8 +64,8 @@ def bench_xgrammar(tokenizer, vocab: int, batch: int, steps: int) -> dict[str, f
             if not m.is_terminated():
                 m.accept_token(t)
 
-    def apply(logits: torch.Tensor) -> None:
-        xgr.apply_token_bitmask_inplace(logits, bitmask)
+    def apply(logits: torch.Tensor) -> torch.Tensor:
+        return apply_token_bitmask(logits, bitmask)
 
     return _run(fill, apply, advance, batch, vocab, steps, compile_s)
 
@@ -89,8 +91,8 @@ def bench_llguidance(tokenizer, vocab: int, batch: int, steps: int) -> dict[str,
             if not m.is_stopped():
                 m.consume_token(t)
 
-    def apply(logits: torch.Tensor) -> None:
-        lt.apply_token_bitmask_inplace(logits, bitmask)
+    def apply(logits: torch.Tensor) -> torch.Tensor:
+        return apply_token_bitmask(logits, bitmask)
 
     return _run(fill, apply, advance, batch, vocab, steps, compile_s)
 
@@ -103,9 +105,9 @@ def _run(fill, apply, advance, batch, vocab, steps, compile_s) -> dict[str, floa
         t0 = time.perf_counter()
         fill()
         t1 = time.perf_counter()
-        apply(logits)
+        logits = apply(logits)
         t2 = time.perf_counter()
-        tokens = [pick(None, logits[i], rng) for i in range(batch)]
+        tokens = [pick(logits[i], rng) for i in range(batch)]
         t3 = time.perf_counter()
         advance(tokens)
         t4 = time.perf_counter()

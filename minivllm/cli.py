@@ -160,6 +160,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help='default chat-template variables, e.g. \'{"enable_thinking": false}\'')
     p.add_argument("--reasoning-parser", default=None, choices=["qwen3", "deepseek_r1"],
                    help="split <think>...</think> into message.reasoning_content")
+    p.add_argument("--allowed-origins", nargs="+", default=None, metavar="ORIGIN",
+                   help="browser origins CORS lets in ('*' for any); none by default")
     add_engine_options(p)
     p.set_defaults(func=cmd_serve)
 

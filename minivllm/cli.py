@@ -113,31 +113,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return run_bench(args, engine_options(args))
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="minivllm", description=__doc__)
-    parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
-    sub = parser.add_subparsers(dest="command", required=True)
-
-    p = sub.add_parser("generate", help="print the completion of one prompt")
-    p.add_argument("prompt")
-    p.add_argument("--chat", action="store_true", help="apply the model's chat template")
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=-1)
-    p.add_argument("--repetition-penalty", type=float, default=1.0)
-    p.add_argument("--presence-penalty", type=float, default=0.0)
-    p.add_argument("--frequency-penalty", type=float, default=0.0)
-    p.add_argument("--sampling-seed", dest="seed_sampling", type=int, default=None,
-                   help="seed of this request's sampling")
-    add_engine_options(p)
-    p.set_defaults(func=cmd_generate)
-
-    p = sub.add_parser("demo", help="chat questions on the default model, with throughput")
-    p.add_argument("--max-tokens", type=int, default=48)
-    add_engine_options(p)
-    p.set_defaults(func=cmd_demo)
-
+def add_serve_parser(sub: Any) -> None:
+    """`minivllm serve [MODEL]`: the server's flags, then the engine's."""
     p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server")
     p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
                    help="the model, as `vllm serve MODEL` (same as --model)")
@@ -164,6 +141,34 @@ def build_parser() -> argparse.ArgumentParser:
                    help="browser origins CORS lets in ('*' for any); none by default")
     add_engine_options(p)
     p.set_defaults(func=cmd_serve)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="minivllm", description=__doc__)
+    parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("generate", help="print the completion of one prompt")
+    p.add_argument("prompt")
+    p.add_argument("--chat", action="store_true", help="apply the model's chat template")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=-1)
+    p.add_argument("--repetition-penalty", type=float, default=1.0)
+    p.add_argument("--presence-penalty", type=float, default=0.0)
+    p.add_argument("--frequency-penalty", type=float, default=0.0)
+    p.add_argument("--sampling-seed", dest="seed_sampling", type=int, default=None,
+                   help="seed of this request's sampling")
+    add_engine_options(p)
+    p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("demo", help="chat questions on the default model, with throughput")
+    p.add_argument("--max-tokens", type=int, default=48)
+    add_engine_options(p)
+    p.set_defaults(func=cmd_demo)
+
+    add_serve_parser(sub)
 
     p = sub.add_parser("lab", help="the Engine Lab: step the real engine in your browser")
     p.add_argument("--host", default="127.0.0.1")

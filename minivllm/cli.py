@@ -145,6 +145,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="answer 413 to a request body larger than this")
     p.add_argument("--shutdown-timeout", type=float, default=5.0,
                    help="seconds in-flight requests get to finish on SIGTERM/Ctrl-C")
+    p.add_argument("--lab", action="store_true",
+                   help="record the engine between steps and show it live at /lab")
     add_engine_options(p)
     p.set_defaults(func=cmd_serve)
 

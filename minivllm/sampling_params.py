@@ -6,8 +6,65 @@ Pure Python: the scheduler reads `max_tokens`, `min_tokens`, `ignore_eos` and
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
+from typing import Any
+
+_CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """Constrain a completion to a language (vLLM's shape); give exactly one of:
+
+    `json` a JSON schema (dict or string), `regex` a regular expression, `choice` a list of
+    strings (the output is one of them), `grammar` an EBNF grammar (GBNF, llama.cpp's, or
+    Lark), `json_object=True` any JSON object. The request ends where the language ends.
+    """
+
+    json: dict[str, Any] | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    def __post_init__(self) -> None:
+        given = [name for name in _CONSTRAINTS if getattr(self, name) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError(
+                f"structured_outputs needs exactly one of {', '.join(_CONSTRAINTS)}, got "
+                f"{', '.join(given) or 'none'}"
+            )
+        if self.json is not None and not isinstance(self.json, (dict, str)):
+            raise ValueError(
+                f"structured_outputs.json must be a JSON schema, got {self.json!r:.80}"
+            )
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"structured_outputs.{name} must be a non-empty string")
+        if self.choice is not None and (
+            not isinstance(self.choice, (list, tuple))
+            or not self.choice
+            or not all(isinstance(c, str) and c for c in self.choice)
+        ):
+            raise ValueError("structured_outputs.choice must be a list of non-empty strings")
+
+    @property
+    def kind(self) -> str:
+        """Which constraint this is: "json", "regex", "choice", "grammar" or "json_object"."""
+        return next(n for n in _CONSTRAINTS if getattr(self, n) not in (None, False))
+
+    @property
+    def key(self) -> tuple[str, str]:
+        """(kind, canonical text): equal for equal constraints, the compiled grammar's key."""
+        value = getattr(self, self.kind)
+        if self.kind == "json" and isinstance(value, dict):
+            value = json.dumps(value)  # key order kept: it is the order of the output's keys
+        elif self.kind == "choice":
+            value = json.dumps(list(value))
+        return self.kind, str(value)
 
 
 @dataclass
@@ -28,6 +85,9 @@ class SamplingParams:
     divided by it when positive, multiplied when negative), `presence_penalty` (subtracted once
     from every token the completion holds) and `frequency_penalty` (subtracted once per
     occurrence in the completion), OpenAI's. `logit_bias` adds a bias to token ids' logits.
+
+    `structured_outputs` constrains the completion to a JSON schema, regex, choice or grammar
+    (a token mask at every step, after the penalties); the request ends where it ends.
     """
 
     n: int = 1
@@ -48,6 +108,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] | None = None
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
     stop_strings: tuple[str, ...] = field(init=False, default=())
 
     def __post_init__(self) -> None:
@@ -111,6 +172,10 @@ class SamplingParams:
             raise bad("stop", "must be a string or a list of strings")
         if not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "must be a list of non-negative integers")
+        if self.structured_outputs is not None and not isinstance(
+            self.structured_outputs, StructuredOutputsParams
+        ):
+            raise bad("structured_outputs", "must be StructuredOutputsParams or None")
 
     @property
     def has_penalties(self) -> bool:

@@ -36,8 +36,6 @@ def cmd_overhead(args: argparse.Namespace, options: dict[str, Any]) -> dict[str,
     """Engine overhead (schedule + input preparation + postprocess) as a share of step time,
     over decode steps of a batch of `--num-requests` sequences, with the linear layers'
     GFLOP/s beside a plain torch matmul's at the same shapes."""
-    import torch
-
     from minivllm import SamplingParams
     from minivllm.engine.llm_engine import LLMEngine
 
@@ -73,16 +71,29 @@ def cmd_overhead(args: argparse.Namespace, options: dict[str, Any]) -> dict[str,
           f" ms, postprocess {commit_s / steps * 1e3:.2f} ms): overhead "
           f"{100 * overhead / step_total:.1f}% of step time")
 
-    # The linear layers at this decode batch against plain matmuls of the same shapes.
-    model = timed.runner.model
-    x_rows = args.num_requests
+    gflops, matmul_gflops = _linear_gflops(timed.runner.model, args.num_requests, vocab)
+    return {"benchmark": "overhead", "machine": machine(), "batch": args.num_requests,
+            "steps": steps, "step_ms": step_total / steps * 1e3,
+            "schedule_ms": plan_s / steps * 1e3, "prepare_ms": timed.prepare_s / steps * 1e3,
+            "postprocess_ms": commit_s / steps * 1e3,
+            "overhead_pct": 100 * overhead / step_total,
+            "linear_gflops": gflops, "matmul_gflops": matmul_gflops,
+            "results": [{"name": "linear", "tok_per_s": gflops},
+                        {"name": "matmul", "tok_per_s": matmul_gflops}]}
+
+
+def _linear_gflops(model: Any, rows: int, vocab: int) -> tuple[float, float]:
+    """GFLOP/s of the model's first linear layers at `rows` rows, and of plain torch matmuls
+    of the same shapes."""
+    import torch
+
     ours = plain = 0.0
     flops = 0
     linears = [m for m in model.modules() if hasattr(m, "weight") and m.weight.dim() == 2
                and m.weight.shape[0] != vocab]
     with torch.inference_mode():
         for layer in linears[:8]:
-            x = torch.randn(x_rows, layer.weight.shape[1], dtype=layer.weight.dtype,
+            x = torch.randn(rows, layer.weight.shape[1], dtype=layer.weight.dtype,
                             device=layer.weight.device)
             w = torch.randn_like(layer.weight)
             layer(x), torch.matmul(x, w.t())  # warm-up
@@ -94,14 +105,7 @@ def cmd_overhead(args: argparse.Namespace, options: dict[str, Any]) -> dict[str,
             for _ in range(20):
                 torch.matmul(x, w.t())
             plain += time.perf_counter() - start
-            flops += 20 * 2 * x_rows * layer.weight.shape[0] * layer.weight.shape[1]
-    print(f"linear layers at batch {x_rows}: {flops / ours / 1e9:.1f} GFLOP/s; "
+            flops += 20 * 2 * rows * layer.weight.shape[0] * layer.weight.shape[1]
+    print(f"linear layers at batch {rows}: {flops / ours / 1e9:.1f} GFLOP/s; "
           f"plain torch matmul {flops / plain / 1e9:.1f} GFLOP/s ({100 * plain / ours:.0f}%)")
-    return {"benchmark": "overhead", "machine": machine(), "batch": args.num_requests,
-            "steps": steps, "step_ms": step_total / steps * 1e3,
-            "schedule_ms": plan_s / steps * 1e3, "prepare_ms": timed.prepare_s / steps * 1e3,
-            "postprocess_ms": commit_s / steps * 1e3,
-            "overhead_pct": 100 * overhead / step_total,
-            "linear_gflops": flops / ours / 1e9, "matmul_gflops": flops / plain / 1e9,
-            "results": [{"name": "linear", "tok_per_s": flops / ours / 1e9},
-                        {"name": "matmul", "tok_per_s": flops / plain / 1e9}]}
+    return flops / ours / 1e9, flops / plain / 1e9

@@ -20,12 +20,11 @@ from minivllm.bench.workloads import Workload
 SERVE_VOCAB_SIZE = 20100
 
 
-def percentile(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    index = min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))
-    return ordered[index]
+def percentile(values: list[float], q: int) -> float:
+    """The q-th percentile (1 <= q <= 99), interpolated; nan for no values."""
+    if len(values) < 2:
+        return values[0] if values else float("nan")
+    return statistics.quantiles(values, n=100, method="inclusive")[q - 1]
 
 
 async def one_request(client: Any, url: str, model: str, prompt: list[int],

@@ -1,14 +1,14 @@
 """Which attention heads each tensor-parallel rank holds.
 
-Query heads are split in whole KV groups (the query heads that share one KV head), so each
-rank's heads keep the uniform grouping grouped-query attention needs, and each rank keeps
-exactly the KV heads its query heads read:
+Each rank holds a contiguous run of query heads and exactly the KV heads they read:
 
-- `num_kv_heads >= tp_size`: the KV heads are split, as evenly as possible (SmolLM2-135M's
-  3 KV heads over 2 ranks: 1 and 2), with their query heads.
-- `num_kv_heads < tp_size`: every KV head is replicated on `tp_size / num_kv_heads` ranks;
-  each rank holds `num_heads / tp_size` query heads, all inside one KV group. This needs
-  `tp_size` to be a multiple of `num_kv_heads` and `num_heads` a multiple of `tp_size`.
+- `num_kv_heads >= tp_size`: the KV heads are split, as evenly as possible, each with its
+  whole group of query heads (SmolLM2-135M's 3 KV heads over 2 ranks: 1 and 2).
+- `num_kv_heads < tp_size`: the ranks are dealt out to the KV heads in contiguous runs, as
+  evenly as possible; each rank of a run holds that one KV head (replicated) and a share of
+  its query heads, the shares differing by at most one head. 5 heads / 1 KV head over 2 ranks:
+  3 + 2 query heads, both ranks holding the KV head; Qwen2.5-0.5B's 14 heads / 2 KV heads over
+  4 ranks: 4 + 3 query heads per KV head. Any layout works up to one query head per rank.
 """
 
 from __future__ import annotations
@@ -35,17 +35,19 @@ def shard_heads(num_heads: int, num_kv_heads: int, tp_size: int, tp_rank: int) -
         )
     if not 0 <= tp_rank < tp_size:
         raise ValueError(f"tp_rank {tp_rank} is outside 0..{tp_size - 1}")
+    if tp_size > num_heads:
+        raise ValueError(
+            f"cannot split {num_heads} attention heads over tensor_parallel_size={tp_size}: "
+            "every rank needs at least one query head"
+        )
     group = num_heads // num_kv_heads  # query heads per KV head
     if num_kv_heads >= tp_size:
         kv_start = tp_rank * num_kv_heads // tp_size
         kv_end = (tp_rank + 1) * num_kv_heads // tp_size
         return HeadShard(kv_start * group, (kv_end - kv_start) * group, kv_start, kv_end - kv_start)
-    if tp_size % num_kv_heads or num_heads % tp_size:
-        raise ValueError(
-            f"cannot split {num_heads} attention heads ({num_kv_heads} KV heads) over "
-            f"tensor_parallel_size={tp_size}: with fewer KV heads than ranks, tp_size must be a "
-            f"multiple of the KV heads and the attention heads a multiple of tp_size"
-        )
-    per_rank = num_heads // tp_size
-    q_start = tp_rank * per_rank
-    return HeadShard(q_start, per_rank, q_start // group, 1)
+    kv_head = tp_rank * num_kv_heads // tp_size
+    replicas = [r for r in range(tp_size) if r * num_kv_heads // tp_size == kv_head]
+    # A KV head has at most ceil(tp_size / num_kv_heads) <= group replicas (tp_size <= heads).
+    index, count = replicas.index(tp_rank), len(replicas)
+    start, end = index * group // count, (index + 1) * group // count
+    return HeadShard(kv_head * group + start, end - start, kv_head, 1)

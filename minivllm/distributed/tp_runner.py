@@ -48,6 +48,22 @@ WORKER_COMMAND = [sys.executable, "-m", "minivllm.distributed.worker"]
 DEATH_NOTICE_S = 2.0  # after a failed collective, how long to wait for the dead worker to show
 
 
+def check_split(hf_config: Any, tp_size: int) -> None:
+    """ValueError unless the model splits over `tp_size` ranks: its heads (any layout with at
+    least one query head per rank), its vocabulary and its MLP width."""
+    num_heads = int(hf_config.num_attention_heads)
+    num_kv_heads = int(getattr(hf_config, "num_key_value_heads", None) or num_heads)
+    for rank in range(tp_size):
+        shard_heads(num_heads, num_kv_heads, tp_size, rank)
+    for name in ("vocab_size", "intermediate_size"):
+        value = int(getattr(hf_config, name))
+        if value % tp_size:
+            raise ValueError(
+                f"cannot split the model over tensor_parallel_size={tp_size}: its {name} "
+                f"({value}) is not a multiple of it"
+            )
+
+
 class WorkerGroup:
     """The worker processes this rank started, and the control group's message counter.
 
@@ -183,10 +199,7 @@ class TPModelRunner:
 
     def __init__(self, config: EngineConfig, model_dir: Path, hf_config: Any) -> None:
         world_size = config.tensor_parallel_size
-        num_heads = int(hf_config.num_attention_heads)
-        num_kv_heads = int(getattr(hf_config, "num_key_value_heads", None) or num_heads)
-        for rank in range(world_size):  # a bad split is a ValueError before any process starts
-            shard_heads(num_heads, num_kv_heads, world_size, rank)
+        check_split(hf_config, world_size)  # a bad split fails before any process starts
         self.config = config
         self.model_dir = model_dir
         self.device = resolve_device(config)

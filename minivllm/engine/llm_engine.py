@@ -8,7 +8,6 @@ The engine knows the model only through a runner with `num_kv_blocks`, `vocab_si
 
 from __future__ import annotations
 
-import itertools
 import json
 import logging
 import time
@@ -22,6 +21,7 @@ from minivllm.engine.sequence import FinishReason, Sequence
 from minivllm.engine.tracing import NullTracer
 from minivllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from minivllm.sampling_params import SamplingParams
+from minivllm.structured import GrammarMatcher, StructuredOutputs
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +46,7 @@ class _Request:
     text: str = ""
     num_cached_prompt_tokens: int | None = None  # set at admission (prefix-cache hits)
     error: str | None = None
+    matcher: GrammarMatcher | None = None  # where a structured output is in its grammar
 
 
 class LLMEngine:
@@ -63,8 +64,11 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self.tracer = tracer or NullTracer()
         self.scheduler = Scheduler(config, model_runner.num_kv_blocks)
+        self.structured = StructuredOutputs(
+            tokenizer, model_runner.vocab_size, config.eos_token_ids
+        )
         self._requests: dict[int, _Request] = {}
-        self._seq_ids = itertools.count()
+        self._next_seq_id = 0  # taken only by an accepted request: a refusal uses no id
 
     @classmethod
     def from_options(cls, tracer: NullTracer | None = None, **options: Any) -> LLMEngine:
@@ -110,12 +114,16 @@ class LLMEngine:
             raise ValueError(
                 f"logit_bias token id {outside[0]} is outside the vocabulary [0, {vocab})"
             )
-        seq_id = next(self._seq_ids)
+        matcher = self.structured.matcher_for(sampling_params)  # GrammarError: a bad spec
+        seq_id = self._next_seq_id
         with self.tracer.phase("add"):
             seq = self.tracer.new_sequence(seq_id, token_ids, sampling_params)
             self.scheduler.add(seq)
+        self._next_seq_id += 1
         request_id = str(seq_id) if request_id is None else request_id
-        self._requests[seq_id] = _Request(request_id, text, seq, RequestMetrics(seq.arrival_time))
+        self._requests[seq_id] = _Request(
+            request_id, text, seq, RequestMetrics(seq.arrival_time), matcher=matcher
+        )
         return seq
 
     def _tokenize(self, prompt: PromptInput) -> tuple[str | None, list[int]]:
@@ -174,6 +182,7 @@ class LLMEngine:
         if batch.is_empty:
             return []
         failure: Exception | None = None
+        batch.token_bitmask = self.structured.bitmask(self._matchers(batch.sample_seqs))
         with self.tracer.phase("execute"):
             try:
                 samples = self.model_runner.run(batch)
@@ -187,7 +196,22 @@ class LLMEngine:
             if failure is not None:
                 return self._fail(batch, failure)
             seqs = self.scheduler.postprocess(batch, samples)
+            self._advance_grammars(batch.sample_seqs)
             return self._outputs(seqs, sampled=set(map(id, batch.sample_seqs)))
+
+    def _matchers(self, seqs: list[Sequence]) -> list[GrammarMatcher | None]:
+        requests = [self._requests.get(seq.seq_id) for seq in seqs]
+        return [r.matcher if r is not None else None for r in requests]
+
+    def _advance_grammars(self, seqs: list[Sequence]) -> None:
+        """Feed each constrained sequence's new token to its grammar; end it with "stop"
+        where the grammar ends."""
+        for seq, matcher in zip(seqs, self._matchers(seqs)):
+            if matcher is None or seq.is_finished:
+                continue
+            matcher.accept(seq.token_ids[-1])
+            if matcher.is_finished:
+                self.scheduler.finish(seq, FinishReason.STOP)
 
     def _fail(self, batch: ScheduledBatch, exc: Exception) -> list[RequestOutput]:
         self.scheduler.discard(batch, FinishReason.ERROR)

@@ -22,7 +22,7 @@ from minivllm.config import EngineConfig
 from minivllm.distributed import parallel_state
 from minivllm.distributed.heads import shard_heads
 from minivllm.engine.scheduler import SampledToken, ScheduledBatch
-from minivllm.engine.sequence import Sequence
+from minivllm.engine.sequence import Sequence, blocks_for
 from minivllm.layers.attention import AttentionMetadata
 from minivllm.layers.int4 import int4_supported
 from minivllm.layers.quantization import check_quantization, quantize_model_int8
@@ -148,11 +148,13 @@ def prepare_inputs(batch: ScheduledBatch, block_size: int, device: torch.device)
         seq_lens_cpu=seq_lens,
         block_size=block_size,
     )
+    bitmask = batch.token_bitmask
     sampling = SamplingBatch(
         params=[s.sampling_params for s in batch.sample_seqs],
         positions=[s.num_tokens for s in batch.sample_seqs],
         token_ids=[s.token_ids for s in batch.sample_seqs],
         num_prompt_tokens=[s.num_prompt_tokens for s in batch.sample_seqs],
+        token_bitmask=None if bitmask is None else torch.from_numpy(bitmask),  # [rows, words]
     )
     return StepInputs(tensor(input_ids), tensor(positions), meta, tensor(logits_indices),
                       sampling, prompt_runs)
@@ -262,7 +264,7 @@ class ModelRunner:
             budget = min(DEFAULT_CPU_KV_GB * 1e9, 0.25 * _available_ram())
         blocks = int(budget // self._bytes_per_block())
         # More blocks than max_num_seqs full-length sequences could ever use are wasted.
-        most = self.config.max_num_seqs * -(-self.config.max_model_len // self.block_size)
+        most = self.config.max_num_seqs * blocks_for(self.config.max_model_len, self.block_size)
         blocks = min(blocks, most)
         if blocks < 1:
             raise ValueError(

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any
 
 from minivllm.config import EngineConfig
 from minivllm.engine.block_manager import BlockManager, HashFn, hash_block
@@ -42,6 +43,9 @@ class ScheduledBatch:
     prompt_logprobs: dict[int, tuple[int, list[dict[int, float]]]] = field(
         default_factory=dict, init=False
     )
+    # Set by the engine before execution when a sampling sequence has structured outputs: the
+    # allowed tokens of each `sample_seqs` row, an int32 [rows, ceil(vocab / 32)] bitmask.
+    token_bitmask: Any = field(default=None, init=False)
 
     def __post_init__(self) -> None:
         self.sample_seqs = [
@@ -159,8 +163,8 @@ class Scheduler:
                 break
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
-            # A prefix-cache hit is the one case where cached moves at plan time: those
-            # blocks' KV was committed by an earlier sequence.
+            # On a prefix-cache hit cached grows at plan time (the only way it grows before a
+            # commit; preemption resets it here): an earlier sequence committed that KV.
             self.block_manager.take_prefix(seq, hits)
             self.block_manager.allocate(seq, num_new)
             seq.num_scheduled_tokens = num_new

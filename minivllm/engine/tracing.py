@@ -33,7 +33,7 @@ TRACED_FIELDS = frozenset(
     }
 )
 
-_PACKAGE_ROOT = Path(__file__).resolve().parents[2]  # the folder that holds `minivllm/`
+PACKAGE_ROOT = Path(__file__).resolve().parents[2]  # the folder that holds `minivllm/`
 
 
 @dataclass
@@ -71,7 +71,7 @@ def _where(depth: int) -> tuple[str, str]:
 
 def _relative(filename: str) -> str:
     try:
-        return Path(filename).resolve().relative_to(_PACKAGE_ROOT).as_posix()
+        return Path(filename).resolve().relative_to(PACKAGE_ROOT).as_posix()
     except ValueError:
         return Path(filename).name
 

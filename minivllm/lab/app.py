@@ -31,9 +31,11 @@ class ResetRequest(BaseModel):
 
 
 class AddRequest(BaseModel):
+    """Types only: the experiment checks the values, with messages the page translates."""
+
     model_config = ConfigDict(extra="forbid")
-    prompt: str = Field(..., min_length=1, max_length=2000)
-    max_tokens: int = Field(8, ge=1, le=MAX_LEARNER_TOKENS)
+    prompt: str
+    max_tokens: int = Field(8, description=f"1 .. {MAX_LEARNER_TOKENS}")
 
 
 class Lab:
@@ -53,7 +55,8 @@ class Lab:
     def reset(self, scenario: str) -> State:
         if scenario not in SCENARIOS:
             known = ", ".join(SCENARIOS)
-            raise LabError(400, f"unknown scenario {scenario!r}; choose one of: {known}")
+            raise LabError(400, "unknown_scenario", f"unknown scenario {scenario!r}; choose one "
+                           f"of: {known}", name=scenario, known=known)
         with self._lock:
             # Built aside and swapped in only once set up: a failure keeps the old one.
             experiment = Experiment(SCENARIOS[scenario], self._factory)
@@ -93,7 +96,7 @@ def create_app(engine_factory: EngineFactory) -> FastAPI:
 
     @app.exception_handler(LabError)
     def _lab_error(_request, exc: LabError) -> JSONResponse:
-        return JSONResponse({"error": exc.message}, status_code=exc.status)
+        return JSONResponse(exc.to_dict(), status_code=exc.status)
 
     @app.exception_handler(RequestValidationError)
     def _bad_request(_request, exc: RequestValidationError) -> JSONResponse:
@@ -101,11 +104,15 @@ def create_app(engine_factory: EngineFactory) -> FastAPI:
         for err in exc.errors():
             where = ".".join(str(p) for p in err.get("loc", ()) if p != "body")
             parts.append(f"{where}: {err.get('msg')}" if where else str(err.get("msg")))
-        return JSONResponse({"error": "bad request: " + "; ".join(parts)}, status_code=400)
+        detail = "; ".join(parts)
+        error = LabError(400, "bad_request", f"bad request: {detail}", detail=detail)
+        return JSONResponse(error.to_dict(), status_code=400)
 
     @app.exception_handler(StarletteHTTPException)
     def _http_error(_request, exc: StarletteHTTPException) -> JSONResponse:
-        return JSONResponse({"error": str(exc.detail)}, status_code=exc.status_code)
+        code = "not_found" if exc.status_code == 404 else "http_error"
+        error = LabError(exc.status_code, code, str(exc.detail), detail=str(exc.detail))
+        return JSONResponse(error.to_dict(), status_code=exc.status_code)
 
     @app.get("/")
     def index() -> FileResponse:
@@ -151,7 +158,7 @@ def create_app(engine_factory: EngineFactory) -> FastAPI:
         try:
             return function_source(location)
         except SourceNotFound as exc:
-            raise LabError(404, str(exc)) from exc
+            raise LabError(404, "no_source", str(exc), detail=str(exc)) from exc
 
     return app
 

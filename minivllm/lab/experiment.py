@@ -12,8 +12,10 @@ Pure Python: no torch here.
 
 from __future__ import annotations
 
+import uuid
 import zlib
 from collections.abc import Callable
+from typing import Any
 
 from minivllm.engine.llm_engine import LLMEngine
 from minivllm.engine.scheduler import ScheduledBatch
@@ -27,15 +29,22 @@ EngineFactory = Callable[[EngineShape, Tracer], LLMEngine]
 """Builds a fresh engine of the given shape that records into the given tracer."""
 
 MAX_LEARNER_TOKENS = 64  # a learner's request: enough to watch, small enough for the pool
+MAX_PROMPT_CHARS = 2000
 
 
 class LabError(Exception):
-    """A request the lab refuses, with the HTTP status to answer it with."""
+    """A request the lab refuses: the HTTP status, a stable `code` the page translates (with
+    `params` filled into its own words), and an English message."""
 
-    def __init__(self, status: int, message: str) -> None:
+    def __init__(self, status: int, code: str, message: str, **params: Any) -> None:
         super().__init__(message)
         self.status = status
+        self.code = code
         self.message = message
+        self.params = params
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"error": self.message, "code": self.code, "params": self.params}
 
 
 class PhaseTracer(Tracer):
@@ -62,6 +71,7 @@ class Experiment:
 
     def __init__(self, scenario: Scenario, factory: EngineFactory) -> None:
         self.scenario = scenario
+        self.id = uuid.uuid4().hex[:12]  # the page keeps a learner's predictions per experiment
         self.tracer = PhaseTracer(self._on_phase_enter, self._on_phase_exit)
         self.engine = factory(scenario.shape, self.tracer)
         self.block_size = self.engine.config.block_size
@@ -96,12 +106,17 @@ class Experiment:
 
     def add_text(self, prompt: str, max_tokens: int) -> State:
         """Queue the learner's own request (greedy; stops at EOS like any request)."""
-        if self.engine.tokenizer is None:
-            raise LabError(400, "this lab's engine has no tokenizer: it cannot take a text prompt")
         if not prompt.strip():
-            raise LabError(400, "the prompt is empty: type a few words")
+            raise LabError(400, "prompt_empty", "the prompt is empty: type a few words")
+        if len(prompt) > MAX_PROMPT_CHARS:
+            raise LabError(400, "prompt_too_long", f"the prompt is longer than "
+                           f"{MAX_PROMPT_CHARS} characters", max=MAX_PROMPT_CHARS)
         if not 1 <= max_tokens <= MAX_LEARNER_TOKENS:
-            raise LabError(400, f"max_tokens must be between 1 and {MAX_LEARNER_TOKENS}")
+            raise LabError(400, "max_tokens_range", f"max_tokens must be between 1 and "
+                           f"{MAX_LEARNER_TOKENS}", max=MAX_LEARNER_TOKENS)
+        if self.engine.tokenizer is None:
+            raise LabError(400, "no_tokenizer", "this lab's engine has no tokenizer: it cannot "
+                           "take a text prompt")
         return self._add(prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens))
 
     def _add(self, prompt: str | list[int], params: SamplingParams) -> State:
@@ -109,7 +124,7 @@ class Experiment:
         try:
             seq = self.engine.add_request(prompt, params)
         except ValueError as exc:
-            raise LabError(400, str(exc)) from exc
+            raise LabError(400, "refused", str(exc), detail=str(exc)) from exc
         self.seqs.append(seq)
         self._frame("add")
         return self._answer()
@@ -117,12 +132,15 @@ class Experiment:
     def plan(self) -> State:
         """Scheduler.schedule only: the plan is written, nothing is executed."""
         if self.pending is not None:
-            raise LabError(409, "a plan is already pending: Commit it (execute + commit) first")
+            raise LabError(409, "plan_pending", "a plan is already pending: Commit it (execute "
+                           "+ commit) first")
+        self._check_unfinished()
         self._begin("plan")
         num_events = len(self.tracer.events)
         batch = self.engine.plan()
         if batch.is_empty and len(self.tracer.events) == num_events:
-            raise LabError(409, self._why_nothing_planned())
+            raise LabError(409, "nothing_fits", "the scheduler planned nothing: no waiting "
+                           "sequence fits the free KV blocks")
         self.pending = None if batch.is_empty else batch
         self._frame("plan")
         return self._answer()
@@ -130,7 +148,7 @@ class Experiment:
     def commit(self) -> State:
         """ModelRunner.run, then Scheduler.postprocess, on the pending plan."""
         if self.pending is None:
-            raise LabError(409, "no plan to commit: click Plan first")
+            raise LabError(409, "no_plan", "no plan to commit: click Plan first")
         batch, self.pending = self.pending, None
         self._begin("commit")
         self._plan_framed = True  # the plan was framed when it was made
@@ -139,27 +157,28 @@ class Experiment:
         return self._answer()
 
     def step(self) -> State:
-        """One whole LLMEngine.step: plan, execute, commit (what Decode does)."""
+        """One whole LLMEngine.step: plan, execute, commit (what Step does)."""
         if self.pending is not None:
-            raise LabError(409, "a plan is pending: Commit it first; Decode runs a whole step")
-        if not self.engine.has_unfinished_requests():
-            raise LabError(409, "nothing left to run: every sequence is FINISHED")
+            raise LabError(409, "step_pending", "a plan is pending: Commit it first; Step runs "
+                           "a whole step")
+        self._check_unfinished()
         self._begin("step")
         self._plan_framed = False
         num_events = len(self.tracer.events)
         self.engine.step()
         if not self._new_frames:  # the plan was empty: execute never started
             if len(self.tracer.events) == num_events:
-                raise LabError(409, self._why_nothing_planned())
+                raise LabError(409, "nothing_fits", "the scheduler planned nothing: no waiting "
+                               "sequence fits the free KV blocks")
             self._frame("plan")  # it preempted, and scheduled nothing
             return self._answer()
         self._frame("commit")
         return self._answer()
 
-    def _why_nothing_planned(self) -> str:
+    def _check_unfinished(self) -> None:
         if not self.engine.has_unfinished_requests():
-            return "nothing to plan: every sequence is FINISHED; add a request or reset"
-        return "the scheduler planned nothing: no waiting sequence fits the free KV blocks"
+            raise LabError(409, "all_finished", "nothing left to run: every sequence is "
+                           "FINISHED; add a request or reset")
 
     # ---- frames -----------------------------------------------------------------------------
 
@@ -181,6 +200,7 @@ class Experiment:
         """The engine's state (see `snapshot.py`), with the scenario and the pending plan."""
         focus = self.seqs[self.scenario.focus] if len(self.seqs) > self.scenario.focus else None
         return {
+            "experiment": self.id,
             "scenario": self.scenario.name,
             "focus_seq_id": None if focus is None else focus.seq_id,
             **self._snapshot.state(self.seqs, stage),

@@ -47,6 +47,7 @@ class Scenario:
 
 
 SEQ8_TEXT = "A request is a sequence of tokens."
+EARLIER_TEXT = "Hello, who are you today?"
 CHUNKED_TEXT = (
     "Once upon a time, in a small village by the sea, there lived an old fisherman who loved"
 )
@@ -57,7 +58,12 @@ FINISH_TEXT = "The sky is blue because of"
 
 
 def _seq8(lab: Driver) -> None:
-    """The seed's preset: one 8-token Sequence, WAITING, nothing planned yet."""
+    """The seed's preset: one 8-token Sequence, WAITING, nothing planned yet. An earlier
+    request ran first and finished: its two blocks are free but still cached, and come last
+    in the free list, so the Sequence gets blocks 2 and 3 and slot != position."""
+    lab.add_tokens(lab.prompt(EARLIER_TEXT, 2 * lab.block_size - 1), max_tokens=2)
+    lab.step()
+    lab.step()
     lab.add_tokens(lab.prompt(SEQ8_TEXT, 8), max_tokens=4)
 
 
@@ -91,7 +97,7 @@ def _finish(lab: Driver) -> None:
 SCENARIOS: dict[str, Scenario] = {
     s.name: s
     for s in [
-        Scenario("seq8", EngineShape(16, 64), _seq8, focus=0),
+        Scenario("seq8", EngineShape(16, 64), _seq8, focus=1),
         Scenario("chunked", EngineShape(16, 8), _chunked, focus=0),
         Scenario("prefix", EngineShape(16, 64), _prefix, focus=1),
         Scenario("preempt", EngineShape(4, 64), _preempt, focus=1),

@@ -19,8 +19,10 @@ from collections.abc import Iterable
 from typing import Any
 
 from minivllm.engine.llm_engine import LLMEngine
+from minivllm.engine.scheduler import Scheduler
 from minivllm.engine.sequence import Sequence
-from minivllm.engine.tracing import TraceEvent, Tracer
+from minivllm.engine.tracing import TraceEvent, Tracer, source_of
+from minivllm.lab.pieces import TokenPieces
 
 State = dict[str, Any]
 
@@ -33,7 +35,14 @@ class Snapshotter:
 
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
-        self._pieces: dict[int, str] = {}
+        self._text = None if engine.tokenizer is None else TokenPieces(engine.tokenizer)
+        self._code = {
+            "Sequence.__init__": source_of(Sequence.__init__),
+            "Scheduler.schedule": source_of(Scheduler.schedule),
+            "Scheduler.postprocess": source_of(Scheduler.postprocess),
+            "ModelRunner.run": source_of(type(engine.model_runner).run),
+            "LLMEngine.step": source_of(LLMEngine.step),
+        }
 
     @property
     def events(self) -> list[TraceEvent]:
@@ -67,6 +76,7 @@ class Snapshotter:
                 "planned_tokens": sum(s.num_scheduled_tokens for s in scheduler.running),
             },
             "events": [{"index": i, **e.to_dict()} for i, e in enumerate(self.events)],
+            "code": self._code,  # where the functions the page names are defined
         }
 
     def sequence(self, seq: Sequence, stage: str = "commit") -> State:
@@ -76,6 +86,8 @@ class Snapshotter:
             for e in self._this_step():
                 if e.seq_id == seq.seq_id and e.field == "sampled_token":
                     sampled = e.after
+        ids = list(seq.token_ids)
+        text = self._texts(seq)
         return {
             "seq_id": seq.seq_id,
             "status": seq.status.name,
@@ -84,17 +96,29 @@ class Snapshotter:
             "num_cached_tokens": seq.num_cached_tokens,
             "num_scheduled_tokens": seq.num_scheduled_tokens,
             "block_table": list(seq.block_table),
-            "token_ids": list(seq.token_ids),
-            "text": self._decode(seq.token_ids),
-            "prompt_text": self._decode(seq.prompt_token_ids),
-            "completion_text": self._decode(seq.completion_token_ids),
-            "pieces": self._pieces_of(seq.token_ids),
+            "token_ids": ids,
+            **text,
+            "pieces": None if self._text is None else self._text.pieces(ids),
             "finish_reason": seq.finish_reason,
             "max_tokens": seq.sampling_params.max_tokens,
             "num_preemptions": seq.num_preemptions,
             "sampled_token": sampled,
-            "sampled_piece": None if sampled is None else self._piece(sampled),
+            "sampled_piece": (
+                None if sampled is None or self._text is None
+                else self._text.pieces(ids + [sampled])[-1]
+            ),
         }
+
+    def _texts(self, seq: Sequence) -> dict[str, str | None]:
+        if self._text is None:
+            return {"text": None, "prompt_text": None, "completion_text": None}
+        text = self._text.text(list(seq.token_ids))
+        prompt = self._text.text(list(seq.prompt_token_ids))
+        if text.startswith(prompt):  # a character split between prompt and completion: whole
+            completion = text[len(prompt) :]
+        else:
+            completion = self._text.text(list(seq.completion_token_ids))
+        return {"text": text, "prompt_text": prompt, "completion_text": completion}
 
     def blocks(self, seqs: Iterable[Sequence]) -> list[State]:
         """Every KV block of the pool, slot by slot: who holds it and how far it has come."""
@@ -150,22 +174,6 @@ class Snapshotter:
     def _written(self) -> dict[int, tuple[int, int]]:
         """Per sequence, the positions the runner wrote in this step ([start, end))."""
         return {e.seq_id: (e.before, e.after) for e in self._this_step() if e.field == "kv_written"}
-
-    def _decode(self, token_ids: list[int]) -> str | None:
-        tokenizer = self.engine.tokenizer
-        return None if tokenizer is None else tokenizer.decode(token_ids)
-
-    def _piece(self, token_id: int) -> str | None:
-        if self.engine.tokenizer is None:
-            return None
-        if token_id not in self._pieces:
-            self._pieces[token_id] = self.engine.tokenizer.decode([token_id])
-        return self._pieces[token_id]
-
-    def _pieces_of(self, token_ids: list[int]) -> list[str] | None:
-        if self.engine.tokenizer is None:
-            return None
-        return [self._piece(t) or "" for t in token_ids]
 
 
 def slot_state(seq: Sequence, pos: int, written: tuple[int, int] | None) -> str:

@@ -10,7 +10,7 @@ import ast
 from functools import lru_cache
 from pathlib import Path
 
-_PACKAGE_ROOT = Path(__file__).resolve().parents[2]  # the folder that holds `minivllm/`
+from minivllm.engine.tracing import PACKAGE_ROOT
 
 
 class SourceNotFound(ValueError):
@@ -27,8 +27,8 @@ def function_source(location: str) -> dict[str, object]:
     if not sep or not line_text.isdigit():
         raise SourceNotFound(f"expected 'minivllm/path.py:LINE', got {location!r}")
     line = int(line_text)
-    path = (_PACKAGE_ROOT / file).resolve()
-    package = (_PACKAGE_ROOT / "minivllm").resolve()
+    path = (PACKAGE_ROOT / file).resolve()
+    package = (PACKAGE_ROOT / "minivllm").resolve()
     if package not in path.parents or path.suffix != ".py" or not path.is_file():
         raise SourceNotFound(f"{file!r} is not a source file of the minivllm package")
     lines = _read(str(path))

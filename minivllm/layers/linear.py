@@ -38,6 +38,18 @@ def _check_shape(loaded: torch.Tensor, expected: tuple[int, ...]) -> None:
         raise ValueError(f"shape mismatch: expected {tuple(expected)}, got {tuple(loaded.shape)}")
 
 
+def _load_fused(
+    load_shard: Any, param: nn.Parameter, loaded: torch.Tensor, sizes: dict[Any, int]
+) -> None:
+    """Split a checkpoint tensor that stores several shards stacked along dim 0 (`sizes`: shard
+    id -> rows, in order) and load each through `load_shard(param, part, shard_id)`."""
+    _check_shape(loaded, (sum(sizes.values()), *loaded.shape[1:]))
+    start = 0
+    for shard_id, rows in sizes.items():
+        load_shard(param, loaded.narrow(0, start, rows), shard_id)
+        start += rows
+
+
 class LinearBase(nn.Module):
     """`y = x @ weight.T + bias`; weight is `[out_size_per_partition, in_size_per_partition]`.
 
@@ -185,6 +197,10 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     def weight_loader(
         self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | str | None = None
     ) -> None:
+        """Load one shard, or with `shard_id=None` a checkpoint that stores them fused (Phi-3)."""
+        if shard_id is None:
+            _load_fused(self.weight_loader, param, loaded, dict(enumerate(self.output_sizes)))
+            return
         if not isinstance(shard_id, int) or not 0 <= shard_id < len(self.output_sizes):
             raise ValueError(
                 f"shard_id must be in 0..{len(self.output_sizes) - 1}, got {shard_id!r}"
@@ -242,7 +258,16 @@ class QKVParallelLinear(ColumnParallelLinear):
     def weight_loader(
         self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | str | None = None
     ) -> None:
+        """Load q, k or v, or with `shard_id=None` a checkpoint's fused `[q | k | v]` (Phi-3)."""
         d = self.head_dim
+        if shard_id is None:
+            sizes = {
+                "q": self.total_num_heads * d,
+                "k": self.total_num_kv_heads * d,
+                "v": self.total_num_kv_heads * d,
+            }
+            _load_fused(self.weight_loader, param, loaded, sizes)
+            return
         # shard id -> (rows in this rank's fused output, first row in the checkpoint, its rows)
         offsets = {
             "q": (0, self.heads.q_start * d, self.total_num_heads * d),

@@ -1,4 +1,8 @@
-"""RMSNorm, optionally fused with the residual add that precedes it in a pre-norm block."""
+"""RMSNorm, optionally fused with the residual add that precedes it in a pre-norm block.
+
+`RMSNorm` is Llama's (cast, then scale by the weight); `GemmaRMSNorm` is Gemma's, which scales
+by `1 + weight` in float32 before the cast.
+"""
 
 import torch
 from torch import nn
@@ -13,6 +17,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     x32 = x.float()
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     return weight * x32.to(x.dtype)
+
+
+def gemma_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Gemma's RMSNorm: normalise in float32, scale by `1 + weight` in float32, then cast
+    (HF's `Gemma2RMSNorm`; its checkpoints store the weight as an offset from 1)."""
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return (x32 * (1.0 + weight.float())).to(x.dtype)
 
 
 class RMSNorm(nn.Module):
@@ -32,9 +44,23 @@ class RMSNorm(nn.Module):
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
-            return rms_norm(x, self.weight, self.eps)
+            return self.norm(x)
         x = x + residual
-        return rms_norm(x, self.weight, self.eps), x
+        return self.norm(x), x
+
+    def norm(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps)
 
     def extra_repr(self) -> str:
         return f"{tuple(self.weight.shape)}, eps={self.eps}"
+
+
+class GemmaRMSNorm(RMSNorm):
+    """RMSNorm scaling by `1 + weight` (Gemma 2 and 3); same fused-residual interface."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__(hidden_size, eps)
+        nn.init.zeros_(self.weight)
+
+    def norm(self, x: torch.Tensor) -> torch.Tensor:
+        return gemma_rms_norm(x, self.weight, self.eps)

@@ -1,8 +1,17 @@
-"""Rotary position embedding (RoPE), neox/HF layout, with the "default" and "llama3" variants.
+"""Rotary position embedding (RoPE), neox/HF layout: "default", "linear", "llama3" and
+"longrope" (Phi-3) frequencies.
 
 The RoPE settings are read from the HF config the way transformers 5.x stores them:
-`config.rope_parameters = {"rope_type": ..., "rope_theta": ..., <scaling keys>}`. Older configs
-that carry `rope_theta` and `rope_scaling` (with `type` or `rope_type`) separately are accepted too.
+`config.rope_parameters = {"rope_type": ..., "rope_theta": ..., <scaling keys>}`, or one such
+dict per layer type (Gemma 3: `{"sliding_attention": {...}, "full_attention": {...}}`). Older
+configs that carry `rope_theta` and `rope_scaling` (with `type` or `rope_type`) separately are
+accepted too.
+
+LongRoPE has two sets of factors, HF picking the long one whenever the sequence at hand is
+longer than `original_max_position_embeddings`. Over a paged cache the choice must hold for a
+sequence's whole life, so it is made once: the long factors when the checkpoint's
+`max_position_embeddings` exceeds the original length (its reason to exist), as llama.cpp does
+at such context sizes. HF agrees on every sequence longer than the original length.
 """
 
 import math
@@ -12,20 +21,27 @@ from typing import Any
 import torch
 from torch import nn
 
-SUPPORTED_ROPE_TYPES = ("default", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 
 
-def rope_parameters_from_config(hf_config: Any) -> dict[str, Any]:
-    """Return one flat RoPE parameter dict with at least `rope_type` and `rope_theta`."""
+def rope_parameters_from_config(hf_config: Any, layer_type: str | None = None) -> dict[str, Any]:
+    """Return one flat RoPE parameter dict with at least `rope_type` and `rope_theta`: the
+    config's, or for per-layer-type parameters those of `layer_type`."""
     params = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None)
     params = dict(params or {})
+    if layer_type is not None and isinstance(params.get(layer_type), dict):
+        params = dict(params[layer_type])
     if any(isinstance(value, dict) for value in params.values()):
-        raise ValueError("per-layer-type rope_parameters are not supported")
+        raise ValueError("per-layer-type rope_parameters need the layer type")
     params.setdefault("rope_type", params.pop("type", "default"))
     if params.get("rope_theta") is None:
         params["rope_theta"] = getattr(hf_config, "rope_theta", None) or 10000.0
-    if params["rope_type"] == "llama3":
-        params.setdefault("original_max_position_embeddings", hf_config.max_position_embeddings)
+    if params["rope_type"] in ("llama3", "longrope"):
+        original = getattr(hf_config, "original_max_position_embeddings", None)
+        params.setdefault(
+            "original_max_position_embeddings", original or hf_config.max_position_embeddings
+        )
+        params.setdefault("max_position_embeddings", hf_config.max_position_embeddings)
     return params
 
 
@@ -68,7 +84,14 @@ def compute_inv_freq(head_dim: int, rope_params: dict[str, Any]) -> torch.Tensor
     if rope_params.get("partial_rotary_factor", 1.0) != 1.0:
         raise ValueError("partial_rotary_factor != 1.0 is not supported")
     inv_freq = default_inv_freq(head_dim, float(rope_params["rope_theta"]))
-    if rope_type == "llama3":
+    if rope_type == "linear":
+        inv_freq = inv_freq / float(rope_params["factor"])
+    elif rope_type == "longrope":
+        factors = rope_params["long_factor" if uses_long_factors(rope_params) else "short_factor"]
+        if len(factors) != head_dim // 2:
+            raise ValueError(f"longrope needs {head_dim // 2} factors, got {len(factors)}")
+        inv_freq = inv_freq / torch.tensor(factors, dtype=torch.float32)
+    elif rope_type == "llama3":
         inv_freq = llama3_inv_freq(
             inv_freq,
             factor=rope_params["factor"],
@@ -79,15 +102,36 @@ def compute_inv_freq(head_dim: int, rope_params: dict[str, Any]) -> torch.Tensor
     return inv_freq
 
 
+def uses_long_factors(rope_params: dict[str, Any]) -> bool:
+    """LongRoPE: the long factors when the checkpoint extends its original context (see the
+    module docstring)."""
+    return rope_params["max_position_embeddings"] > rope_params["original_max_position_embeddings"]
+
+
+def attention_factor(rope_params: dict[str, Any]) -> float:
+    """The factor cos and sin are scaled by: 1 but for LongRoPE, where it is
+    `sqrt(1 + ln(factor) / ln(original length))` unless the config gives it."""
+    if rope_params["rope_type"] != "longrope":
+        return 1.0
+    if rope_params.get("attention_factor") is not None:
+        return float(rope_params["attention_factor"])
+    original = rope_params["original_max_position_embeddings"]
+    factor = rope_params.get("factor") or rope_params["max_position_embeddings"] / original
+    return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+
+
 def rotary_cos_sin(
-    positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype
+    positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype, scaling: float = 1.0
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of `position * inv_freq`, each `[num_tokens, head_dim // 2]` in `dtype`.
+    """cos and sin of `position * inv_freq` (times `scaling`), each `[num_tokens, head_dim // 2]`
+    in `dtype`.
 
     Computed in float32 from the positions (no table), exactly as HF does, then cast.
     """
     freqs = positions.float()[:, None] * inv_freq[None, :]  # [num_tokens, head_dim // 2]
-    return freqs.cos().to(dtype), freqs.sin().to(dtype)
+    if scaling == 1.0:
+        return freqs.cos().to(dtype), freqs.sin().to(dtype)
+    return (freqs.cos() * scaling).to(dtype), (freqs.sin() * scaling).to(dtype)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -117,13 +161,14 @@ class RotaryEmbedding(nn.Module):
             raise ValueError(f"rotary head_dim must be even, got {head_dim}")
         self.head_dim = head_dim
         self.rope_type = rope_params["rope_type"]
+        self.scaling = attention_factor(rope_params)
         # Not persistent: it is derived from the config, never loaded from a checkpoint.
         self.register_buffer("inv_freq", compute_inv_freq(head_dim, rope_params), persistent=False)
 
     def forward(
         self, positions: torch.Tensor, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        return rotary_cos_sin(positions, self.inv_freq, dtype)
+        return rotary_cos_sin(positions, self.inv_freq, dtype, self.scaling)
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> nn.Module:
         # `model.to(torch.bfloat16)` would round the frequencies; keep them float32 (as HF
@@ -137,6 +182,7 @@ class RotaryEmbedding(nn.Module):
         return f"head_dim={self.head_dim}, rope_type={self.rope_type}"
 
 
-def get_rope(hf_config: Any, head_dim: int) -> RotaryEmbedding:
-    """Build the rotary embedding described by an HF config."""
-    return RotaryEmbedding(head_dim, rope_parameters_from_config(hf_config))
+def get_rope(hf_config: Any, head_dim: int, layer_type: str | None = None) -> RotaryEmbedding:
+    """Build the rotary embedding described by an HF config (for `layer_type`'s layers when
+    the config has per-layer-type parameters)."""
+    return RotaryEmbedding(head_dim, rope_parameters_from_config(hf_config, layer_type))

@@ -1,7 +1,8 @@
 """Sampling: greedy, temperature, top-k, top-p, min-p, per-request seeds, logprobs,
-penalties, logit bias and min_tokens.
+penalties, logit bias, min_tokens and structured outputs' token masks.
 
-vLLM's order: logprobs are taken from the raw logits; then `logit_bias`, the min_tokens ban
+vLLM's order: logprobs are taken from the raw logits; then the structured-output mask (a
+packed bitmask for the whole batch, one row per request), `logit_bias`, the min_tokens ban
 on EOS and stop tokens, and the repetition / presence / frequency penalties change the
 logits (greedy rows too); then temperature and the filters, with HF's semantics and in HF's
 order (temperature, top-k, top-p, min-p; top-p keeps the token that crosses the threshold).
@@ -33,6 +34,9 @@ class SamplingBatch:
     # read only by the penalties and min_tokens.
     token_ids: list[list[int]] = field(default_factory=list)
     num_prompt_tokens: list[int] = field(default_factory=list)
+    # Structured outputs: int32 [N, ceil(V / 32)], bit j of word w allows token 32w + j (all
+    # ones for an unconstrained row); None when no row is constrained.
+    token_bitmask: torch.Tensor | None = None
 
     @property
     def all_greedy(self) -> bool:
@@ -77,6 +81,22 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     probs = logits.softmax(dim=-1)
     threshold = probs.max(dim=-1, keepdim=True).values * min_p.unsqueeze(-1)  # [N, 1]
     return logits.masked_fill(probs < threshold, float("-inf"))
+
+
+def allowed_tokens(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
+    """A packed int32 [N, W] token bitmask as bool [N, vocab] (tokens past 32W: not allowed)."""
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)  # [32]
+    bits = (bitmask.unsqueeze(-1) >> shifts) & 1  # [N, W, 32]
+    allowed = bits.flatten(1).bool()  # [N, 32W]
+    if allowed.shape[1] < vocab:
+        allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]))
+    return allowed[:, :vocab]
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """The grammar's mask: -inf for every token a row's bitmask does not allow. [N, V]."""
+    allowed = allowed_tokens(bitmask.to(logits.device), logits.shape[-1])  # [N, V]
+    return logits.masked_fill(~allowed, float("-inf"))
 
 
 def apply_penalties(
@@ -171,6 +191,18 @@ class Sampler:
         return SamplerOutput(token_list, chosen, tops)
 
     def _process(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """The structured-output mask, logit bias, the min_tokens ban and the penalties;
+        `logits` itself when none apply. The grammar wins: a row the other rules would leave
+        with no token at all (min_tokens banning the EOS its grammar needs) keeps the grammar's
+        choice alone."""
+        if batch.token_bitmask is None:
+            return self._adjust(logits, batch)
+        masked = apply_token_bitmask(logits, batch.token_bitmask)  # [N, V]
+        adjusted = self._adjust(masked, batch)
+        dead = torch.isneginf(adjusted).all(dim=-1)  # [N]
+        return torch.where(dead.unsqueeze(-1), masked, adjusted)
+
+    def _adjust(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         """Logit bias, the min_tokens ban and the penalties; `logits` itself when none apply."""
         params = batch.params
         vocab = logits.shape[-1]

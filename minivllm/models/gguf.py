@@ -5,9 +5,10 @@ tokenizer files. A GGUF file (llama.cpp's format) holds the same model in one fi
 key/values, a tokenizer description and (often quantized) tensors under llama.cpp's names.
 This module turns the one into the other:
 
-- tensors are dequantized to float32 and renamed to HF names; for the `llama` architecture
-  llama.cpp's rotary row permutation of q/k is undone;
-- the metadata becomes a `LlamaConfig` / `Qwen3Config` and a `generation_config.json`;
+- tensors are dequantized to float32 and renamed to HF names; what llama.cpp changed when it
+  wrote them is undone (the q/k row permutation of `llama`, Gemma's `1 + w` norm weights);
+- the metadata becomes the architecture's transformers config and a `generation_config.json`
+  (`gguf_arch.py`: the architecture table: llama, qwen2, qwen3, gemma2, gemma3, phi3);
 - the tokenizer is rebuilt offline by transformers' GGUF tokenizer conversion.
 
 `convert_gguf_cached` keys the output on the file's size, mtime and `CONVERTER_VERSION`, and
@@ -32,13 +33,31 @@ from gguf import GGMLQuantizationType, GGUFReader, ReaderTensor
 from gguf.quants import dequantize as _gguf_dequantize
 
 from minivllm.models.cache import cache_dir
+from minivllm.models.gguf_arch import (
+    ARCHITECTURES,
+    CONFIG_TENSORS,
+    GLOBAL_TENSOR_NAMES,
+    SUPPORTED_ARCHITECTURES,
+    GGUFConversionError,
+    architecture,
+    build_config,
+    layer_tensor_names,
+    meta,
+)
 
 logger = logging.getLogger(__name__)
 
+# Re-exported: the converter's errors and the architectures it takes.
+__all__ = [
+    "SUPPORTED_ARCHITECTURES",
+    "GGUFConversionError",
+    "build_config",
+    "convert_gguf",
+    "convert_gguf_cached",
+]
+
 # Bump when the output of `convert_gguf` changes, so stale caches are not reused.
 CONVERTER_VERSION = 1
-
-SUPPORTED_ARCHITECTURES = ("llama", "qwen3")
 
 # Types the tests check against an independent reference; others go through gguf-py untested.
 TESTED_TENSOR_TYPES = (
@@ -52,32 +71,8 @@ TESTED_TENSOR_TYPES = (
     GGMLQuantizationType.Q6_K,
 )
 
-_GLOBAL_TENSOR_NAMES = {
-    "token_embd": "model.embed_tokens",
-    "output_norm": "model.norm",
-    "output": "lm_head",
-}
-
-_LAYER_TENSOR_NAMES = {
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "attn_q_norm": "self_attn.q_norm",
-    "attn_k_norm": "self_attn.k_norm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-}
-
 _LAYER_NAME_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 _GLOBAL_NAME_RE = re.compile(r"^(\w+)\.(weight|bias)$")
-
-
-class GGUFConversionError(ValueError):
-    """The GGUF file cannot be converted (unsupported architecture, tensor or metadata)."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -85,20 +80,22 @@ class GGUFConversionError(ValueError):
 # ---------------------------------------------------------------------------------------------
 
 
-def hf_tensor_name(gguf_name: str) -> str:
-    """Map a llama.cpp tensor name (`blk.3.attn_q.weight`) to its HF name.
+def hf_tensor_name(gguf_name: str, arch: str = "llama") -> str:
+    """Map a llama.cpp tensor name (`blk.3.attn_q.weight`) of architecture `arch` to its HF
+    name.
 
     Raises:
-        GGUFConversionError: the name is not one of the llama/qwen3 tensors we know.
+        GGUFConversionError: the name is not one of the architecture's tensors we know.
     """
     if m := _LAYER_NAME_RE.match(gguf_name):
         layer, part, suffix = m.groups()
-        if part in _LAYER_TENSOR_NAMES:
-            return f"model.layers.{layer}.{_LAYER_TENSOR_NAMES[part]}.{suffix}"
+        names = layer_tensor_names(arch)
+        if part in names:
+            return f"model.layers.{layer}.{names[part]}.{suffix}"
     elif m := _GLOBAL_NAME_RE.match(gguf_name):
         part, suffix = m.groups()
-        if part in _GLOBAL_TENSOR_NAMES:
-            return f"{_GLOBAL_TENSOR_NAMES[part]}.{suffix}"
+        if part in GLOBAL_TENSOR_NAMES:
+            return f"{GLOBAL_TENSOR_NAMES[part]}.{suffix}"
     raise GGUFConversionError(f"unknown GGUF tensor name {gguf_name!r}; cannot map it to HF")
 
 
@@ -150,10 +147,12 @@ def unpermute_qk(weight: np.ndarray, n_head: int) -> np.ndarray:
 
 
 def read_state_dict(reader: GGUFReader) -> dict[str, torch.Tensor]:
-    """Every tensor of the file as float32 under its HF name, q/k un-permuted for llama."""
-    arch = _architecture(reader)
-    n_head = int(_meta(reader, f"{arch}.attention.head_count"))
-    n_kv_head = int(_meta(reader, f"{arch}.attention.head_count_kv", n_head))
+    """Every weight of the file as float32 under its HF name, as HF stores it: q/k rows
+    un-permuted (llama), the norm offset taken back out (Gemma)."""
+    arch = architecture(reader)
+    spec = ARCHITECTURES[arch]
+    n_head = int(meta(reader, f"{arch}.attention.head_count"))
+    n_kv_head = int(meta(reader, f"{arch}.attention.head_count_kv", n_head))
     state: dict[str, torch.Tensor] = {}
     for tensor in reader.tensors:
         if tensor.name == "rope_freqs.weight":
@@ -161,13 +160,16 @@ def read_state_dict(reader: GGUFReader) -> dict[str, torch.Tensor]:
                 "this GGUF carries `rope_freqs` (Llama-3 style rope scaling), which the "
                 "converter does not reconstruct into an HF rope_parameters config"
             )
-        name = hf_tensor_name(tensor.name)
+        if tensor.name in CONFIG_TENSORS:  # read by build_config
+            continue
+        name = hf_tensor_name(tensor.name, arch)
         values = dequantize_tensor(tensor)
-        # llama.cpp permutes q/k rows only for the llama architecture (not for qwen3).
-        if arch == "llama" and ".self_attn.q_proj." in name:
+        if spec.permute_qk and ".self_attn.q_proj." in name:
             values = unpermute_qk(values, n_head)
-        elif arch == "llama" and ".self_attn.k_proj." in name:
+        elif spec.permute_qk and ".self_attn.k_proj." in name:
             values = unpermute_qk(values, n_kv_head)
+        if spec.norm_shift and name.endswith("norm.weight"):
+            values = values - np.float32(spec.norm_shift)
         state[name] = torch.from_numpy(values)
     return state
 
@@ -175,74 +177,6 @@ def read_state_dict(reader: GGUFReader) -> dict[str, torch.Tensor]:
 # ---------------------------------------------------------------------------------------------
 # Metadata
 # ---------------------------------------------------------------------------------------------
-
-_REQUIRED = object()
-
-
-def _meta(reader: GGUFReader, key: str, default: Any = _REQUIRED) -> Any:
-    """One metadata value (scalars unwrapped, arrays as lists)."""
-    field = reader.fields.get(key)
-    if field is None:
-        if default is _REQUIRED:
-            raise GGUFConversionError(f"GGUF metadata lacks the required key {key!r}")
-        return default
-    return field.contents()
-
-
-def _meta_float(reader: GGUFReader, key: str, default: Any = _REQUIRED) -> float:
-    """A float32 metadata value as the shortest decimal that rounds to it (1e-05, not 9.99e-06)."""
-    return float(str(np.float32(_meta(reader, key, default))))
-
-
-def _architecture(reader: GGUFReader) -> str:
-    arch = _meta(reader, "general.architecture")
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise GGUFConversionError(
-            f"GGUF architecture {arch!r} is not supported; expected one of "
-            f"{', '.join(SUPPORTED_ARCHITECTURES)}"
-        )
-    return arch
-
-
-def build_config(reader: GGUFReader) -> Any:
-    """A transformers `LlamaConfig` or `Qwen3Config` built from the GGUF metadata."""
-    from transformers import LlamaConfig, Qwen3Config
-
-    arch = _architecture(reader)
-    tensor_names = {t.name for t in reader.tensors}
-    n_head = int(_meta(reader, f"{arch}.attention.head_count"))
-    hidden = int(_meta(reader, f"{arch}.embedding_length"))
-    head_dim = _meta(reader, f"{arch}.attention.key_length", None)
-    if head_dim is None:
-        head_dim = _meta(reader, f"{arch}.rope.dimension_count", hidden // n_head)
-    vocab = _meta(reader, f"{arch}.vocab_size", None)
-    if vocab is None:
-        embed = next(t for t in reader.tensors if t.name == "token_embd.weight")
-        vocab = int(embed.shape[1])  # GGUF shape is [hidden, vocab]
-    kwargs: dict[str, Any] = {
-        "architectures": ["LlamaForCausalLM" if arch == "llama" else "Qwen3ForCausalLM"],
-        "vocab_size": int(vocab),
-        "hidden_size": hidden,
-        "intermediate_size": int(_meta(reader, f"{arch}.feed_forward_length")),
-        "num_hidden_layers": int(_meta(reader, f"{arch}.block_count")),
-        "num_attention_heads": n_head,
-        "num_key_value_heads": int(_meta(reader, f"{arch}.attention.head_count_kv", n_head)),
-        "head_dim": int(head_dim),
-        "rms_norm_eps": _meta_float(reader, f"{arch}.attention.layer_norm_rms_epsilon"),
-        "max_position_embeddings": int(_meta(reader, f"{arch}.context_length")),
-        "rope_parameters": {
-            "rope_type": "default",
-            "rope_theta": _meta_float(reader, f"{arch}.rope.freq_base", 10000.0),
-        },
-        "tie_word_embeddings": "output.weight" not in tensor_names,
-        "bos_token_id": _meta(reader, "tokenizer.ggml.bos_token_id", None),
-        "eos_token_id": _meta(reader, "tokenizer.ggml.eos_token_id", None),
-        "pad_token_id": _meta(reader, "tokenizer.ggml.padding_token_id", None),
-        "attention_bias": "blk.0.attn_q.bias" in tensor_names,
-    }
-    if arch == "llama":
-        return LlamaConfig(**kwargs)
-    return Qwen3Config(**kwargs)
 
 
 def build_generation_config(config: Any) -> Any:

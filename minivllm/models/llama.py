@@ -1,8 +1,16 @@
-"""Llama decoder (also SmolLM2 and other Llama-architecture checkpoints), over a paged KV cache.
+"""Llama decoder (also SmolLM2 and other Llama-architecture checkpoints), over a paged KV cache,
+and the base every other family here builds on.
 
 Parameter names follow HF's `LlamaForCausalLM` except for the fused projections:
 `self_attn.qkv_proj` holds q_proj/k_proj/v_proj and `mlp.gate_up_proj` holds gate_proj/up_proj
 (see `packed_modules_mapping`, used by the loader).
+
+A family changes what it must through small hooks: the attention's `biases`, `softmax_scale`
+and `norm_qk`; the model's `attention_cls`, `layer_cls`, `norm_cls`, `embed`,
+`rotary_for_layers` and `rope_layer_type`; the LM's `model_cls`. Per layer,
+`sliding_window_of` reads the window from the config (`sliding_window`, and `layer_types` when
+only some layers slide), and `attn_logit_softcapping` / `final_logit_softcapping` cap the
+scores and the logits.
 
 Tensor parallelism (`tp_size > 1`, rank `tp_rank`): column-parallel qkv and gate_up,
 row-parallel o_proj and down_proj, vocab-parallel embedding and LM head. Each rank keeps the
@@ -14,7 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from minivllm.layers.activation import SiluAndMul
+from minivllm.layers.activation import get_gated_activation, soft_cap
 from minivllm.layers.attention import Attention, AttentionMetadata
 from minivllm.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from minivllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
@@ -22,6 +30,7 @@ from minivllm.layers.norm import RMSNorm
 from minivllm.layers.rotary import apply_rotary, get_rope
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
+CosSin = tuple[torch.Tensor, torch.Tensor]
 
 
 def head_dim_of(config: Any) -> int:
@@ -29,13 +38,28 @@ def head_dim_of(config: Any) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
+def sliding_window_of(config: Any, layer_idx: int) -> int | None:
+    """The sliding window of layer `layer_idx`, None for full attention: `sliding_window` on
+    every layer (Mistral, Phi-3), or on the layers `layer_types` marks "sliding_attention"
+    (Gemma 2 and 3, Qwen2 with `use_sliding_window`)."""
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None)
+    if not window:
+        return None
+    if layer_types is None:
+        return int(window)
+    return int(window) if layer_types[layer_idx] == "sliding_attention" else None
+
+
 class LlamaMLP(nn.Module):
-    """SwiGLU feed-forward: `down(silu(gate(x)) * up(x))` with gate and up fused."""
+    """Gated feed-forward: `down(act(gate(x)) * up(x))` with gate and up fused; SiLU (SwiGLU)
+    or, from the config, GELU-tanh (Gemma)."""
 
     def __init__(self, config: Any, tp_size: int = 1, tp_rank: int = 0) -> None:
         super().__init__()
-        if config.hidden_act != "silu":
-            raise ValueError(f"only hidden_act='silu' is supported, got {config.hidden_act!r}")
+        self.act_fn = get_gated_activation(
+            getattr(config, "hidden_activation", None) or config.hidden_act
+        )
         bias = getattr(config, "mlp_bias", False)
         size = config.intermediate_size
         tp = dict(tp_size=tp_size, tp_rank=tp_rank)
@@ -43,7 +67,6 @@ class LlamaMLP(nn.Module):
             config.hidden_size, [size, size], bias=bias, **tp
         )
         self.down_proj = RowParallelLinear(size, config.hidden_size, bias=bias, **tp)
-        self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
@@ -52,15 +75,15 @@ class LlamaMLP(nn.Module):
 class LlamaAttention(nn.Module):
     """Self-attention block: fused qkv projection, rotary, paged attention, output projection."""
 
-    def __init__(self, config: Any, tp_size: int = 1, tp_rank: int = 0) -> None:
+    def __init__(self, config: Any, layer_idx: int, tp_size: int = 1, tp_rank: int = 0) -> None:
         super().__init__()
         total_heads = config.num_attention_heads
         total_kv_heads = getattr(config, "num_key_value_heads", None) or total_heads
         self.head_dim = head_dim_of(config)
-        bias = getattr(config, "attention_bias", False)
+        qkv_bias, o_bias = self.biases(config)
         tp = dict(tp_size=tp_size, tp_rank=tp_rank)
         self.qkv_proj = QKVParallelLinear(
-            config.hidden_size, self.head_dim, total_heads, total_kv_heads, bias=bias, **tp
+            config.hidden_size, self.head_dim, total_heads, total_kv_heads, bias=qkv_bias, **tp
         )
         heads = self.qkv_proj.heads  # this rank's query heads and the KV heads they read
         self.num_heads = heads.num_heads
@@ -68,11 +91,25 @@ class LlamaAttention(nn.Module):
         # o_proj's input is the concatenated heads: this rank's slice follows its heads.
         o_shard = (heads.q_start * self.head_dim, self.num_heads * self.head_dim)
         self.o_proj = RowParallelLinear(
-            total_heads * self.head_dim, config.hidden_size, bias=bias, shard=o_shard, **tp
+            total_heads * self.head_dim, config.hidden_size, bias=o_bias, shard=o_shard, **tp
         )
         self.attn = Attention(
-            self.num_heads, self.num_kv_heads, self.head_dim, scale=self.head_dim**-0.5
+            self.num_heads,
+            self.num_kv_heads,
+            self.head_dim,
+            scale=self.softmax_scale(config),
+            sliding_window=sliding_window_of(config, layer_idx),
+            logit_softcap=getattr(config, "attn_logit_softcapping", None),
         )
+
+    def biases(self, config: Any) -> tuple[bool, bool]:
+        """Whether qkv_proj and o_proj have biases: both follow `attention_bias` in Llama."""
+        bias = bool(getattr(config, "attention_bias", False))
+        return bias, bias
+
+    def softmax_scale(self, config: Any) -> float:
+        """The factor on q·k: `head_dim ** -0.5` (Gemma's differs)."""
+        return self.head_dim**-0.5
 
     def split_heads(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Project and split into q `[T, H, D]`, k `[T, KVH, D]`, v `[T, KVH, D]`."""
@@ -112,13 +149,19 @@ class LlamaDecoderLayer(nn.Module):
     so each norm fuses the preceding add."""
 
     def __init__(
-        self, config: Any, attention_cls: type[LlamaAttention], tp_size: int = 1, tp_rank: int = 0
+        self,
+        config: Any,
+        layer_idx: int,
+        attention_cls: type[LlamaAttention],
+        norm_cls: type[RMSNorm],
+        tp_size: int = 1,
+        tp_rank: int = 0,
     ) -> None:
         super().__init__()
-        self.self_attn = attention_cls(config, tp_size, tp_rank)
+        self.self_attn = attention_cls(config, layer_idx, tp_size, tp_rank)
         self.mlp = LlamaMLP(config, tp_size, tp_rank)
-        self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.input_layernorm = norm_cls(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = norm_cls(config.hidden_size, eps=config.rms_norm_eps)
 
     def forward(
         self,
@@ -142,19 +185,32 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     """Embedding, decoder layers and final norm; returns the last hidden states."""
 
-    def __init__(
-        self, config: Any, attention_cls: type[LlamaAttention], tp_size: int = 1, tp_rank: int = 0
-    ) -> None:
+    attention_cls: type[LlamaAttention] = LlamaAttention
+    layer_cls: type[LlamaDecoderLayer] = LlamaDecoderLayer
+    norm_cls: type[RMSNorm] = RMSNorm
+    rope_layer_type: str | None = None  # whose rope_parameters, when they are per layer type
+
+    def __init__(self, config: Any, tp_size: int = 1, tp_rank: int = 0) -> None:
         super().__init__()
+        self.config = config
         self.embed_tokens = VocabParallelEmbedding(
             config.vocab_size, config.hidden_size, tp_size, tp_rank
         )
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, attention_cls, tp_size, tp_rank)
-            for _ in range(config.num_hidden_layers)
+            self.layer_cls(config, i, self.attention_cls, self.norm_cls, tp_size, tp_rank)
+            for i in range(config.num_hidden_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.rotary_emb = get_rope(config, head_dim_of(config))
+        self.norm = self.norm_cls(config.hidden_size, eps=config.rms_norm_eps)
+        self.rotary_emb = get_rope(config, head_dim_of(config), self.rope_layer_type)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """`[T]` -> `[T, hidden_size]` (Gemma scales it)."""
+        return self.embed_tokens(input_ids)
+
+    def rotary_for_layers(self, positions: torch.Tensor, dtype: torch.dtype) -> list[CosSin]:
+        """Each layer's (cos, sin), each `[T, head_dim // 2]`: one rotary for all here."""
+        cos_sin = self.rotary_emb(positions, dtype)
+        return [cos_sin] * len(self.layers)
 
     def forward(
         self,
@@ -165,10 +221,10 @@ class LlamaModel(nn.Module):
     ) -> torch.Tensor:
         if len(kv_caches) != len(self.layers):
             raise ValueError(f"expected {len(self.layers)} kv caches, got {len(kv_caches)}")
-        hidden = self.embed_tokens(input_ids)  # [T, hidden_size]
-        cos, sin = self.rotary_emb(positions, hidden.dtype)  # each [T, head_dim // 2]
+        hidden = self.embed(input_ids)  # [T, hidden_size]
+        rotary = self.rotary_for_layers(positions, hidden.dtype)
         residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+        for layer, kv_cache, (cos, sin) in zip(self.layers, kv_caches, rotary, strict=True):
             hidden, residual = layer(hidden, residual, cos, sin, kv_cache, meta)
         hidden, _ = self.norm(hidden, residual)
         return hidden
@@ -184,7 +240,7 @@ class LlamaForCausalLM(nn.Module):
     tensor-parallel). With `tp_size > 1`, the KV caches hold this rank's KV heads only.
     """
 
-    attention_cls: type[LlamaAttention] = LlamaAttention
+    model_cls: type[LlamaModel] = LlamaModel
 
     # checkpoint module name -> (fused module name, shard id); read by the loader.
     packed_modules_mapping: dict[str, tuple[str, int | str]] = {
@@ -198,10 +254,11 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config: Any, tp_size: int = 1, tp_rank: int = 0) -> None:
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config, self.attention_cls, tp_size, tp_rank)
+        self.model = self.model_cls(config, tp_size, tp_rank)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp_size, tp_rank)
         if getattr(config, "tie_word_embeddings", False):
             self.lm_head.tie_to(self.model.embed_tokens)
+        self.final_logit_softcap: float | None = getattr(config, "final_logit_softcapping", None)
 
     def forward(
         self,
@@ -213,5 +270,8 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions, kv_caches, meta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """`[N, hidden_size]` -> `[N, vocab_size]` float32."""
-        return self.lm_head(hidden)
+        """`[N, hidden_size]` -> `[N, vocab_size]` float32, soft-capped when configured."""
+        logits = self.lm_head(hidden)
+        if self.final_logit_softcap is None:
+            return logits
+        return soft_cap(logits, self.final_logit_softcap)

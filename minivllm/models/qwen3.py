@@ -8,14 +8,14 @@ from typing import Any
 import torch
 
 from minivllm.layers.norm import RMSNorm
-from minivllm.models.llama import LlamaAttention, LlamaForCausalLM
+from minivllm.models.llama import LlamaAttention, LlamaForCausalLM, LlamaModel
 
 
 class Qwen3Attention(LlamaAttention):
     """Llama attention with `q_norm`/`k_norm` over each head's `head_dim` features."""
 
-    def __init__(self, config: Any, tp_size: int = 1, tp_rank: int = 0) -> None:
-        super().__init__(config, tp_size, tp_rank)
+    def __init__(self, config: Any, layer_idx: int, tp_size: int = 1, tp_rank: int = 0) -> None:
+        super().__init__(config, layer_idx, tp_size, tp_rank)
         self.q_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
 
@@ -24,10 +24,14 @@ class Qwen3Attention(LlamaAttention):
         return self.q_norm(q), self.k_norm(k)
 
 
+class Qwen3Model(LlamaModel):
+    attention_cls = Qwen3Attention
+
+
 class Qwen3ForCausalLM(LlamaForCausalLM):
     """Qwen3 causal LM; same interface and checkpoint-name mapping as `LlamaForCausalLM`."""
 
-    attention_cls = Qwen3Attention
+    model_cls = Qwen3Model
 
     def __init__(self, config: Any, tp_size: int = 1, tp_rank: int = 0) -> None:
         if getattr(config, "use_sliding_window", False):

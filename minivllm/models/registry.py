@@ -4,11 +4,21 @@ from typing import Any
 
 from torch import nn
 
+from minivllm.models.gemma2 import Gemma2ForCausalLM
+from minivllm.models.gemma3 import Gemma3ForCausalLM
 from minivllm.models.llama import LlamaForCausalLM
+from minivllm.models.mistral import MistralForCausalLM
+from minivllm.models.phi3 import Phi3ForCausalLM
+from minivllm.models.qwen2 import Qwen2ForCausalLM
 from minivllm.models.qwen3 import Qwen3ForCausalLM
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
+    "Gemma2ForCausalLM": Gemma2ForCausalLM,
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": MistralForCausalLM,
+    "Phi3ForCausalLM": Phi3ForCausalLM,
+    "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
 }
 

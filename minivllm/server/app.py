@@ -1,10 +1,12 @@
 """The OpenAI-compatible HTTP server: the app factory and its routes over an AsyncLLMEngine.
 
 Routes: GET /v1/models, POST /v1/completions, POST /v1/chat/completions, GET /health,
-GET /metrics. Every error has OpenAI's shape `{"error": {message, type, param, code}}`:
-400 bad input (malformed JSON, non-UTF-8, invalid parameters, a prompt too long), 401 a
-missing or wrong API key, 404 an unknown model or route, 413 a body over the limit, 500 an
-engine fault, 503 an overloaded waiting queue or a server shutting down.
+GET /metrics, and with `lab=True` the live Engine Lab (GET /lab, /lab/api/*: the engine
+recorded between steps, `minivllm/lab/live.py`). Every error has OpenAI's shape
+`{"error": {message, type, param, code}}`: 400 bad input (malformed JSON, non-UTF-8, invalid
+parameters, a prompt too long), 401 a missing or wrong API key, 404 an unknown model or route,
+413 a body over the limit, 500 an engine fault, 503 an overloaded waiting queue or a server
+shutting down.
 
 Streaming follows OpenAI's server-sent events (`streaming.py`). A client that disconnects
 (streamed or not) has its request aborted at once.
@@ -24,7 +26,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from minivllm.engine.llm_engine import LLMEngine
-from minivllm.server import protocol
+from minivllm.server import responses
 from minivllm.server.chat import create_chat_completion
 from minivllm.server.completions import create_completion
 from minivllm.server.errors import APIError, install_error_handlers
@@ -41,12 +43,19 @@ def create_app(
     api_key: str | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     max_waiting_requests: int | None = DEFAULT_MAX_WAITING_REQUESTS,
+    lab: bool = False,
 ) -> FastAPI:
     """An OpenAI-compatible app serving `engine`. Its engine thread starts with the app's
     lifespan and stops with it; `app.state.server` is the OpenAIServer (tests read it).
-    More routes (a lab page) join with `app.include_router(...)`."""
+    `lab`: record the engine between steps and serve the live lab page at /lab (without it
+    nothing is recorded and /lab is 404)."""
     name = served_model_name or _default_name(engine)
-    server = OpenAIServer(engine, name, api_key, max_waiting_requests)
+    recorder = None
+    if lab:
+        from minivllm.lab.live import LiveRecorder
+
+        recorder = LiveRecorder(engine.scheduler.block_manager.num_blocks, engine.config)
+    server = OpenAIServer(engine, name, api_key, max_waiting_requests, recorder)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -64,6 +73,10 @@ def create_app(
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=max_body_bytes)
     install_error_handlers(app)
     app.include_router(openai_routes(server))
+    if recorder is not None:
+        from minivllm.lab.live_routes import live_routes
+
+        app.include_router(live_routes(recorder, server.check_auth))
     return app
 
 
@@ -84,8 +97,8 @@ def openai_routes(server: OpenAIServer) -> APIRouter:
     @router.get("/v1/models")
     async def models(request: Request) -> Response:
         server.check_auth(request)
-        card = protocol.ModelCard(id=server.served_model_name, max_model_len=server.max_model_len)
-        return json_response(protocol.ModelList(data=[card]))
+        card = responses.ModelCard(id=server.served_model_name, max_model_len=server.max_model_len)
+        return json_response(responses.ModelList(data=[card]))
 
     @router.post("/v1/completions")
     async def completions(request: Request) -> Response:

@@ -11,6 +11,9 @@ The contract:
 - Nothing a request does can stop the thread: ModelRunner faults end the failed batch's
   requests with finish_reason "error" (the engine does that); any other exception from a step
   ends every in-flight request with "error" and the thread keeps serving.
+- With a StepRecorder (`minivllm serve --lab`), the recorder runs each step (the same plan,
+  execute and commit) so it can note the plan, and photographs the engine after the commit,
+  between steps; without one, nothing is recorded.
 - Shutdown is graceful: `stop_accepting()` refuses new requests, those in flight go on until
   `abort_all()` (or `shutdown()`) ends the rest with finish_reason "abort".
 """
@@ -21,8 +24,9 @@ import asyncio
 import concurrent.futures
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from minivllm.engine import requests
 from minivllm.engine.llm_engine import LLMEngine
@@ -117,6 +121,19 @@ class RequestStream:
 OutputHook = Callable[[RequestOutput, int], None]  # (output, number of new tokens)
 
 
+class StepRecorder(Protocol):
+    """Watches the engine on the engine thread (the lab's live view, `minivllm.lab.live`).
+    `request_ids` maps the engine's seq_id to the request's id ("<request_id>/<index>")."""
+
+    def step(self, engine: LLMEngine, request_ids: Mapping[int, str]) -> list[RequestOutput]:
+        """One `engine.step()` (plan, then execute and commit), recorded."""
+        ...
+
+    def snapshot(self, engine: LLMEngine, request_ids: Mapping[int, str]) -> None:
+        """Record the engine as it stands between steps (no step ran)."""
+        ...
+
+
 class AsyncLLMEngine:
     """Drives an LLMEngine from a background thread for asyncio callers."""
 
@@ -125,10 +142,12 @@ class AsyncLLMEngine:
         engine: LLMEngine,
         max_waiting_requests: int | None = None,
         on_output: OutputHook | None = None,
+        recorder: StepRecorder | None = None,
     ) -> None:
         self.engine = engine
         self.max_waiting_requests = max_waiting_requests
         self.on_output = on_output
+        self.recorder = recorder
         self._commands: list[_Add | _Abort | _AbortAll] = []
         self._lock = threading.Lock()
         self._wake = threading.Event()
@@ -228,14 +247,22 @@ class AsyncLLMEngine:
             self._apply(command)
         if not self.engine.has_unfinished_requests():
             self.stats = dict(self.engine.stats())
+            if commands and self.recorder is not None:  # an abort may have emptied the queues
+                self.recorder.snapshot(self.engine, self._request_ids())
             if not commands:
                 self._wake.wait()
             return
-        outputs = self.engine.step()
+        if self.recorder is None:
+            outputs = self.engine.step()
+        else:
+            outputs = self.recorder.step(self.engine, self._request_ids())
         self.num_steps += 1
         self.stats = dict(self.engine.stats())
         for output in outputs:
             self._deliver(output)
+
+    def _request_ids(self) -> dict[int, str]:
+        return {sub.seq_id: sub.sub_id for sub in self._subs.values()}
 
     def _apply(self, command: _Add | _Abort | _AbortAll) -> None:
         if isinstance(command, _AbortAll):

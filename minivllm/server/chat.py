@@ -16,7 +16,7 @@ from fastapi.responses import Response
 from minivllm.engine import requests
 from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import SamplingParams
-from minivllm.server import protocol
+from minivllm.server import protocol, responses
 from minivllm.server.async_engine import RequestStream
 from minivllm.server.errors import APIError, bad_request
 from minivllm.server.serving import OpenAIServer, json_response, usage_of
@@ -28,7 +28,7 @@ async def create_chat_completion(server: OpenAIServer, request: Request) -> Resp
     num_top = req.top_logprobs or 0
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs needs logprobs: true", param="top_logprobs")
-    params = server.sampling_params(
+    params = await server.sampling_params(
         req, default_max_tokens=None, logprobs=num_top if req.logprobs else None
     )
     prompt = await asyncio.to_thread(chat_prompt, server, req)
@@ -74,19 +74,19 @@ class _Call:
     prompt_tokens: int
     start: float  # time.monotonic() at the add
 
-    def chunk(self, choices: list[protocol.ChatChunkChoice], **kw: Any) -> str:
-        return sse(protocol.ChatCompletionChunk(
+    def chunk(self, choices: list[responses.ChatChunkChoice], **kw: Any) -> str:
+        return sse(responses.ChatCompletionChunk(
             id=self.request_id, model=self.server.served_model_name, choices=choices, **kw
         ))
 
 
-def _response(call: _Call, outputs: list[RequestOutput]) -> protocol.ChatCompletionResponse:
+def _response(call: _Call, outputs: list[RequestOutput]) -> responses.ChatCompletionResponse:
     choices = []
     for index, output in enumerate(outputs):
         out = output.outputs[0]
-        choices.append(protocol.ChatChoice(
+        choices.append(responses.ChatChoice(
             index=index,
-            message=protocol.ChatMessageOut(content=out.text),
+            message=responses.ChatMessageOut(content=out.text),
             logprobs=call.server.logprobs.chat(out, 0, call.num_top),
             finish_reason=out.finish_reason,
         ))
@@ -94,21 +94,21 @@ def _response(call: _Call, outputs: list[RequestOutput]) -> protocol.ChatComplet
     call.server.log_finished(
         call.request_id, call.prompt_tokens, usage.completion_tokens, call.start, "finished"
     )
-    return protocol.ChatCompletionResponse(
+    return responses.ChatCompletionResponse(
         id=call.request_id, model=call.server.served_model_name, choices=choices, usage=usage
     )
 
 
 def _stream(call: _Call, include_usage: bool) -> AsyncIterator[str]:
     def choice(index: int, delta: str, logprobs: Any, finish_reason: str | None) -> str:
-        return call.chunk([protocol.ChatChunkChoice(
-            index=index, delta=protocol.DeltaMessage(content=delta), logprobs=logprobs,
+        return call.chunk([responses.ChatChunkChoice(
+            index=index, delta=responses.DeltaMessage(content=delta), logprobs=logprobs,
             finish_reason=finish_reason,
         )])
 
     roles = tuple(
-        call.chunk([protocol.ChatChunkChoice(
-            index=i, delta=protocol.DeltaMessage(role="assistant", content="")
+        call.chunk([responses.ChatChunkChoice(
+            index=i, delta=responses.DeltaMessage(role="assistant", content="")
         )])
         for i in range(call.params.n)
     )

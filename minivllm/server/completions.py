@@ -15,7 +15,7 @@ from fastapi.responses import Response
 
 from minivllm.engine import requests
 from minivllm.outputs import RequestOutput
-from minivllm.server import protocol
+from minivllm.server import protocol, responses
 from minivllm.server.async_engine import RequestStream
 from minivllm.server.errors import APIError, bad_request
 from minivllm.server.serving import OpenAIServer, json_response, usage_of
@@ -24,7 +24,7 @@ from minivllm.server.streaming import SSEResponse, StreamFormat, sse, stream_cho
 
 async def create_completion(server: OpenAIServer, request: Request) -> Response:
     req = await server.parse(request, protocol.CompletionRequest)
-    params = server.sampling_params(req, default_max_tokens=16, logprobs=req.logprobs)
+    params = await server.sampling_params(req, default_max_tokens=16, logprobs=req.logprobs)
     raw_prompts = requests.as_prompt_list(req.prompt)
     if not raw_prompts:
         raise bad_request("the prompt is empty: give at least one token", param="prompt")
@@ -63,13 +63,13 @@ class _Call:
     start: float  # time.monotonic() at the add
     echo: list[str] | None  # per prompt, with echo
 
-    def response(self, choices: list[protocol.CompletionChoice], **kw: Any) -> Any:
-        return protocol.CompletionResponse(
+    def response(self, choices: list[responses.CompletionChoice], **kw: Any) -> Any:
+        return responses.CompletionResponse(
             id=self.request_id, model=self.server.served_model_name, choices=choices, **kw
         )
 
 
-def _response(call: _Call, outputs: list[RequestOutput]) -> protocol.CompletionResponse:
+def _response(call: _Call, outputs: list[RequestOutput]) -> responses.CompletionResponse:
     formatter = call.server.logprobs
     choices = []
     for index, output in enumerate(outputs):
@@ -80,7 +80,7 @@ def _response(call: _Call, outputs: list[RequestOutput]) -> protocol.CompletionR
             logprobs = formatter.completion(out, 0, offset)
         else:  # the prompt's tokens come first
             logprobs = formatter.echo_and_completion(output, offset)
-        choices.append(protocol.CompletionChoice(
+        choices.append(responses.CompletionChoice(
             index=index, text=text, logprobs=logprobs, finish_reason=out.finish_reason
         ))
     usage = usage_of(call.prompt_tokens, outputs)
@@ -94,7 +94,7 @@ def _stream(call: _Call, params: Any, include_usage: bool) -> AsyncIterator[str]
     formatter = call.server.logprobs
 
     def choice(index: int, delta: str, logprobs: Any, finish_reason: str | None) -> str:
-        return sse(call.response([protocol.CompletionChoice(
+        return sse(call.response([responses.CompletionChoice(
             index=index, text=delta, logprobs=logprobs, finish_reason=finish_reason
         )]))
 

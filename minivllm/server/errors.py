@@ -14,7 +14,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from minivllm.engine.sequence import FinishReason
 from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import SamplingParams
-from minivllm.server import protocol
+from minivllm.server import responses
 
 logger = logging.getLogger("minivllm.server")
 
@@ -40,7 +40,7 @@ class APIError(Exception):
         )
 
     def response(self) -> JSONResponse:
-        body = protocol.error_body(self.message, self.type, self.param, self.code)
+        body = responses.error_body(self.message, self.type, self.param, self.code)
         return JSONResponse(body, status_code=self.status)
 
 
@@ -50,7 +50,8 @@ def bad_request(message: str, param: str | None = None) -> APIError:
 
 def bad_value(exc: Exception) -> APIError:
     """A 400 from a ValueError/TypeError whose message names the parameter first."""
-    return bad_request(str(exc), param=param_of(str(exc)))
+    param = getattr(exc, "param", None) or param_of(str(exc))  # constraints.FieldError's
+    return bad_request(str(exc), param=param)
 
 
 def param_of(message: str) -> str | None:
@@ -72,21 +73,21 @@ def validation_error(exc: ValidationError) -> APIError:
     return bad_request("invalid request: " + "; ".join(parts), param=param)
 
 
-def error_of(output: RequestOutput) -> protocol.ErrorResponse:
+def error_of(output: RequestOutput) -> responses.ErrorResponse:
     """The error body of a request that ended with finish_reason "abort" or "error"."""
     if output.outputs[0].finish_reason == FinishReason.ABORT:
-        info = protocol.ErrorInfo(
+        info = responses.ErrorInfo(
             message=output.error or "the request was aborted",
             type="service_unavailable",
             code="aborted",
         )
     else:
-        info = protocol.ErrorInfo(
+        info = responses.ErrorInfo(
             message=f"the engine failed while running this request: {output.error}",
             type="internal_server_error",
             code="engine_error",
         )
-    return protocol.ErrorResponse(error=info)
+    return responses.ErrorResponse(error=info)
 
 
 def is_failed(output: RequestOutput) -> bool:

@@ -7,7 +7,7 @@ import math
 from typing import Any
 
 from minivllm.outputs import CompletionOutput, RequestOutput
-from minivllm.server import protocol
+from minivllm.server import responses
 
 _TOKEN_TEXT_CACHE = 1 << 16  # decoded single tokens kept (a vocabulary's worth)
 
@@ -29,7 +29,7 @@ class LogprobFormatter:
 
     def completion(
         self, out: CompletionOutput, start: int, offset: int
-    ) -> protocol.CompletionLogprobs | None:
+    ) -> responses.CompletionLogprobs | None:
         """Completions' logprobs of `out`'s tokens from `start`, the first at character
         `offset`; None if the request asked for none."""
         if out.logprobs is None:
@@ -38,10 +38,10 @@ class LogprobFormatter:
 
     def of_tokens(
         self, token_ids: list[int], scores: list[dict[int, float] | None], offset: int
-    ) -> protocol.CompletionLogprobs:
+    ) -> responses.CompletionLogprobs:
         """OpenAI's completions logprobs of `token_ids`, the first at character `offset`; a
         None score (an echoed prompt's first token) has no logprobs."""
-        result = protocol.CompletionLogprobs()
+        result = responses.CompletionLogprobs()
         for token_id, top in zip(token_ids, scores, strict=False):
             text = self.token_text(token_id)
             result.tokens.append(text)
@@ -55,20 +55,20 @@ class LogprobFormatter:
         """Token id -> logprob as OpenAI's token text -> logprob, most likely first."""
         return {self.token_text(t): lp for t, lp in sorted(top.items(), key=lambda kv: -kv[1])}
 
-    def echo(self, output: RequestOutput) -> protocol.CompletionLogprobs:
+    def echo(self, output: RequestOutput) -> responses.CompletionLogprobs:
         """OpenAI's logprobs of an echoed prompt: every prompt token, None for the first."""
         scores = output.prompt_logprobs or [None] * len(output.prompt_token_ids)
         return self.of_tokens(output.prompt_token_ids, scores, 0)
 
     def echo_and_completion(
         self, output: RequestOutput, text_offset: int
-    ) -> protocol.CompletionLogprobs | None:
+    ) -> responses.CompletionLogprobs | None:
         """An echoed prompt's logprobs followed by the completion's (at `text_offset`)."""
         completion = self.completion(output.outputs[0], 0, text_offset)
         if completion is None:
             return None
         prompt = self.echo(output)
-        return protocol.CompletionLogprobs(
+        return responses.CompletionLogprobs(
             tokens=prompt.tokens + completion.tokens,
             token_logprobs=prompt.token_logprobs + completion.token_logprobs,
             top_logprobs=prompt.top_logprobs + completion.top_logprobs,
@@ -77,7 +77,7 @@ class LogprobFormatter:
 
     def chat(
         self, out: CompletionOutput, start: int, num_top: int
-    ) -> protocol.ChatLogprobs | None:
+    ) -> responses.ChatLogprobs | None:
         """Chat's logprobs of `out`'s tokens from `start`, `num_top` alternatives each."""
         if out.logprobs is None:
             return None
@@ -86,15 +86,15 @@ class LogprobFormatter:
             text = self.token_text(token_id)
             best = sorted(top.items(), key=lambda kv: -kv[1])[:num_top]
             content.append(
-                protocol.TokenLogprob(
+                responses.TokenLogprob(
                     token=text,
                     logprob=top.get(token_id, float("-inf")),
                     bytes=list(text.encode()),
                     top_logprobs=[self._top(t, lp) for t, lp in best],
                 )
             )
-        return protocol.ChatLogprobs(content=content)
+        return responses.ChatLogprobs(content=content)
 
-    def _top(self, token_id: int, logprob: float) -> protocol.TopLogprob:
+    def _top(self, token_id: int, logprob: float) -> responses.TopLogprob:
         text = self.token_text(token_id)
-        return protocol.TopLogprob(token=text, logprob=logprob, bytes=list(text.encode()))
+        return responses.TopLogprob(token=text, logprob=logprob, bytes=list(text.encode()))

@@ -1,38 +1,68 @@
-"""The HTTP API's typed shapes: OpenAI's request and response bodies, as pydantic models.
+"""The HTTP API's request bodies: OpenAI's shapes with vLLM's extras, as pydantic models.
 
-Requests are validated strictly (a string where a number belongs is a 400, not coerced) and
-unknown fields are ignored, as OpenAI clients send fields this server does not use.
-`to_sampling_params` turns a request into the engine's SamplingParams; its ValueErrors carry
-the message the client sees.
+Requests are validated strictly (a string where a number belongs is a 400, not coerced). A
+top-level field this server does not implement is a 400 that names it, rather than an answer
+that silently differs from what was asked, unless it is one of INFORMATIONAL_FIELDS, which
+do not change the answer. Inside messages unknown keys are ignored: clients send back the
+assistant messages they received, with fields like `refusal`. `sampling_params` and
+`constraint` turn a request into the engine's SamplingParams and structured-output spec;
+their ValueErrors carry the message the client sees.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import time
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from minivllm.sampling_params import SamplingParams
+from minivllm.server.constraints import (
+    Constraint,
+    ResponseFormat,
+    StructuredOutputsRequest,
+    from_guided,
+    from_response_format,
+    from_structured_outputs,
+    one_constraint,
+)
 
 MAX_N = 128  # choices per request
 MAX_STOP = 64  # stop strings per request
 MAX_LOGPROBS = 20  # top log-probabilities per token
 
+# The one list of top-level fields accepted and ignored: they label or route a request but
+# do not change its answer. Any other field this server does not know is a 400.
+INFORMATIONAL_FIELDS = frozenset({
+    "user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier",
+})
+
 
 class _Request(BaseModel):
+    """A part of a request body (stream options, a message): unknown keys are ignored."""
+
     model_config = ConfigDict(extra="ignore", strict=True)
+
+
+class _Body(BaseModel):
+    """A whole request body: unknown fields are kept, to be refused by name."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    model: str | None = None
+
+    def unsupported_fields(self) -> list[str]:
+        """The fields this server does not implement (the informational ones aside)."""
+        return [k for k in self.model_extra or {} if k not in INFORMATIONAL_FIELDS]
 
 
 class StreamOptions(_Request):
     include_usage: bool = False
 
 
-class _SamplingRequest(_Request):
+class _SamplingRequest(_Body):
     """The fields completions and chat completions share (OpenAI's and vLLM's extras)."""
 
-    model: str | None = None
     max_tokens: int | None = None
     max_completion_tokens: int | None = None  # OpenAI's newer name for max_tokens
     temperature: float | None = None
@@ -42,7 +72,6 @@ class _SamplingRequest(_Request):
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None  # accepted and ignored
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None  # token id (as a string, OpenAI's) -> bias
@@ -54,6 +83,24 @@ class _SamplingRequest(_Request):
     ignore_eos: bool = False
     min_tokens: int = 0
     skip_special_tokens: bool = True
+    # Output constraints (constraints.py): at most one per request.
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
+    guided_json: dict[str, Any] | str | None = None  # vLLM's older names
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+
+    def constraint(self) -> Constraint | None:
+        """The structured-output spec this request asks for and the field it came from;
+        FieldError (a ValueError) if it is malformed or there are two."""
+        guided = {"json": self.guided_json, "regex": self.guided_regex,
+                  "choice": self.guided_choice, "grammar": self.guided_grammar}
+        return one_constraint([
+            from_response_format(self.response_format),
+            from_structured_outputs(self.structured_outputs),
+            *from_guided(guided),
+        ])
 
     def sampling_params(
         self, default_max_tokens: int | None, logprobs: int | None
@@ -152,123 +199,3 @@ class ChatCompletionRequest(_SamplingRequest):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True  # vLLM's extra
-
-
-# ---- responses --------------------------------------------------------------------------
-
-
-class Usage(BaseModel):
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-
-
-class CompletionLogprobs(BaseModel):
-    tokens: list[str] = []
-    token_logprobs: list[float | None] = []  # None for an echoed prompt's first token
-    top_logprobs: list[dict[str, float] | None] = []
-    text_offset: list[int] = []
-
-
-class CompletionChoice(BaseModel):
-    index: int
-    text: str
-    logprobs: CompletionLogprobs | None = None
-    finish_reason: str | None = None
-
-
-class CompletionResponse(BaseModel):
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[CompletionChoice]
-    usage: Usage | None = None
-
-
-class TopLogprob(BaseModel):
-    token: str
-    logprob: float
-    bytes: list[int]
-
-
-class TokenLogprob(TopLogprob):
-    top_logprobs: list[TopLogprob]
-
-
-class ChatLogprobs(BaseModel):
-    content: list[TokenLogprob]
-
-
-class ChatMessageOut(BaseModel):
-    role: Literal["assistant"] = "assistant"
-    content: str
-
-
-class ChatChoice(BaseModel):
-    index: int
-    message: ChatMessageOut
-    logprobs: ChatLogprobs | None = None
-    finish_reason: str | None = None
-
-
-class ChatCompletionResponse(BaseModel):
-    id: str
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[ChatChoice]
-    usage: Usage
-
-
-class DeltaMessage(BaseModel):
-    role: Literal["assistant"] | None = None
-    content: str | None = None
-
-
-class ChatChunkChoice(BaseModel):
-    index: int
-    delta: DeltaMessage
-    logprobs: ChatLogprobs | None = None
-    finish_reason: str | None = None
-
-
-class ChatCompletionChunk(BaseModel):
-    id: str
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[ChatChunkChoice]
-    usage: Usage | None = None
-
-
-class ModelCard(BaseModel):
-    id: str
-    object: Literal["model"] = "model"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    owned_by: str = "minivllm"
-    max_model_len: int | None = None
-
-
-class ModelList(BaseModel):
-    object: Literal["list"] = "list"
-    data: list[ModelCard]
-
-
-class ErrorInfo(BaseModel):
-    message: str
-    type: str
-    param: str | None = None
-    code: str | None = None
-
-
-class ErrorResponse(BaseModel):
-    error: ErrorInfo
-
-
-def error_body(
-    message: str, type: str, param: str | None = None, code: str | None = None
-) -> dict[str, Any]:
-    return ErrorResponse(
-        error=ErrorInfo(message=message, type=type, param=param, code=code)
-    ).model_dump()

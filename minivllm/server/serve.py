@@ -71,7 +71,7 @@ def _uvicorn_config(app: Any, graceful_shutdown_s: float, **kwargs: Any) -> uvic
 
 def serve(args: argparse.Namespace, engine_options: dict[str, Any]) -> int:
     """`minivllm serve`: the server flags from `args` (host, port, api_key,
-    served_model_name, and optionally max_waiting_requests, max_body_bytes), the engine's
+    served_model_name, and optionally max_waiting_requests, max_body_bytes, lab), the engine's
     from `engine_options`."""
     run_server(
         engine_options,
@@ -83,6 +83,7 @@ def serve(args: argparse.Namespace, engine_options: dict[str, Any]) -> int:
         max_waiting_requests=getattr(args, "max_waiting_requests", None)
         or DEFAULT_MAX_WAITING_REQUESTS,
         graceful_shutdown_s=_or(getattr(args, "shutdown_timeout", None), 5.0),
+        lab=bool(getattr(args, "lab", False)),
     )
     return 0
 
@@ -100,10 +101,11 @@ def run_server(
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     max_waiting_requests: int | None = DEFAULT_MAX_WAITING_REQUESTS,
     graceful_shutdown_s: float = 5.0,
+    lab: bool = False,
 ) -> None:
     """Build an engine from `engine_options` (LLMEngine.from_options) and serve it until
     SIGINT or SIGTERM. In-flight requests get `graceful_shutdown_s` to finish; the rest end
-    with an error (event or status)."""
+    with an error (event or status). `lab` adds the live Engine Lab page at /lab."""
     if not logging.getLogger().handlers:
         logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logger.setLevel(logging.INFO)  # one line per finished request
@@ -114,9 +116,12 @@ def run_server(
         api_key=api_key,
         max_body_bytes=max_body_bytes,
         max_waiting_requests=max_waiting_requests,
+        lab=lab,
     )
     name = app.state.server.served_model_name
     logger.info("serving %r on http://%s:%d/v1", name, host, port)
+    if lab:
+        logger.info("live Engine Lab on http://%s:%d/lab", host, port)
     config = _uvicorn_config(app, graceful_shutdown_s, host=host, port=port, log_level="warning")
     GracefulServer(config, graceful_shutdown_s).run()
     logger.info("server stopped")

@@ -7,6 +7,7 @@ The endpoints themselves live in `completions.py` and `chat.py`; `app.py` routes
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import time
@@ -20,18 +21,21 @@ from minivllm.engine import requests
 from minivllm.engine.llm_engine import LLMEngine
 from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import SamplingParams
-from minivllm.server import protocol
+from minivllm.server import protocol, responses
 from minivllm.server.async_engine import (
     AsyncLLMEngine,
     QueueFullError,
     RequestStream,
     ShuttingDownError,
+    StepRecorder,
 )
+from minivllm.server.constraints import Constraint
 from minivllm.server.errors import APIError, bad_request, bad_value, raise_if_failed
 from minivllm.server.errors import validation_error as _validation_error
 from minivllm.server.logprobs import LogprobFormatter
 from minivllm.server.metrics import ServerMetrics
 from minivllm.server.middleware import check_auth
+from minivllm.structured import GrammarError, compile_grammar
 
 logger = logging.getLogger("minivllm.server")
 
@@ -47,6 +51,7 @@ class OpenAIServer:
         served_model_name: str,
         api_key: str | None,
         max_waiting_requests: int | None,
+        recorder: StepRecorder | None = None,
     ) -> None:
         self.engine = engine
         self.served_model_name = served_model_name
@@ -55,7 +60,10 @@ class OpenAIServer:
         self.max_model_len = engine.config.max_model_len
         self.metrics = ServerMetrics(lambda: self.async_engine.stats)
         self.async_engine = AsyncLLMEngine(
-            engine, max_waiting_requests=max_waiting_requests, on_output=self.metrics.on_output
+            engine,
+            max_waiting_requests=max_waiting_requests,
+            on_output=self.metrics.on_output,
+            recorder=recorder,
         )
         self.logprobs = LogprobFormatter(self.tokenizer)
 
@@ -81,6 +89,13 @@ class OpenAIServer:
             parsed = model.model_validate(data)
         except ValidationError as exc:
             raise _validation_error(exc) from None
+        unsupported = parsed.unsupported_fields() if isinstance(parsed, protocol._Body) else []
+        if unsupported:
+            raise bad_request(
+                f"this server does not implement {', '.join(map(repr, unsupported))}: remove "
+                "the field (an answer that ignored it would not be the one asked for)",
+                param=unsupported[0],
+            )
         name = getattr(parsed, "model", None)
         if name is not None and name != self.served_model_name:
             raise APIError(
@@ -92,13 +107,30 @@ class OpenAIServer:
             )
         return parsed
 
-    def sampling_params(
+    async def sampling_params(
         self, req: protocol._SamplingRequest, default_max_tokens: int | None, logprobs: int | None
     ) -> SamplingParams:
+        """The request's SamplingParams, its output constraint included; 400 if invalid."""
         try:
-            return req.sampling_params(default_max_tokens, logprobs)
+            params = req.sampling_params(default_max_tokens, logprobs)
+            constraint = req.constraint()
         except ValueError as exc:
             raise bad_value(exc) from None
+        return await self.constrain(params, constraint)
+
+    async def constrain(
+        self, params: SamplingParams, constraint: Constraint | None
+    ) -> SamplingParams:
+        """`params` with the request's structured-output spec, compiled here (and cached) so
+        that a bad schema, regex or grammar is a 400 naming the field it came from."""
+        if constraint is None:
+            return params
+        spec, field = constraint
+        try:
+            await asyncio.to_thread(compile_grammar, spec)
+        except GrammarError as exc:
+            raise bad_request(f"{field} is invalid: {exc.reason}", param=field) from None
+        return dataclasses.replace(params, structured_outputs=spec)
 
     def encode(self, prompt: str, add_special_tokens: bool) -> list[int]:
         if self.tokenizer is None:
@@ -179,9 +211,9 @@ def json_response(body: BaseModel) -> Response:
     return Response(body.model_dump_json(), media_type="application/json")
 
 
-def usage_of(prompt_tokens: int, outputs: list[RequestOutput]) -> protocol.Usage:
+def usage_of(prompt_tokens: int, outputs: list[RequestOutput]) -> responses.Usage:
     completion = sum(len(o.outputs[0].token_ids) for o in outputs)
-    return protocol.Usage(
+    return responses.Usage(
         prompt_tokens=prompt_tokens,
         completion_tokens=completion,
         total_tokens=prompt_tokens + completion,

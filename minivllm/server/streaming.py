@@ -18,7 +18,7 @@ from starlette.types import Receive, Scope, Send
 
 from minivllm.outputs import CompletionOutput, RequestOutput
 from minivllm.sampling_params import SamplingParams
-from minivllm.server import protocol
+from minivllm.server import responses
 from minivllm.server.async_engine import RequestStream
 from minivllm.server.errors import error_of, is_failed
 
@@ -81,7 +81,7 @@ class StreamFormat:
 
     logprobs_of: Callable[[CompletionOutput, ChoiceState], Any]
     choice_chunk: ChoiceChunk
-    usage_chunk: Callable[[protocol.Usage], str] | None  # None: no usage chunk
+    usage_chunk: Callable[[responses.Usage], str] | None  # None: no usage chunk
     preamble: tuple[str, ...] = ()  # events before any output (chat's role deltas)
     # The choice's first event and the characters it sent (completions' echoed prompt).
     first_chunk: Callable[[int, RequestOutput], tuple[str, int]] | None = None
@@ -126,7 +126,7 @@ async def stream_choices(
                 continue
             yield fmt.choice_chunk(index, delta, logprobs, out.finish_reason)
         if fmt.usage_chunk is not None:
-            yield fmt.usage_chunk(protocol.Usage(
+            yield fmt.usage_chunk(responses.Usage(
                 prompt_tokens=prompt_tokens,
                 completion_tokens=completion_tokens,
                 total_tokens=prompt_tokens + completion_tokens,

@@ -1,9 +1,11 @@
 """Tensor parallelism on the CPU (gloo): TP=2 gives TP=1's greedy tokens, and fails cleanly.
 
 Each TP=2 engine starts one worker process (rank 1). The tests protect: the column/row/vocab
-splits and their collectives (token parity with TP=1), KV heads split evenly, unevenly
-(SmolLM2's 3 KV heads over 2 ranks) and replicated (1 KV head), the all-reduce MIN of the
-KV block count, and that a dead worker is a clear RuntimeError with no process left behind.
+splits and their collectives (token parity with TP=1) for every model family, KV heads split
+evenly, unevenly (SmolLM2's 3 KV heads over 2 ranks) and replicated (1 KV head), a KV group's
+query heads split across its replicas (5 heads / 1 KV head at TP=2, 14 / 2 at TP=4), the
+all-reduce MIN of the KV block count, and that a dead worker is a clear RuntimeError with no
+process left behind.
 """
 
 from __future__ import annotations
@@ -18,8 +20,14 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-from support.model_fixtures import build_tokenizer, save_tiny_checkpoint, tiny_config_kwargs
-from transformers import Qwen3Config
+from support.model_fixtures import (
+    FAMILIES,
+    build_tokenizer,
+    save_tiny_checkpoint,
+    tiny_config_kwargs,
+)
+from transformers import Qwen2Config, Qwen3Config
+from transformers import Qwen2ForCausalLM as HFQwen2ForCausalLM
 from transformers import Qwen3ForCausalLM as HFQwen3ForCausalLM
 
 from minivllm import LLM, SamplingParams
@@ -53,10 +61,10 @@ def assert_gone(pids: list[int]) -> None:
 
 
 @contextmanager
-def tp_llm(model: str | None, **options: object) -> Iterator[LLM]:
-    """A TP=2 engine, closed afterwards (one process group per process); checks its workers
-    were reaped."""
-    llm = LLM(model, tensor_parallel_size=2, **options)
+def tp_llm(model: str | None, tp_size: int = 2, **options: object) -> Iterator[LLM]:
+    """A TP engine (2 ranks unless told), closed afterwards (one process group per process);
+    checks its workers were reaped."""
+    llm = LLM(model, tensor_parallel_size=tp_size, **options)
     pids = [p.pid for p in llm.llm_engine.model_runner._workers.procs.values()]
     try:
         yield llm
@@ -79,6 +87,21 @@ def tiny_qwen3_one_kv_head_dir(tmp_path_factory: pytest.TempPathFactory) -> Path
     return save_tiny_checkpoint(out_dir, HFQwen3ForCausalLM, config, 3)
 
 
+@pytest.fixture(scope="module")
+def odd_heads_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Tiny Qwen2 checkpoints (q/k/v biases follow the split) with 5 heads / 1 KV head and
+    14 heads / 2 KV heads (Qwen2.5-0.5B's layout)."""
+    dirs = {}
+    for name, heads, kv_heads in [("5h1kv", 5, 1), ("14h2kv", 14, 2)]:
+        kwargs = {**tiny_config_kwargs(build_tokenizer()), "num_attention_heads": heads,
+                  "num_key_value_heads": kv_heads}
+        config = Qwen2Config(**kwargs, tie_word_embeddings=True)
+        config.architectures = ["Qwen2ForCausalLM"]
+        out_dir = tmp_path_factory.mktemp(f"tiny_qwen2_{name}")
+        dirs[name] = save_tiny_checkpoint(out_dir, HFQwen2ForCausalLM, config, 4)
+    return dirs
+
+
 def test_heads_split_in_whole_kv_groups():
     """Even split, uneven split (3 KV heads over 2 ranks), replication, and the refusals."""
     assert shard_heads(4, 2, 1, 0) == HeadShard(0, 4, 0, 2)
@@ -98,15 +121,48 @@ def test_heads_split_in_whole_kv_groups():
         HeadShard(6, 2, 1, 1),
     ]
     with pytest.raises(ValueError, match="cannot split 4 attention heads"):
-        shard_heads(4, 2, 3, 0)
-    with pytest.raises(ValueError, match="cannot split 9 attention heads"):
-        shard_heads(9, 1, 2, 0)
+        shard_heads(4, 2, 5, 0)
+    with pytest.raises(ValueError, match="multiple of num_key_value_heads"):
+        shard_heads(6, 4, 2, 0)
 
 
-def test_unsplittable_heads_fail_before_any_worker_starts(tiny_llama_dir):
+def test_a_kv_groups_query_heads_split_across_its_replicas():
+    """Fewer KV heads than ranks, in any layout: ranks dealt to KV heads in contiguous runs,
+    each run sharing its KV head's query heads as evenly as possible."""
+    assert [shard_heads(5, 1, 2, r) for r in range(2)] == [
+        HeadShard(0, 2, 0, 1),
+        HeadShard(2, 3, 0, 1),
+    ]
+    assert [shard_heads(14, 2, 4, r) for r in range(4)] == [
+        HeadShard(0, 3, 0, 1),
+        HeadShard(3, 4, 0, 1),
+        HeadShard(7, 3, 1, 1),
+        HeadShard(10, 4, 1, 1),
+    ]
+    assert [shard_heads(4, 2, 3, r) for r in range(3)] == [  # KV head 0 on two ranks, 1 on one
+        HeadShard(0, 1, 0, 1),
+        HeadShard(1, 1, 0, 1),
+        HeadShard(2, 2, 1, 1),
+    ]
+    for heads, kv_heads in [(5, 1), (14, 2), (9, 3), (12, 4), (7, 7)]:
+        for tp_size in range(1, heads + 1):
+            shards = [shard_heads(heads, kv_heads, tp_size, r) for r in range(tp_size)]
+            starts = [s.q_start for s in shards]
+            assert starts == sorted(starts) and sum(s.num_heads for s in shards) == heads
+            for s in shards:  # every query head's KV head is on its rank
+                group = heads // kv_heads
+                assert s.num_heads > 0
+                assert s.kv_start <= s.q_start // group
+                assert (s.q_start + s.num_heads - 1) // group < s.kv_start + s.num_kv_heads
+
+
+def test_unsplittable_model_fails_before_any_worker_starts(tiny_llama_dir):
+    """Heads split over 3 ranks, but the MLP width (128) does not; 5 ranks exceed the heads."""
     before = child_pids()
-    with pytest.raises(ValueError, match="tensor_parallel_size=3"):
+    with pytest.raises(ValueError, match="tensor_parallel_size=3: its intermediate_size"):
         LLM(str(tiny_llama_dir), tensor_parallel_size=3, max_model_len=128)
+    with pytest.raises(ValueError, match="4 attention heads over tensor_parallel_size=5"):
+        LLM(str(tiny_llama_dir), tensor_parallel_size=5, max_model_len=128)
     assert child_pids() <= before
 
 
@@ -116,12 +172,36 @@ def test_tp2_greedy_tokens_equal_tp1(request, arch):
     the prefix cache. Qwen3 is untied with q/k norms, Llama ties the LM head to the
     embedding, the third model replicates its single KV head."""
     model_dir = str(request.getfixturevalue(arch))
-    options = dict(max_model_len=128, max_num_batched_tokens=16)
+    options = dict(max_model_len=128, max_num_batched_tokens=16, dtype="float32")
     want = tokens(LLM(model_dir, **options), PROMPTS)
     with tp_llm(model_dir, **options) as llm:
         for _ in range(2):
             assert tokens(llm, PROMPTS) == want
         assert llm.llm_engine.scheduler.block_manager.prefix_hits > 0
+
+
+def test_tp2_greedy_tokens_equal_tp1_for_every_family(tiny_family_dirs):
+    """Qwen2 (biases), Mistral and Phi-3 (windows; Phi-3's fused checkpoint split per rank),
+    Gemma 2 and 3 (soft-caps, sandwich norms, scaled embeddings): one TP=2 engine each, over
+    chunked prefill and prefix hits."""
+    options = dict(max_model_len=128, max_num_batched_tokens=16, dtype="float32")
+    for family in FAMILIES:
+        model_dir = str(tiny_family_dirs[family])
+        want = tokens(LLM(model_dir, **options), PROMPTS + PROMPTS[1:2])
+        with tp_llm(model_dir, **options) as llm:
+            assert tokens(llm, PROMPTS + PROMPTS[1:2]) == want, family
+            assert llm.llm_engine.scheduler.block_manager.prefix_hits > 0
+
+
+@pytest.mark.parametrize("layout,tp_size", [("5h1kv", 2), ("14h2kv", 4)])
+def test_odd_head_layouts_equal_tp1(odd_heads_dirs, layout, tp_size):
+    """A KV group's query heads split across the ranks that replicate its KV head."""
+    model_dir = str(odd_heads_dirs[layout])
+    options = dict(max_model_len=128, max_num_batched_tokens=16, dtype="float32")
+    want = tokens(LLM(model_dir, **options), PROMPTS)
+    with tp_llm(model_dir, tp_size, **options) as llm:
+        assert tokens(llm, PROMPTS) == want
+        assert llm.llm_engine.model_runner._runner.num_kv_heads == 1
 
 
 @pytest.mark.default_model

@@ -85,16 +85,19 @@ def source_line(location: str) -> str:
 
 def test_seq8_follows_the_seed(client: TestClient) -> None:
     """The seed's table: after Plan RUNNING, scheduled 8, cached 0, num_tokens 8; after Commit
-    scheduled 0, cached 8, num_tokens 9; after Decode cached 9, num_tokens 10."""
+    scheduled 0, cached 8, num_tokens 9; after Decode (Step) cached 9, num_tokens 10. An
+    earlier request finished first, so the blocks are not 0, 1, ... and slot != position."""
     s0 = post(client, "reset", {"scenario": "seq8"})
     assert STATE_KEYS <= s0.keys() and SEQ_KEYS <= seq(s0).keys()
-    assert fields(seq(s0)) == ("WAITING", 0, 0, 8)
+    assert fields(seq(s0)) == ("WAITING", 0, 0, 8) and s0["focus_seq_id"] == 1
     assert seq(s0)["num_prompt_tokens"] == 8 and seq(s0)["block_table"] == []
     assert s0["block_size"] == 4 and s0["num_blocks"] == 16 and not s0["pending_plan"]
+    assert seq(s0, 0)["status"] == "FINISHED" and s0["num_free_blocks"] == 16
+    assert [b["hash"] is not None for b in s0["blocks"][:3]] == [True, True, False]
 
     s1 = post(client, "plan")
     assert fields(seq(s1)) == ("RUNNING", 8, 0, 8)
-    assert seq(s1)["block_table"] == [0, 1]
+    assert seq(s1)["block_table"] == [2, 3]
     assert s1["pending_plan"] and s1["budget"] == {
         "max_num_batched_tokens": 64,
         "planned_tokens": 8,
@@ -110,15 +113,17 @@ def test_seq8_follows_the_seed(client: TestClient) -> None:
     # Between execute and commit: the KV is written, the token sampled, nothing committed.
     assert fields(seq(execute)) == ("RUNNING", 8, 0, 8)
     assert seq(execute)["sampled_token"] == seq(s2)["token_ids"][8]
-    slots = [s["state"] for b in execute["blocks"][:2] for s in b["slots"]]
+    slots = [s["state"] for b in execute["blocks"][2:4] for s in b["slots"]]
     assert slots == ["written"] * 8
-    assert [s["state"] for b in s2["blocks"][:2] for s in b["slots"]] == ["committed"] * 8
+    assert [s["state"] for b in s2["blocks"][2:4] for s in b["slots"]] == ["committed"] * 8
+    assert s2["blocks"][2]["slots"][0]["owners"] == [{"seq_id": 1, "pos": 0, "token_id":
+                                                       seq(s2)["token_ids"][0]}]
 
     s3 = post(client, "step")
     assert fields(seq(s3)) == ("RUNNING", 0, 9, 10)
     assert [f["frame"]["stage"] for f in s3["frames"]] == ["plan", "execute", "commit"]
     assert fields(seq(s3["frames"][0])) == ("RUNNING", 1, 8, 9)
-    assert seq(s3)["block_table"] == [0, 1, 2]
+    assert seq(s3)["block_table"] == [2, 3, 4]
 
 
 def test_events_come_from_the_tracer_with_real_source_lines(client: TestClient) -> None:
@@ -127,6 +132,8 @@ def test_events_come_from_the_tracer_with_real_source_lines(client: TestClient) 
     s0 = post(client, "reset", {"scenario": "seq8"})
     s1 = post(client, "plan")
     s2 = post(client, "commit")
+    assert s2["code"]["Sequence.__init__"].startswith("minivllm/engine/sequence.py:")
+    assert "def __init__" in source_line(s2["code"]["Sequence.__init__"])
     plan = new_events(s0, s1)
     assert {(e["actor"], e["field"]) for e in plan} == {
         ("Scheduler.schedule", "status"),
@@ -147,7 +154,7 @@ def test_events_come_from_the_tracer_with_real_source_lines(client: TestClient) 
     )
     assert by_field["num_tokens"]["actor"] == "Sequence.append_token"
     for e in plan + commit:
-        assert EVENT_KEYS <= e.keys() and e["step"] == 1
+        assert EVENT_KEYS <= e.keys() and e["step"] == 3  # the earlier request ran 2
         if e["phase"] in ("plan", "commit"):
             assert re.fullmatch(r"minivllm/engine/\w+\.py:\d+", e["source"]), e
             line = source_line(e["source"])
@@ -248,7 +255,8 @@ def test_finish_returns_the_blocks(client: TestClient) -> None:
     assert s["num_free_blocks"] == 16 and all(b["ref_count"] == 0 for b in s["blocks"])
     assert s["blocks"][0]["hash"] is not None
     assert [x["state"] for x in s["blocks"][0]["slots"]] == ["cached"] * 4
-    assert post(client, "step", status=409)["error"].startswith("nothing left to run")
+    assert post(client, "step", status=409)["code"] == "all_finished"
+    assert post(client, "plan", status=409)["code"] == "all_finished"
 
 
 def test_refusals_never_break_the_state(client: TestClient) -> None:
@@ -256,21 +264,28 @@ def test_refusals_never_break_the_state(client: TestClient) -> None:
     {"error": ...} and leave the state exactly as it was."""
     post(client, "reset", {"scenario": "seq8"})
     before = client.get("/api/lab/state").json()
-    assert "no plan" in post(client, "commit", status=409)["error"]
-    assert "unknown scenario" in post(client, "reset", {"scenario": "nope"}, status=400)["error"]
+    assert post(client, "commit", status=409)["code"] == "no_plan"
+    unknown = post(client, "reset", {"scenario": "nope"}, status=400)
+    assert unknown["code"] == "unknown_scenario" and unknown["params"]["name"] == "nope"
     r = client.post(
         "/api/lab/reset", content=b"{not json", headers={"content-type": "application/json"}
     )
     assert r.status_code == 400 and "error" in r.json()
     assert "error" in post(client, "reset", {"scenario": 3}, status=400)
-    assert "error" in post(client, "add", {"prompt": ""}, status=400)
-    assert "error" in post(client, "add", {"prompt": "hi", "max_tokens": 0}, status=400)
-    assert "tokenizer" in post(client, "add", {"prompt": "hi"}, status=400)["error"]
+    # Empty and whitespace-only get the same answer; each refusal has a code to translate.
+    assert post(client, "add", {"prompt": ""}, status=400)["code"] == "prompt_empty"
+    assert post(client, "add", {"prompt": " \n "}, status=400)["code"] == "prompt_empty"
+    assert post(client, "add", {"prompt": "hi", "max_tokens": 0}, status=400)["code"] == (
+        "max_tokens_range"
+    )
+    assert post(client, "add", {"prompt": "x" * 2001}, status=400)["code"] == "prompt_too_long"
+    assert post(client, "add", {"prompt": 3}, status=400)["code"] == "bad_request"
+    assert post(client, "add", {"prompt": "hi"}, status=400)["code"] == "no_tokenizer"
     assert client.get("/api/lab/state").json() == before
 
     planned = post(client, "plan")
-    assert "already pending" in post(client, "plan", status=409)["error"]
-    assert "pending" in post(client, "step", status=409)["error"]
+    assert post(client, "plan", status=409)["code"] == "plan_pending"
+    assert post(client, "step", status=409)["code"] == "step_pending"
     after = client.get("/api/lab/state").json()
     assert after == {k: v for k, v in planned.items() if k != "frames"}
     assert fields(seq(post(client, "commit"))) == ("RUNNING", 0, 8, 9)
@@ -279,7 +294,7 @@ def test_refusals_never_break_the_state(client: TestClient) -> None:
         client.get("/api/lab/source", params={"location": "../../etc/passwd:1"}).status_code == 404
     )
     assert client.get("/api/lab/source", params={"location": "nonsense"}).status_code == 404
-    assert client.get("/api/lab/nothing").json() == {"error": "Not Found"}
+    assert client.get("/api/lab/nothing").json()["code"] == "not_found"
 
 
 def test_frames_are_snapshots_for_time_travel(client: TestClient) -> None:
@@ -291,6 +306,8 @@ def test_frames_are_snapshots_for_time_travel(client: TestClient) -> None:
     post(client, "step")
     frames = client.get("/api/lab/history").json()["frames"]
     assert [f["frame"]["index"] for f in frames] == list(range(len(frames)))
+    assert [f["frame"]["action"] for f in frames[:7]] == ["setup"] * 7  # the earlier request
+    frames = frames[7:]
     assert [(f["frame"]["action"], f["frame"]["stage"]) for f in frames] == [
         ("setup", "add"),
         ("plan", "plan"),
@@ -334,11 +351,12 @@ def test_page_and_its_hooks_are_served(client: TestClient) -> None:
     """The page, its script and styles come from the package; the data-testid hooks the
     issue lists are in the page or built by the script."""
     html = client.get("/").text
-    modules = ["main", "core", "i18n", "guides", "sequence", "pool", "log"]
+    modules = ["main", "core", "i18n", "words_en", "words_zh", "guides", "sequence", "pool",
+               "log", "timeline"]
     scripts = {m: client.get(f"/static/{m}.js") for m in modules}
     assert all(r.status_code == 200 for r in scripts.values())
     js = "".join(r.text for r in scripts.values())
-    assert client.get("/static/lab.css").status_code == 200
+    assert all(client.get(f"/static/{c}.css").status_code == 200 for c in ["lab", "state"])
     assert '<script type="module" src="/static/main.js">' in html
     # The tabs come from the server's list, not from a copy in the page.
     assert client.get("/api/lab/scenarios").json() == {"scenarios": list(SCENARIOS)}
@@ -346,7 +364,7 @@ def test_page_and_its_hooks_are_served(client: TestClient) -> None:
     for hook in [
         "btn-plan",
         "btn-commit",
-        "btn-decode",
+        "btn-step",
         "btn-back",
         "btn-forward",
         "block-table",
@@ -384,5 +402,40 @@ def test_seq8_on_the_default_model() -> None:
     s = post(client, "step")
     assert seq(s, mine["seq_id"])["num_cached_tokens"] == mine["num_prompt_tokens"]
 
+    # A refused request uses no sequence id; a Chinese prompt's split characters show as bytes
+    # on the first piece and whole on the last, never as U+FFFD.
+    refused = post(client, "add", {"prompt": "word " * 40, "max_tokens": 64}, status=400)
+    assert refused["code"] == "refused" and "KV blocks" in refused["params"]["detail"]
+    zh = post(client, "add", {"prompt": "你好，世界", "max_tokens": 1})["sequences"][-1]
+    assert zh["seq_id"] == mine["seq_id"] + 1
+    assert zh["text"] == "你好，世界" and "\ufffd" not in "".join(zh["pieces"])
+    assert zh["pieces"][:2] == ["<0xE4><0xBD>", "你"]
+
     s0 = post(client, "reset", {"scenario": "prefix"})
     assert fields(seq(post(client, "plan"))) == ("RUNNING", 3, 12, 15)
+
+
+def test_snapshot_of_any_engine_without_a_tracer() -> None:
+    """snapshot.py photographs a plain LLMEngine (a server's, with the null tracer): the
+    queues, the sequences and the KV pool, no events; it changes nothing."""
+    from minivllm.lab.snapshot import Snapshotter
+    from minivllm.sampling_params import SamplingParams
+
+    config = EngineConfig(block_size=4, num_kv_blocks=8, max_num_batched_tokens=64,
+                          max_model_len=64)
+    engine = LLMEngine(config, FakeModelRunner(8, 4), None)
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    engine.add_request(list(range(5, 11)), params)
+    engine.step()
+    engine.add_request(list(range(20, 23)), params)
+    snap = Snapshotter(engine)
+    state = snap.state()
+    assert state["events"] == [] and state["waiting"] == [1] and state["running"] == [0]
+    assert [s["seq_id"] for s in state["sequences"]] == [1, 0]  # waiting, then running
+    running = state["sequences"][1]
+    assert (running["num_cached_tokens"], running["num_tokens"]) == (6, 7)
+    assert running["text"] is None and running["pieces"] is None
+    held = [s for b in state["blocks"] for s in b["slots"] if s["owners"]]
+    assert [s["state"] for s in held] == ["committed"] * 6 + ["reserved"] * 2
+    assert state["code"]["Scheduler.postprocess"].startswith("minivllm/engine/scheduler.py:")
+    assert snap.state() == state

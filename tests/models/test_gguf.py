@@ -16,7 +16,7 @@ import torch
 from gguf import GGMLQuantizationType as QT
 
 from minivllm.models import gguf as mgguf
-from minivllm.models import paths
+from minivllm.models import gguf_arch, paths
 
 # ---------------------------------------------------------------------------------------------
 # Scalar reference decoders, transcribed from ggml-quants.c (dequantize_row_*), one block at a
@@ -245,15 +245,15 @@ _CONFIG_KEYS = (
     "eos_token_id",
 )
 
-_HF_TO_GGUF_LAYER = {v: k for k, v in mgguf._LAYER_TENSOR_NAMES.items()}
-_HF_TO_GGUF_GLOBAL = {v: k for k, v in mgguf._GLOBAL_TENSOR_NAMES.items()}
+_HF_TO_GGUF_GLOBAL = {v: k for k, v in gguf_arch.GLOBAL_TENSOR_NAMES.items()}
 
 
-def _gguf_name(hf_name: str) -> str:
+def _gguf_name(hf_name: str, arch: str = "llama") -> str:
     stem, suffix = hf_name.rsplit(".", 1)
     if stem.startswith("model.layers."):
         _, _, layer, rest = stem.split(".", 3)
-        return f"blk.{layer}.{_HF_TO_GGUF_LAYER[rest]}.{suffix}"
+        to_gguf = {v: k for k, v in gguf_arch.layer_tensor_names(arch).items()}
+        return f"blk.{layer}.{to_gguf[rest]}.{suffix}"
     return f"{_HF_TO_GGUF_GLOBAL[stem]}.{suffix}"
 
 

@@ -1,7 +1,9 @@
-"""Our Llama and Qwen3 over a paged KV cache against HF transformers on tiny random checkpoints.
+"""Every model family over a paged KV cache against HF transformers on tiny random checkpoints.
 
 Guards: wrong checkpoint-name mapping or fused-shard order, tied/untied heads, q/k norms,
-rope scaling, and the cache carried across steps (chunked prefill, decode, mixed batches).
+rope scaling, and the cache carried across steps (chunked prefill, decode, mixed batches);
+for the newer families q/k/v biases (Qwen2), sliding windows (Mistral, Qwen2, Phi-3, Gemma),
+Gemma's norms, scaled embeddings, soft-caps and local/global rotary, Phi-3's fused checkpoint.
 """
 
 import json
@@ -12,9 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from support.model_fixtures import allocate_kv_caches, make_attention_metadata
+from support.model_fixtures import FAMILIES, allocate_kv_caches, make_attention_metadata
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 
+from minivllm.models.llama import head_dim_of
 from minivllm.models.loader import load_model
 from minivllm.models.registry import get_model_class
 
@@ -24,7 +27,7 @@ PROMPT = "The quick brown fox jumps over the lazy dog. Paged attention stores ke
 OTHER_PROMPT = "Hello, world! How are"
 ATOL = 1e-4
 
-CHECKPOINTS = ["tiny_llama_dir", "tiny_llama3_rope_dir", "tiny_qwen3_dir"]
+CHECKPOINTS = ["tiny_llama_dir", "tiny_llama3_rope_dir", "tiny_qwen3_dir", *FAMILIES]
 
 
 class PagedModel:
@@ -37,7 +40,7 @@ class PagedModel:
             NUM_BLOCKS,
             BLOCK_SIZE,
             self.config.num_key_value_heads,
-            self.config.head_dim,
+            head_dim_of(self.config),
         )
         # Blocks handed out in a scrambled order, so contiguity is never assumed.
         self.free_blocks = [(7 * i + 3) % NUM_BLOCKS for i in range(NUM_BLOCKS)]
@@ -74,6 +77,8 @@ class PagedModel:
 
 @pytest.fixture(params=CHECKPOINTS)
 def model_dir(request: pytest.FixtureRequest) -> Path:
+    if request.param in FAMILIES:
+        return request.getfixturevalue("tiny_family_dirs")[request.param]
     return request.getfixturevalue(request.param)
 
 

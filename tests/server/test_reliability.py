@@ -435,14 +435,21 @@ BAD_INPUT = [
         "http-top-logprobs-without-logprobs",
         Http(_CHAT, {**_OK_CHAT, "top_logprobs": 2}, 400, "needs logprobs"),
     ),
-    # Unknown fields are ignored, at the top level and inside messages (OpenAI clients send
-    # fields this server does not use): never an error.
-    ("http-unknown-fields-ignored", Http(_C, {**_OK, "frobnicate": True, "logit_bias": {}}, 200)),
+    # A top-level field this server does not implement is a 400 naming it (an answer that
+    # ignored it would not be the one asked for); informational fields (user, metadata,
+    # store) are accepted, and so are unknown keys inside messages (clients echo back the
+    # assistant messages they received).
+    ("http-unknown-field-refused", Http(_C, {**_OK, "frobnicate": True}, 400, "frobnicate",
+                                        "frobnicate")),
+    ("http-audio-refused", Http(_CHAT, {**_OK_CHAT, "modalities": ["audio"]}, 400, "modalities",
+                                "modalities")),
+    ("http-informational-accepted",
+     Http(_C, {**_OK, "user": "u", "metadata": {"a": "b"}, "store": True, "logit_bias": {}}, 200)),
     (
-        "http-unknown-fields-chat-ignored",
+        "http-unknown-message-keys-ignored",
         Http(
             _CHAT,
-            {**_OK_CHAT, "tools": [], "messages": [{"role": "user", "content": "Hi", "x": 1}]},
+            {**_OK_CHAT, "messages": [{"role": "user", "content": "Hi", "x": 1}]},
             200,
         ),
     ),
@@ -473,8 +480,8 @@ def _post(live: Live, case: Http) -> httpx.Response:
 @pytest.mark.parametrize("case", [c[1] for c in BAD_INPUT], ids=[c[0] for c in BAD_INPUT])
 def test_bad_input_matrix(case: Py | Http, request: pytest.FixtureRequest) -> None:
     """Each bad input gets a clear error (Python: the exception type and a message naming
-    what to change; HTTP: the status and OpenAI's error JSON), unknown HTTP fields are
-    ignored, and afterwards the engine serves a normal request with nothing leaked."""
+    what to change; HTTP: the status and OpenAI's error JSON), and afterwards the engine
+    serves a normal request with nothing leaked."""
     if isinstance(case, Py):
         llm: LLM = request.getfixturevalue("llm")
         if case.raises is None:

@@ -3,14 +3,17 @@
 A pytest plugin module: list it in `pytest_plugins` to get the session fixtures
 `tiny_llama_dir` (tied embeddings), `tiny_llama_long_dir` (the same, with an 8192-token
 context), `tiny_llama3_rope_dir` (llama3 rope scaling, untied) and
-`tiny_qwen3_dir` (untied, q/k norms). Each is an HF-style directory with config.json,
-model.safetensors (fp32) and a small byte-level BPE tokenizer with a chat template. Nothing
-is downloaded; everything is built from a fixed seed in well under a second per model.
+`tiny_qwen3_dir` (untied, q/k norms) and `tiny_family_dirs` (Qwen2, Mistral, Gemma 2,
+Gemma 3, Phi-3, with sliding windows and soft-caps that bite). Each is an HF-style directory
+with config.json, model.safetensors (fp32) and a small byte-level BPE tokenizer with a chat
+template. Nothing is downloaded; everything is built from a fixed seed in well under a second
+per model.
 """
 
 import json
 import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -204,3 +207,70 @@ def allocate_kv_caches(
         (torch.full(shape, float("nan"), dtype=dtype), torch.full(shape, float("nan"), dtype=dtype))
         for _ in range(num_layers)
     ]
+
+
+# ------------------------------------------------------------------ more families
+# Each tiny checkpoint exercises its family's features at sizes where they bite: a sliding
+# window of 8 tokens (the test prompts run to 50), soft-caps small enough to change the
+# scores, Gemma's query_pre_attn_scalar different from head_dim.
+
+TINY_WINDOW = 8
+
+
+def family_configs(tokenizer: PreTrainedTokenizerFast) -> dict[str, tuple[Any, type, int]]:
+    """name -> (HF config, HF model class, seed) of the tiny checkpoint of each family."""
+    from transformers import (
+        Gemma2Config,
+        Gemma2ForCausalLM,
+        Gemma3ForCausalLM,
+        Gemma3TextConfig,
+        MistralConfig,
+        MistralForCausalLM,
+        Phi3Config,
+        Phi3ForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+    )
+
+    base = tiny_config_kwargs(tokenizer)
+    gemma = dict(
+        base, query_pre_attn_scalar=24, sliding_window=TINY_WINDOW, tie_word_embeddings=True,
+        hidden_activation="gelu_pytorch_tanh",
+    )
+    return {
+        "qwen2": (Qwen2Config(
+            **base, use_sliding_window=True, sliding_window=TINY_WINDOW, max_window_layers=1,
+            tie_word_embeddings=True,
+        ), Qwen2ForCausalLM, 10),
+        "mistral": (MistralConfig(
+            **base, sliding_window=TINY_WINDOW, tie_word_embeddings=False,
+        ), MistralForCausalLM, 11),
+        "gemma2": (Gemma2Config(
+            **gemma, attn_logit_softcapping=2.0, final_logit_softcapping=6.0,
+        ), Gemma2ForCausalLM, 12),
+        "gemma3": (Gemma3TextConfig(
+            **gemma, layer_types=["sliding_attention", "full_attention"],
+            rope_parameters={
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "linear", "rope_theta": 1000000.0, "factor": 8.0},
+            },
+        ), Gemma3ForCausalLM, 13),
+        "phi3": (Phi3Config(
+            **base, sliding_window=TINY_WINDOW, tie_word_embeddings=False,
+        ), Phi3ForCausalLM, 14),
+    }
+
+
+FAMILIES = ["qwen2", "mistral", "gemma2", "gemma3", "phi3"]
+
+
+@pytest.fixture(scope="session")
+def tiny_family_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """name -> directory of a tiny checkpoint of each family of FAMILIES, built on first use."""
+    tokenizer = build_tokenizer()
+    dirs = {}
+    for name, (config, model_cls, seed) in family_configs(tokenizer).items():
+        config.architectures = [model_cls.__name__]
+        out = tmp_path_factory.mktemp(f"tiny_{name}")
+        dirs[name] = save_tiny_checkpoint(out, model_cls, config, seed)
+    return dirs

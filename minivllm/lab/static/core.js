@@ -4,10 +4,11 @@
 import { I18N } from "./i18n.js";
 
 export const FIELDS = ["num_tokens", "num_prompt_tokens", "num_cached_tokens", "num_scheduled_tokens"];
-export const SEQ_FIELDS = ["status", ...FIELDS, "block_table"];
 export const SLOT_STATES = ["committed", "written", "planned", "reserved", "cached", "free"];
 export const TOKEN_STATES = ["committed", "written", "planned", "uncached"];
-export const MATCH_KEYS = { plan: "num_scheduled_tokens", commit: "num_cached_tokens", step: "num_tokens" };
+// The phase in which each field grows (seq8's explain check compares with the trace).
+export const GROW_FIELDS = ["num_scheduled_tokens", "num_cached_tokens", "num_tokens"];
+export const PHASES = ["plan", "execute", "commit"];
 
 export const S = {
   lang: initialLang(),
@@ -15,10 +16,7 @@ export const S = {
   cursor: 0,
   selected: null, // seq_id shown in the sequence card; null = the scenario's focus
   scenarios: [], // names, from /api/lab/scenarios
-  predictions: {}, // scenario -> chosen key
-  matches: {}, // action -> chosen field (seq8's explain step)
-  matchChecked: false,
-  relation: null,
+  answers: {}, // this experiment's prediction, explain check and sentence (see saveAnswers)
   busy: false,
   playing: false,
   codeLoc: null, // the event source shown in the code pane; null = the latest change's
@@ -126,14 +124,6 @@ export function lastSetupIndex() {
   return idx;
 }
 
-/** The Sequence fields of `seqId` that changed during frames from..to (events of the engine). */
-export function changedFields(from, to, seqId) {
-  const start = from > 0 ? S.frames[from - 1].events.length : 0;
-  const events = S.frames[to].events.slice(start).filter((e) => e.seq_id === seqId);
-  return [...new Set(events.map((e) => e.field).filter((f) => SEQ_FIELDS.includes(f)))];
-}
-
-
 // ---- the API ----------------------------------------------------------------------------
 
 export async function api(method, path, body) {
@@ -145,8 +135,32 @@ export async function api(method, path, body) {
   const res = await fetch(path, init);
   let data;
   try { data = await res.json(); } catch { data = { error: res.statusText }; }
-  if (!res.ok) throw new Error(data.error || res.statusText);
+  if (!res.ok) {
+    const err = new Error(data.error || res.statusText);
+    err.code = data.code;
+    err.params = data.params || {};
+    throw err;
+  }
   return data;
+}
+
+/** An API error in the page's language: its code's words, else the server's message. */
+export function errorText(err) {
+  const key = `err_${err.code}`;
+  return err.code && t(key) !== key ? t(key, err.params) : err.message;
+}
+
+// ---- the learner's answers: kept per experiment, across reloads ---------------------------
+
+const answersKey = () => `minivllm-lab-answers-${last().experiment}`;
+
+export function loadAnswers() {
+  try { S.answers = JSON.parse(localStorage.getItem(answersKey()) || "{}") || {}; }
+  catch { S.answers = {}; }
+}
+
+export function saveAnswers() {
+  try { localStorage.setItem(answersKey(), JSON.stringify(S.answers)); } catch { /* private mode */ }
 }
 
 export function phaseName(stage) {
@@ -177,3 +191,32 @@ export function piecesOf(frame) {
 let renderAll = () => {};
 export function setRenderer(fn) { renderAll = fn; }
 export function render() { renderAll(); }
+
+/** A field or function name that may wrap after its underscores and dots, never inside a
+ *  word. */
+export function breakable(name) {
+  const parts = name.split(/(?<=[_.])/);
+  return parts.flatMap((p, i) => (i < parts.length - 1 ? [p, h("wbr")] : [p]));
+}
+
+/** What a step's plan scheduled: "decode", "prefill", "chunk" (a prefill not yet whole), or
+ *  a mix of them, read from the plan frame's sequences. */
+export function planKinds(planFrame) {
+  const kinds = new Set();
+  for (const s of planFrame.sequences) {
+    if (!s.num_scheduled_tokens) continue;
+    const upTo = s.num_cached_tokens + s.num_scheduled_tokens;
+    if (s.num_scheduled_tokens === 1 && upTo === s.num_tokens && s.num_tokens > s.num_prompt_tokens) kinds.add("decode");
+    else kinds.add(upTo < s.num_tokens ? "chunk" : "prefill");
+  }
+  return [...kinds];
+}
+
+/** Scroll `container` (not the window) just enough to show `el`. */
+export function scrollWithin(container, el) {
+  if (!el) return;
+  const box = container.getBoundingClientRect();
+  const r = el.getBoundingClientRect();
+  if (r.bottom > box.bottom) container.scrollTop += r.bottom - box.bottom;
+  else if (r.top < box.top) container.scrollTop -= box.top - r.top;
+}

@@ -2,8 +2,8 @@
 // source of the function that made a change.
 
 import {
-  S, $, api, describe, fill, h, lastSetupIndex, newEvents, phaseName, piecesOf, render,
-  selectedId, shortFile, t, view,
+  S, $, api, describe, errorText, fill, h, lastSetupIndex, newEvents, phaseName, piecesOf, render,
+  scrollWithin, selectedId, shortFile, t, view,
 } from "./core.js";
 
 export function renderNarration() {
@@ -19,10 +19,55 @@ export function renderNarration() {
   if (f.frame.action === "setup" && S.cursor !== lastSetupIndex()) head = t("narr_setup", { what: t(`narr_${stage}`) });
   const items = events.map((e) => h("span", { class: `chg ${e.phase}` },
     h("b", { text: `seq ${e.seq_id}` }), ` ${e.field} `, h("span", { class: "mono", text: describe(e, pieces) })));
+  const story = narrate(stage, events, f).map((line) => h("div", { class: "narr-line", text: line }));
   fill(node, h("span", { class: `badge ${stage}`, text: phaseName(stage) }),
-    h("span", { class: "narr-text", text: head }), h("div", { class: "narr-items" }, items));
+    h("span", { class: "narr-text", text: head }), h("div", { class: "narr-story", "data-testid": "narr-story" }, story),
+    h("div", { class: "narr-items" }, items));
 }
 
+/** One sentence per sequence, built from what the engine actually changed in this frame. */
+function narrate(stage, events, f) {
+  const bySeq = new Map();
+  for (const e of events) {
+    if (!bySeq.has(e.seq_id)) bySeq.set(e.seq_id, {});
+    bySeq.get(e.seq_id)[e.field] = e;
+  }
+  const lines = [];
+  for (const [id, ch] of bySeq) {
+    const seq = f.sequences.find((s) => s.seq_id === id);
+    const parts = clauses(stage, ch, seq);
+    if (parts.length) lines.push(t("n_seq", { id, what: parts.join(t("n_sep")) }));
+  }
+  return lines;
+}
+
+function clauses(stage, ch, seq) {
+  const out = [];
+  const moved = (field) => ch[field] && { a: ch[field].before, b: ch[field].after };
+  const status = moved("status");
+  if (status && status.b === "RUNNING") out.push(t("n_admitted"));
+  if (status && status.a === "RUNNING" && status.b === "WAITING") out.push(t("n_preempted"));
+  const cached = moved("num_cached_tokens");
+  if (stage === "plan" && cached && cached.b > cached.a) out.push(t("n_prefix_hit", cached));
+  const sched = moved("num_scheduled_tokens");
+  if (stage === "plan" && sched && sched.b > 0) out.push(t("n_scheduled", { n: sched.b }));
+  if (stage === "plan" && ch.block_table && ch.block_table.after.length > ch.block_table.before.length) {
+    out.push(t("n_blocks", { bt: ch.block_table.after.join(", ") }));
+  }
+  if (stage === "execute" && ch.kv_written) {
+    out.push(t("n_kv", { a: ch.kv_written.before, b: ch.kv_written.after - 1 }));
+    out.push(ch.sampled_token ? t("n_sampled", { tok: ch.sampled_token.after }) : t("n_no_sample"));
+  }
+  if (stage === "commit") {
+    if (cached && cached.b !== cached.a) out.push(t("n_cached", cached));
+    const tokens = moved("num_tokens");
+    if (tokens) out.push(t("n_appended", tokens));
+    else if (cached) out.push(t("n_no_append"));
+    if (status && status.b === "FINISHED") out.push(t("n_finished", { reason: seq ? seq.finish_reason : "" }));
+  }
+  if (stage === "add" && !Object.keys(ch).length) out.push(t("n_added"));
+  return out;
+}
 
 export function renderLog(f) {
   const log = $("event-log");
@@ -60,8 +105,8 @@ export function renderLog(f) {
       h("span", { class: "ev-change mono", text: describe(e, pieces) }),
       h("span", { class: "ev-where" }, h("span", { class: "ev-actor", text: e.actor }),
         h("span", { class: "ev-src mono", title: e.source, text: e.source.split("/").pop() })))))))));
-  const lastFresh = log.querySelector(".ev.fresh:last-of-type") || log.lastElementChild;
-  if (lastFresh) lastFresh.scrollIntoView({ block: "nearest" });
+  const marked = log.querySelectorAll(".ev.fresh");
+  scrollWithin(log, marked.length ? marked[marked.length - 1] : log.lastElementChild);
 }
 
 function defaultLoc(f) {
@@ -82,7 +127,7 @@ export async function renderCode() {
   if (!(loc in S.sources)) {
     S.sources[loc] = null;
     try { S.sources[loc] = await api("GET", `/api/lab/source?location=${encodeURIComponent(loc)}`); }
-    catch (err) { S.sources[loc] = { error: err.message }; }
+    catch (err) { S.sources[loc] = { error: errorText(err) }; }
     if ((S.codeLoc || defaultLoc(view())) !== loc) return;
   }
   const src = S.sources[loc];

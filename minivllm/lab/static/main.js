@@ -2,8 +2,8 @@
 // sends the learner's clicks to the JSON API. This module wires the others together.
 
 import {
-  S, $, api, fill, focusOf, h, isLive, last, newEvents, phaseName, prevOf, selectedId, seqIn,
-  setRenderer, sleep, t, toast, view,
+  S, $, api, errorText, fill, h, isLive, last, loadAnswers, newEvents, prevOf, selectedId,
+  seqIn, setRenderer, sleep, t, toast, view,
 } from "./core.js";
 import { renderGuide } from "./guides.js";
 import { renderCode, renderLog, renderNarration } from "./log.js";
@@ -11,22 +11,36 @@ import { renderPool, renderSched } from "./pool.js";
 import {
   renderBlockTable, renderDiagram, renderFields, renderSeqTabs, renderSlotCalc, renderTokens,
 } from "./sequence.js";
+import { renderTimebar } from "./timeline.js";
 
-function absorb(data, replace) {
+// ---- talking to the lab: one request at a time, in click order ---------------------------
+
+let queue = Promise.resolve();
+
+function post(path, body) {
+  const answer = queue.then(() => api("POST", path, body));
+  queue = answer.catch(() => {});
+  return answer;
+}
+
+function absorb(data, replace, follow = true) {
   const frames = data.frames || [data];
   S.frames = replace ? frames : S.frames.concat(frames);
-  S.cursor = S.frames.length - 1;
+  if (replace) loadAnswers();
+  if (follow) S.cursor = S.frames.length - 1;
   S.codeLoc = null;
 }
 
 async function act(path, body, replace = false) {
-  if (S.busy || S.playing) return;
+  if (S.busy) return false;
   S.busy = true;
   renderButtons();
   try {
-    absorb(await api("POST", path, body), replace);
+    absorb(await post(path, body), replace);
+    return true;
   } catch (err) {
-    toast(err.message);
+    toast(errorText(err));
+    return false;
   } finally {
     S.busy = false;
     render();
@@ -34,51 +48,50 @@ async function act(path, body, replace = false) {
 }
 
 function resetScenario(name) {
-  S.predictions[name] = undefined;
-  S.matches = {};
-  S.matchChecked = false;
-  S.relation = null;
+  S.playing = false; // a tab clicked during Play stops it, then switches
   S.selected = null;
   S.pickPos = null;
   S.pickSlot = null;
   return act("/api/lab/reset", { scenario: name }, true);
 }
 
-// ---- play: the seed's animation ---------------------------------------------------------
+// ---- play: the current scenario, forward in time ----------------------------------------
 
+const unfinished = (f) => f.sequences.some((s) => s.status !== "FINISHED");
+
+/** Replays the recorded frames from the cursor, then keeps stepping the engine (Plan, then
+ *  Commit) until every sequence is FINISHED. Stop leaves the view on the frame shown. */
 async function play() {
   if (S.playing) { S.playing = false; render(); return; }
   if (S.busy) return;
   S.playing = true;
+  if (isLive() && !unfinished(last())) S.cursor = 0; // all done: replay from the start
   render();
   try {
-    const end = last();
-    const done = end.scenario === "seq8" && focusOf(end) && focusOf(end).status === "FINISHED";
-    if (!done) {
-      // One Sequence through WAITING -> RUNNING -> FINISHED: plan, execute, commit, repeated.
-      absorb(await api("POST", "/api/lab/reset", { scenario: "seq8" }), true);
-      for (let i = 0; i < 32 && focusOf(last()).status !== "FINISHED"; i++) {
-        absorb(await api("POST", "/api/lab/plan"), false);
-        absorb(await api("POST", "/api/lab/commit"), false);
+    while (S.playing) {
+      if (!isLive()) {
+        S.cursor += 1;
+        S.codeLoc = null;
+        render();
+        await sleep(900);
+        continue;
       }
-    }
-    for (let i = 0; i < S.frames.length && S.playing; i++) {
-      S.cursor = i;
-      S.codeLoc = null;
+      if (!unfinished(last())) break;
+      const data = await post(last().pending_plan ? "/api/lab/commit" : "/api/lab/plan");
+      absorb(data, false, false); // shown one by one by the replay above
+      if (S.playing) S.cursor += 1;
       render();
-      await sleep(i === 0 ? 600 : 1100);
+      await sleep(900);
     }
   } catch (err) {
-    toast(err.message);
+    toast(errorText(err));
   } finally {
     S.playing = false;
-    S.cursor = S.frames.length - 1;
     render();
   }
 }
 
-
-// ---- the state views -----------------------------------------------------------------------
+// ---- the page ------------------------------------------------------------------------------
 
 function applyI18n() {
   document.documentElement.lang = S.lang === "zh" ? "zh-CN" : "en";
@@ -98,13 +111,29 @@ function renderScenarios() {
                             { runner: `${f.model.runner}, block_size ${f.block_size}` });
 }
 
+/** Why an engine action cannot run now, or null when it can. */
+function whyNot(action) {
+  const live = last();
+  if (S.playing) return t("why_playing");
+  if (S.busy) return t("why_busy");
+  if (!isLive()) return t("why_past");
+  if (action === "commit") return live.pending_plan ? null : t("why_no_plan");
+  if (live.pending_plan) return t("why_pending");
+  return unfinished(live) ? null : t("why_finished");
+}
+
 function renderButtons() {
   const live = last();
-  const locked = S.busy || S.playing;
   const focus = seqIn(live, selectedId(live));
-  $("btn-plan").disabled = locked || live.pending_plan;
-  $("btn-commit").disabled = locked || !live.pending_plan;
-  $("btn-decode").disabled = locked || live.pending_plan;
+  const reasons = [];
+  for (const action of ["plan", "commit", "step"]) {
+    const why = whyNot(action);
+    const button = $(`btn-${action}`);
+    button.disabled = why !== null;
+    button.parentElement.title = why || "";
+    if (why && action !== "commit" && !reasons.includes(why)) reasons.push(why);
+  }
+  $("run-why").textContent = reasons.join(" ");
   const prefill = focus && focus.status !== "FINISHED" && focus.num_cached_tokens < focus.num_prompt_tokens;
   $("btn-plan").querySelector(".act-name").textContent = t(prefill ? "btn_plan" : "btn_plan_again");
   $("btn-back").disabled = S.cursor === 0 || S.playing;
@@ -113,28 +142,6 @@ function renderButtons() {
   $("btn-play").classList.toggle("on", S.playing);
   document.body.classList.toggle("busy", S.busy);
 }
-
-function renderTimebar() {
-  const range = $("timeline");
-  range.max = String(S.frames.length - 1);
-  range.value = String(S.cursor);
-  const f = view();
-  const stage = f.frame.stage;
-  fill($("frame-label"),
-    h("span", { text: t("frame", { i: S.cursor + 1, n: S.frames.length }) }),
-    h("span", { class: "frame-act", text: t(`act_${f.frame.action}`) }),
-    h("span", { class: `pill ${stage}`, text: phaseName(stage) }),
-    h("span", { class: `pill ${isLive() ? "live" : "past"}`, text: isLive() ? t("live") : t("past") }),
-  );
-  const dots = document.querySelector(".dots") || h("div", { class: "dots" });
-  fill(dots, ...S.frames.map((fr, i) => h("button", {
-    type: "button", class: `dot ${fr.frame.stage} ${i === S.cursor ? "at" : ""} ${fr.frame.action === "setup" ? "setup" : ""}`,
-    title: `${i + 1}: ${fr.frame.action} · ${fr.frame.stage}`,
-    onclick: () => { S.cursor = i; S.codeLoc = null; render(); },
-  })));
-  if (!dots.parentNode) $("timeline").after(dots);
-}
-
 
 function render() {
   if (!S.frames.length) return;
@@ -166,6 +173,7 @@ function render() {
 // ---- wiring -------------------------------------------------------------------------------
 
 function goto(i) {
+  if (S.playing) return;
   S.cursor = Math.max(0, Math.min(S.frames.length - 1, i));
   S.codeLoc = null;
   render();
@@ -173,7 +181,7 @@ function goto(i) {
 
 $("btn-plan").addEventListener("click", () => act("/api/lab/plan"));
 $("btn-commit").addEventListener("click", () => act("/api/lab/commit"));
-$("btn-decode").addEventListener("click", () => act("/api/lab/step"));
+$("btn-step").addEventListener("click", () => act("/api/lab/step"));
 $("btn-back").addEventListener("click", () => goto(S.cursor - 1));
 $("btn-forward").addEventListener("click", () => goto(S.cursor + 1));
 $("btn-play").addEventListener("click", play);
@@ -185,10 +193,8 @@ $("lang-toggle").addEventListener("click", () => {
 });
 $("add-form").addEventListener("submit", async (e) => {
   e.preventDefault();
-  const prompt = $("add-prompt").value;
-  const before = S.frames.length;
-  await act("/api/lab/add", { prompt, max_tokens: Number($("add-max").value) || 6 });
-  if (S.frames.length > before) {
+  const added = await act("/api/lab/add", { prompt: $("add-prompt").value, max_tokens: Number($("add-max").value) || 6 });
+  if (added) {
     const f = last();
     S.selected = f.sequences[f.sequences.length - 1].seq_id;
     $("add-prompt").value = "";
@@ -208,11 +214,10 @@ setRenderer(render);
     const [{ frames }, { scenarios }] = await Promise.all([
       api("GET", "/api/lab/history"), api("GET", "/api/lab/scenarios")]);
     S.scenarios = scenarios;
-    S.frames = frames;
-    S.cursor = frames.length - 1;
+    absorb({ frames }, true);
     render();
     document.body.dataset.ready = "1";
   } catch (err) {
-    toast(err.message);
+    toast(errorText(err));
   }
 })();

@@ -40,7 +40,7 @@ export function renderPool(f) {
   h("div", { class: "kv-head" }, h("b", { text: `#${b.block_id}` }),
     h("span", { class: `ref ${b.ref_count > 1 ? "many" : b.ref_count === 0 ? "zero" : ""}`, text: `${t("ref")} ${b.ref_count}` })),
   h("div", { class: "kv-slots" }, b.slots.map((s) => {
-    const piece = s.token_id === null ? "" : showPiece(pieces.get(s.token_id)) ?? s.token_id;
+    const piece = s.token_id === null ? "" : showPiece(pieceOf(f, s, pieces)) ?? s.token_id;
     return h("button", {
       type: "button", class: `kvslot ${s.state} ${S.pickSlot === s.slot ? "picked" : ""}`,
       "data-testid": `kv-slot-${s.slot}`, title: `slot ${s.slot}`,
@@ -60,14 +60,25 @@ export function renderPool(f) {
   const where = t("slot_is", { slot: picked.slot, block: Math.floor(picked.slot / bs), offset: picked.offset });
   let what;
   if (picked.owners.length) {
+    const piece = showPiece(pieceOf(f, picked, pieces));
     what = picked.owners.map((o) => t("slot_holds", {
-      seq: o.seq_id, pos: o.pos, token: o.token_id === null ? "—" : `${o.token_id}${pieces.get(o.token_id) ? ` "${showPiece(pieces.get(o.token_id))}"` : ""}`,
-    })).join("; ") + ` — ${t(`state_${picked.state}`)}`;
+      seq: o.seq_id, pos: o.pos,
+      token: o.token_id === null ? "—" : `${o.token_id}${piece ? " " + t("quoted", { x: piece }) : ""}`,
+    })).join(t("list_sep")) + ` — ${t(`state_${picked.state}`)}`;
   } else if (picked.state === "cached") {
     what = t("slot_cached", { token: picked.token_id });
   } else {
     what = t("slot_free");
   }
-  info.textContent = `${where}: ${what}`;
+  info.textContent = t("slot_info", { where, what });
+}
+
+/** The text of a slot's token as its sequence shows it (a split character's bytes depend on
+ *  the tokens around it, so the owner's own pieces come first). */
+function pieceOf(f, slot, pieces) {
+  const owner = slot.owners[0];
+  const seq = owner && f.sequences.find((s) => s.seq_id === owner.seq_id);
+  if (seq && seq.pieces && owner.pos < seq.pieces.length) return seq.pieces[owner.pos];
+  return pieces.get(slot.token_id);
 }
 

@@ -2,8 +2,31 @@
 // calculator.
 
 import {
-  FIELDS, S, TOKEN_STATES, $, fill, h, render, selectedId, showPiece, t,
+  FIELDS, S, TOKEN_STATES, $, breakable, fill, h, last, render, scrollWithin, selectedId,
+  showPiece, t,
 } from "./core.js";
+
+// The function whose code explains each field when it has not changed: where it is written.
+const OWNER_CODE = {
+  status: "Scheduler.schedule",
+  num_tokens: "Sequence.__init__",
+  num_prompt_tokens: "Sequence.__init__",
+  num_cached_tokens: "Scheduler.postprocess",
+  num_scheduled_tokens: "Scheduler.schedule",
+};
+
+/** `text` with the code name inside it made breakable at its dots and underscores. */
+function withName(text, name) {
+  const at = text.indexOf(name);
+  if (at < 0) return [text];
+  return [text.slice(0, at), ...breakable(name), text.slice(at + name.length)];
+}
+
+function showCode(loc) {
+  if (!loc) return;
+  S.codeLoc = loc;
+  render();
+}
 
 export function renderSeqTabs(f) {
   const sel = selectedId(f);
@@ -20,7 +43,7 @@ export function renderDiagram(seq, prevSeq) {
   const took = prevSeq && prevSeq.status !== seq.status ? `${prevSeq.status}>${seq.status}` : "";
   const svgNS = "http://www.w3.org/2000/svg";
   const svg = document.createElementNS(svgNS, "svg");
-  svg.setAttribute("viewBox", `0 0 ${W} 104`);
+  svg.setAttribute("viewBox", `0 0 ${W} 108`);
   svg.setAttribute("class", "state-svg");
   const add = (tag, attrs, text) => {
     const n = document.createElementNS(svgNS, tag);
@@ -55,7 +78,7 @@ export function renderDiagram(seq, prevSeq) {
   box.append(svg);
   const extra = [];
   if (seq.finish_reason) extra.push(t("finish_reason", { r: seq.finish_reason }));
-  if (seq.num_preemptions) extra.push(`preemptions: ${seq.num_preemptions}`);
+  if (seq.num_preemptions) extra.push(t("preemptions", { n: seq.num_preemptions }));
   extra.push(`max_tokens: ${seq.max_tokens}`);
   box.append(h("div", { class: "diagram-note", text: extra.join(" · ") }));
   fill($("diagram"), box);
@@ -67,21 +90,31 @@ function fieldPhase(events, seqId, field) {
 }
 
 export function renderFields(seq, prevSeq, events) {
+  const code = last().code;
   const tiles = ["status", ...FIELDS].map((field) => {
     const value = seq[field];
     const before = prevSeq ? prevSeq[field] : undefined;
     const changed = prevSeq && before !== value;
     const ev = fieldPhase(events, seq.seq_id, field);
     const phase = ev ? ev.phase : changed ? "commit" : "";
+    const owner = changed && ev
+      ? h("button", { type: "button", class: "f-owner link", onclick: () => showCode(ev.source) },
+        ...withName(t("changed_by", { actor: ev.actor }), ev.actor))
+      : h("button", { type: "button", class: "f-owner link", "data-testid": `owner-${field}`,
+                      onclick: () => showCode(code[OWNER_CODE[field]]) },
+      ...withName(t(`owner_${field}`), OWNER_CODE[field]));
     return h("div", { class: `field ${field === "status" ? "status-tile " + value : ""} ${changed ? "changed " + phase : ""}` },
-      h("div", { class: "f-name", text: field === "status" ? "status" : field }),
+      h("div", { class: "f-name" }, breakable(field)),
       h("div", { class: "f-value-row" },
         h("span", { class: "f-value", "data-testid": `field-${field}`, text: String(value) }),
         changed ? h("span", { class: "f-delta", text: `${before} → ${value}` }) : null),
       h("div", { class: "f-meaning", text: t(`f_${field}`) }),
-      h("div", { class: "f-owner", text: changed && ev ? t("changed_by", { actor: ev.actor }) : t(`owner_${field}`) }));
+      owner);
   });
+  const notes = [];
+  if (seq.status === "FINISHED") notes.push(t("finished_note", { cached: seq.num_cached_tokens, tokens: seq.num_tokens }));
   fill($("fields"), ...tiles);
+  fill($("field-note"), ...notes.map((n) => h("p", { class: "hint", "data-testid": "finished-note", text: n })));
 }
 
 function slotOf(frame, seq, pos) {
@@ -173,7 +206,6 @@ export function renderSlotCalc(f, seq) {
       h("td", { class: "slot-cell", text: pb === undefined ? "—" : pb * bs + (p % bs) }));
   });
   fill($("slot-table"), h("thead", {}, head), h("tbody", {}, rows));
-  const picked = $("slot-table").querySelector("tr.picked");
-  if (picked) picked.scrollIntoView({ block: "nearest" });
+  scrollWithin($("slot-table").parentElement, $("slot-table").querySelector("tr.picked"));
 }
 

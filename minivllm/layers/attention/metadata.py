@@ -12,6 +12,7 @@ from functools import cached_property
 import torch
 import torch.nn.functional as F
 
+from minivllm.engine.sequence import blocks_for
 from minivllm.layers.attention.partition import partition_batch
 
 
@@ -140,7 +141,7 @@ class AttentionMetadata:
         seq_lens = [self.seq_lens_cpu[i] for i in seqs]
         rows = torch.tensor(seqs, dtype=torch.int64, device=device)
         token_index = torch.tensor(tokens, dtype=torch.int64, device=device)
-        max_blocks = -(-max(seq_lens) // self.block_size)
+        max_blocks = blocks_for(max(seq_lens), self.block_size)
         sub = AttentionMetadata(
             slot_mapping=self.slot_mapping.index_select(0, token_index),
             query_start_loc=torch.tensor(

@@ -3,10 +3,10 @@
 For each row count M (tokens in the step) it times one decoder layer's four projections
 (qkv 576->960, o 576->576, gate_up 576->3072, down 1536->576) and the LM head (576->49152)
 with: dense fp32, dense bf16, and torch's packed int4 weights (groups of 32, a scale and a
-zero each) with bf16 activations (with fp32 activations the kernel is scalar on x86: 8-100x
-slower than dense fp32 in a first run here, so it is left out). It prints microseconds per call and the
-speed-up over fp32, from which `minivllm.layers.int4.INT4_MAX_ROWS` (packed int4 at or below
-it, dense bf16 above) is chosen. Run it on each CPU kind:
+zero each) with bf16 activations (with fp32 activations the kernel is scalar on x86, 8-100x
+slower than dense fp32 in a first run here, so it is left out). It prints microseconds per
+call and the speed-up over fp32, from which `minivllm.layers.int4.INT4_MAX_ROWS` (packed int4
+at or below it, dense bf16 above) is chosen. Run it on each CPU kind:
 
     .venv/bin/python benchmarks/linear_kernels.py
     ATEN_CPU_CAPABILITY=avx2 .venv/bin/python benchmarks/linear_kernels.py
@@ -21,6 +21,7 @@ import torch
 
 SHAPES = {"layer": [(960, 576), (576, 576), (3072, 576), (576, 1536)], "lm_head": [(49152, 576)]}
 GROUP = 32
+INT4_MM = torch.ops.aten._weight_int4pack_mm_for_cpu
 
 
 def timed(fn, repeats: int) -> float:
@@ -46,8 +47,7 @@ def kernels(shapes: list[tuple[int, int]], rows: int):
         x16, w16, sz16 = x32.bfloat16(), w.bfloat16(), sz.bfloat16()
         fns["fp32"].append(lambda x=x32, w=w: torch.nn.functional.linear(x, w))
         fns["bf16"].append(lambda x=x16, w=w16: torch.nn.functional.linear(x, w))
-        mm = torch.ops.aten._weight_int4pack_mm_for_cpu
-        fns["int4 bf16"].append(lambda x=x16, p=packed, s=sz16: mm(x, p, GROUP, s))
+        fns["int4 bf16"].append(lambda x=x16, p=packed, s=sz16: INT4_MM(x, p, GROUP, s))
     return {name: (lambda fs=fs: [f() for f in fs]) for name, fs in fns.items()}
 
 

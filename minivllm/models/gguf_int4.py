@@ -22,7 +22,8 @@ import torch
 from gguf import GGMLQuantizationType, GGUFReader, ReaderTensor
 
 from minivllm.layers.int4 import Int4Weight
-from minivllm.models.gguf import _architecture, _meta, hf_tensor_name, unpermute_qk
+from minivllm.models.gguf import hf_tensor_name, unpermute_qk
+from minivllm.models.gguf_arch import ARCHITECTURES, architecture, meta
 
 INT4_TENSOR_TYPES = (
     GGMLQuantizationType.Q4_0,
@@ -97,17 +98,17 @@ def read_int4_weights(gguf_path: str | Path) -> dict[str, Int4Weight]:
     """Every 4-bit tensor of the file under its HF name (q/k rows un-permuted for llama, as
     the dense converter does), from the memory-mapped blocks."""
     reader = GGUFReader(gguf_path)
-    arch = _architecture(reader)
-    n_head = int(_meta(reader, f"{arch}.attention.head_count"))
-    n_kv_head = int(_meta(reader, f"{arch}.attention.head_count_kv", n_head))
+    arch = architecture(reader)
+    n_head = int(meta(reader, f"{arch}.attention.head_count"))
+    n_kv_head = int(meta(reader, f"{arch}.attention.head_count_kv", n_head))
     weights: dict[str, Int4Weight] = {}
     for tensor in reader.tensors:
         if tensor.tensor_type not in INT4_TENSOR_TYPES:
             continue
-        name = hf_tensor_name(tensor.name)
+        name = hf_tensor_name(tensor.name, arch)
         weight = int4_from_tensor(tensor)
         heads = {"q_proj": n_head, "k_proj": n_kv_head}.get(name.split(".")[-2])
-        if arch == "llama" and heads is not None:
+        if ARCHITECTURES[arch].permute_qk and heads is not None:
             weight = Int4Weight(*(torch.from_numpy(unpermute_qk(t.numpy(), heads).copy())
                                   for t in (weight.codes, weight.scales, weight.zeros)))
         weights[name] = weight

@@ -33,7 +33,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-import minivllm
 from minivllm.config import EngineConfig
 from minivllm.distributed import parallel_state
 from minivllm.distributed.heads import shard_heads
@@ -43,6 +42,9 @@ from minivllm.engine.scheduler import SampledToken, ScheduledBatch
 
 logger = logging.getLogger(__name__)
 
+# The directory holding the `minivllm` package, for the workers' PYTHONPATH (from this file's
+# place rather than `import minivllm`, whose __init__ imports the engine that imports us).
+PACKAGE_ROOT = Path(__file__).resolve().parents[2]
 SHUTDOWN_WAIT_S = 10.0  # how long workers get to leave after the shutdown message
 WORKER_COMMAND = [sys.executable, "-m", "minivllm.distributed.worker"]
 DEATH_NOTICE_S = 2.0  # after a failed collective, how long to wait for the dead worker to show
@@ -147,7 +149,7 @@ def _start_local_workers(world_size: int, port: int, device_type: str) -> Worker
     """Ranks 1..world_size-1 as child processes of this one, on this machine."""
     error_dir = tempfile.mkdtemp(prefix="minivllm-tp-")
     group = WorkerGroup({}, error_dir)
-    package_root = str(Path(minivllm.__file__).resolve().parent.parent)
+    package_root = str(PACKAGE_ROOT)
     python_path = os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH")) if p)
     for rank in range(1, world_size):
         env = {

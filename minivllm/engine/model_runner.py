@@ -82,7 +82,7 @@ def gguf_source(model: str | None) -> Path | None:
 
 
 def slot_mapping_for(block_table: list[int], start: int, length: int, block_size: int) -> list[int]:
-    """KV slots of positions start .. start+length-1 (the seed's formula)."""
+    """KV slots of positions start .. start+length-1 (the tutorial chapter's formula)."""
     return [
         block_table[pos // block_size] * block_size + pos % block_size
         for pos in range(start, start + length)

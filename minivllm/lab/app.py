@@ -88,11 +88,8 @@ class Lab:
             return self._current().add_text(prompt, max_tokens)
 
 
-def create_app(engine_factory: EngineFactory) -> FastAPI:
-    """The lab app on engines built by `engine_factory(shape, tracer)`."""
-    lab = Lab(engine_factory)
-    app = FastAPI(title="minivllm Engine Lab", docs_url=None, redoc_url=None)
-    app.state.lab = lab
+def _install_error_handlers(app: FastAPI) -> None:
+    """Every error the lab answers is `LabError.to_dict()`: a code the page translates."""
 
     @app.exception_handler(LabError)
     def _lab_error(_request, exc: LabError) -> JSONResponse:
@@ -113,6 +110,15 @@ def create_app(engine_factory: EngineFactory) -> FastAPI:
         code = "not_found" if exc.status_code == 404 else "http_error"
         error = LabError(exc.status_code, code, str(exc.detail), detail=str(exc.detail))
         return JSONResponse(error.to_dict(), status_code=exc.status_code)
+
+
+def create_app(engine_factory: EngineFactory) -> FastAPI:
+    """The lab app on engines built by `engine_factory(shape, tracer)`."""
+    lab = Lab(engine_factory)
+    app = FastAPI(title="minivllm Engine Lab", docs_url=None, redoc_url=None)
+    app.state.lab = lab
+
+    _install_error_handlers(app)
 
     @app.get("/")
     def index() -> FileResponse:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from support.penalties import hf_model, reference_greedy, reference_penalties
+from support.hf_reference import hf_model, reference_greedy, reference_penalties
 
 from minivllm import LLM, SamplingParams
 from minivllm.layers.sampler import Sampler, SamplingBatch, apply_penalties

@@ -4,25 +4,14 @@ batching, LM-head slices, tensor parallelism)."""
 
 from __future__ import annotations
 
-import functools
-
 import pytest
-import torch
-from transformers import AutoModelForCausalLM
+from support.hf_reference import hf_prompt_logprobs
 
 from minivllm import LLM, SamplingParams
 from minivllm.engine import model_runner
 
 PROMPTS = [list(range(10, 50)), [5, 17, 42, 99, 3, 5, 5], [7] * 20, [300, 301]]
 TOP = 3
-
-
-@functools.cache
-def hf_prompt_logprobs(model_dir: str, prompt: tuple[int, ...]) -> torch.Tensor:
-    """[len(prompt) - 1, V]: the log-softmax at positions 0..n-2, which score tokens 1..n-1."""
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    with torch.inference_mode():
-        return model(torch.tensor([prompt])).logits[0, :-1].float().log_softmax(-1)
 
 
 def assert_matches_hf(model_dir: str, prompt: list[int], got: list | None) -> None:

@@ -21,9 +21,9 @@ run: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q
 
-# The edit-test loop: the engine core on the fake runner and the layers (seconds).
+# The edit-test loop: the package layout, the engine core on the fake runner, the layers.
 test-quick: $(STAMP)
-	$(PY) -m pytest -q tests/engine tests/layers
+	$(PY) -m pytest -q tests/package tests/engine tests/layers
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check minivllm tests

@@ -92,6 +92,11 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     from minivllm.server.serve import serve
 
+    if args.model_tag is not None:
+        if args.model is not None and args.model != args.model_tag:
+            raise SystemExit(f"two models given: {args.model_tag!r} and --model {args.model!r}")
+        args.model = args.model_tag
+
     return serve(args, engine_options(args)) or 0
 
 
@@ -134,6 +139,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_demo)
 
     p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server")
+    p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                   help="the model, as `vllm serve MODEL` (same as --model)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
@@ -147,6 +154,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds in-flight requests get to finish on SIGTERM/Ctrl-C")
     p.add_argument("--lab", action="store_true",
                    help="record the engine between steps and show it live at /lab")
+    p.add_argument("--chat-template", default=None,
+                   help="a Jinja chat template (a file, or the template itself) for the model's")
+    p.add_argument("--chat-template-kwargs", default=None, metavar="JSON",
+                   help='default chat-template variables, e.g. \'{"enable_thinking": false}\'')
+    p.add_argument("--reasoning-parser", default=None, choices=["qwen3", "deepseek_r1"],
+                   help="split <think>...</think> into message.reasoning_content")
     add_engine_options(p)
     p.set_defaults(func=cmd_serve)
 

@@ -79,21 +79,31 @@ class LLM:
         sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
-        """Apply the model's chat template to one conversation or a list of them."""
+        """Apply the model's chat template to one conversation or a list of them; `tools`
+        (OpenAI's function definitions) and `chat_template_kwargs` (e.g. enable_thinking) go
+        to the template."""
         conversations = requests.as_conversation_list(messages)
         prompts: list[PromptInput] = [
-            self.apply_chat_template(conv, add_generation_prompt) for conv in conversations
+            self.apply_chat_template(conv, add_generation_prompt, tools, chat_template_kwargs)
+            for conv in conversations
         ]
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def apply_chat_template(
-        self, messages: list[Message], add_generation_prompt: bool = True
+        self,
+        messages: list[Message],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[int]:
         """The conversation's prompt token ids through the model's chat template."""
         try:
             return requests.chat_prompt(
-                self.get_tokenizer(), messages, add_generation_prompt=add_generation_prompt
+                self.get_tokenizer(), messages, add_generation_prompt=add_generation_prompt,
+                tools=tools, chat_template_kwargs=chat_template_kwargs,
             )
         except requests.NoChatTemplateError:
             raise ValueError(

@@ -58,7 +58,7 @@ FINISH_TEXT = "The sky is blue because of"
 
 
 def _seq8(lab: Driver) -> None:
-    """The seed's preset: one 8-token Sequence, WAITING, nothing planned yet. An earlier
+    """The chapter's preset: one 8-token Sequence, WAITING, nothing planned yet. An earlier
     request ran first and finished: its two blocks are free but still cached, and come last
     in the free list, so the Sequence gets blocks 2 and 3 and slot != position."""
     lab.add_tokens(lab.prompt(EARLIER_TEXT, 2 * lab.block_size - 1), max_tokens=2)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from minivllm.sampling_params import SamplingParams
@@ -84,10 +85,13 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
 
 
 def allowed_tokens(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
-    """A packed int32 [N, W] token bitmask as bool [N, vocab] (tokens past 32W: not allowed)."""
-    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)  # [32]
-    bits = (bitmask.unsqueeze(-1) >> shifts) & 1  # [N, W, 32]
-    allowed = bits.flatten(1).bool()  # [N, 32W]
+    """A packed int32 [N, W] token bitmask as bool [N, vocab] (tokens past 32W: not allowed).
+
+    Unpacked byte-wise (one byte per token, read as bool without a copy): a quarter of the
+    memory traffic of shifting int32 words."""
+    words = bitmask.cpu().numpy()  # [N, W] int32, little-endian bit order within each word
+    bits = np.unpackbits(words.view(np.uint8), axis=-1, bitorder="little")  # [N, 32W] uint8
+    allowed = torch.from_numpy(bits).view(torch.bool)  # [N, 32W]
     if allowed.shape[1] < vocab:
         allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]))
     return allowed[:, :vocab]
@@ -95,8 +99,8 @@ def allowed_tokens(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
 
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
     """The grammar's mask: -inf for every token a row's bitmask does not allow. [N, V]."""
-    allowed = allowed_tokens(bitmask.to(logits.device), logits.shape[-1])  # [N, V]
-    return logits.masked_fill(~allowed, float("-inf"))
+    allowed = allowed_tokens(bitmask, logits.shape[-1]).to(logits.device)  # [N, V]
+    return torch.where(allowed, logits, float("-inf"))
 
 
 def apply_penalties(

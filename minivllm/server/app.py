@@ -1,12 +1,12 @@
 """The OpenAI-compatible HTTP server: the app factory and its routes over an AsyncLLMEngine.
 
-Routes: GET /v1/models, POST /v1/completions, POST /v1/chat/completions, GET /health,
-GET /metrics, and with `lab=True` the live Engine Lab (GET /lab, /lab/api/*: the engine
-recorded between steps, `minivllm/lab/live.py`). Every error has OpenAI's shape
-`{"error": {message, type, param, code}}`: 400 bad input (malformed JSON, non-UTF-8, invalid
-parameters, a prompt too long), 401 a missing or wrong API key, 404 an unknown model or route,
-413 a body over the limit, 500 an engine fault, 503 an overloaded waiting queue or a server
-shutting down.
+Routes: GET /v1/models, POST /v1/completions, POST /v1/chat/completions, POST /tokenize,
+POST /detokenize, GET /version (vLLM's), GET /health, GET /metrics, and with `lab=True` the
+live Engine Lab (GET /lab, /lab/api/*: the engine recorded between steps,
+`minivllm/lab/live.py`). Every error has OpenAI's shape `{"error": {message, type, param,
+code}}`: 400 bad input (malformed JSON, non-UTF-8, invalid parameters, a prompt too long),
+401 a missing or wrong API key, 404 an unknown model or route, 413 a body over the limit, 500
+an engine fault, 503 an overloaded waiting queue or a server shutting down.
 
 Streaming follows OpenAI's server-sent events (`streaming.py`). A client that disconnects
 (streamed or not) has its request aborted at once.
@@ -18,6 +18,7 @@ endpoints in `completions.py` and `chat.py`, logprob formatting in `logprobs.py`
 
 from __future__ import annotations
 
+import importlib.metadata
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -31,7 +32,8 @@ from minivllm.server.chat import create_chat_completion
 from minivllm.server.completions import create_completion
 from minivllm.server.errors import APIError, install_error_handlers
 from minivllm.server.middleware import BodySizeLimitMiddleware
-from minivllm.server.serving import OpenAIServer, json_response
+from minivllm.server.serving import ChatOptions, OpenAIServer, json_response
+from minivllm.server.tokenize import detokenize, tokenize
 
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 DEFAULT_MAX_WAITING_REQUESTS = 1024
@@ -44,18 +46,20 @@ def create_app(
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     max_waiting_requests: int | None = DEFAULT_MAX_WAITING_REQUESTS,
     lab: bool = False,
+    chat: ChatOptions | None = None,
 ) -> FastAPI:
     """An OpenAI-compatible app serving `engine`. Its engine thread starts with the app's
     lifespan and stops with it; `app.state.server` is the OpenAIServer (tests read it).
     `lab`: record the engine between steps and serve the live lab page at /lab (without it
-    nothing is recorded and /lab is 404)."""
+    nothing is recorded and /lab is 404). `chat`: the server's chat template, template kwargs
+    and reasoning parser."""
     name = served_model_name or _default_name(engine)
     recorder = None
     if lab:
         from minivllm.lab.live import LiveRecorder
 
         recorder = LiveRecorder(engine.scheduler.block_manager.num_blocks, engine.config)
-    server = OpenAIServer(engine, name, api_key, max_waiting_requests, recorder)
+    server = OpenAIServer(engine, name, api_key, max_waiting_requests, recorder, chat)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -108,7 +112,26 @@ def openai_routes(server: OpenAIServer) -> APIRouter:
     async def chat_completions(request: Request) -> Response:
         return await create_chat_completion(server, request)
 
+    @router.post("/tokenize")
+    async def tokenize_route(request: Request) -> Response:
+        return await tokenize(server, request)
+
+    @router.post("/detokenize")
+    async def detokenize_route(request: Request) -> Response:
+        return await detokenize(server, request)
+
+    @router.get("/version")
+    async def version() -> Response:
+        return JSONResponse({"version": _version()})
+
     return router
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("minivllm")
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree, not installed
+        return "0+unknown"
 
 
 def _default_name(engine: LLMEngine) -> str:

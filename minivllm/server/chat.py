@@ -1,5 +1,9 @@
 """POST /v1/chat/completions: a conversation through the model's chat template, n choices,
-streamed as role, content deltas and finish, or answered at once."""
+streamed as role, content deltas and finish, or answered at once.
+
+With `tools`, the answer's tool calls are read back (`tools.py`); with the server's
+`--reasoning-parser`, its `<think>` part becomes `reasoning_content` (`reasoning.py`).
+"""
 
 from __future__ import annotations
 
@@ -13,12 +17,12 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import Response
 
-from minivllm.engine import requests
 from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import SamplingParams
-from minivllm.server import protocol, responses
+from minivllm.server import protocol, responses, tools
 from minivllm.server.async_engine import RequestStream
-from minivllm.server.errors import APIError, bad_request
+from minivllm.server.errors import APIError, bad_request, bad_value
+from minivllm.server.reasoning import ReasoningStream, split_reasoning
 from minivllm.server.serving import OpenAIServer, json_response, usage_of
 from minivllm.server.streaming import SSEResponse, StreamFormat, sse, stream_choices
 
@@ -31,11 +35,16 @@ async def create_chat_completion(server: OpenAIServer, request: Request) -> Resp
     params = await server.sampling_params(
         req, default_max_tokens=None, logprobs=num_top if req.logprobs else None
     )
-    prompt = await asyncio.to_thread(chat_prompt, server, req)
+    try:
+        mode = tools.mode_of(req.tools, req.tool_choice)
+    except ValueError as exc:
+        raise bad_value(exc) from None
+    prompt = await asyncio.to_thread(chat_prompt, server, req, mode)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     start = time.monotonic()
     stream = await server.start(request_id, [prompt], params)
-    call = _Call(server, request_id, stream, params, num_top, len(prompt), start)
+    named = req.tool_choice.function.name if mode == "named" else None  # type: ignore[union-attr]
+    call = _Call(server, request_id, stream, params, num_top, len(prompt), start, mode, named)
     if req.stream:
         return SSEResponse(_stream(call, req.include_usage), on_close=stream.close)
     try:
@@ -46,20 +55,23 @@ async def create_chat_completion(server: OpenAIServer, request: Request) -> Resp
     return json_response(_response(call, outputs))
 
 
-def chat_prompt(server: OpenAIServer, req: protocol.ChatCompletionRequest) -> list[int]:
-    """The prompt's token ids, through the model's chat template."""
+def chat_prompt(
+    server: OpenAIServer, req: protocol.ChatCompletionRequest, mode: tools.Mode
+) -> list[int]:
+    """The prompt's token ids, through the chat template (the server's --chat-template, else
+    the model's), the tools and the template kwargs (the server's defaults, then the
+    request's)."""
     try:
-        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        messages = [m.template_dict() for m in req.messages]
     except ValueError as exc:
         raise bad_request(str(exc), param="messages") from None
-    try:
-        return requests.chat_prompt(
-            server.tokenizer, messages, add_generation_prompt=req.add_generation_prompt
-        )
-    except requests.NoChatTemplateError:
-        raise bad_request("this model has no chat template: use /v1/completions") from None
-    except ValueError as exc:
-        raise bad_request(str(exc), param="messages") from None
+    tool_dicts = tools.template_tools(req.tools, mode)
+    template = server.chat_template or getattr(server.tokenizer, "chat_template", None)
+    if tool_dicts and "tools" not in str(template or ""):
+        messages, tool_dicts = tools.with_fallback_prompt(messages, tool_dicts), None
+    text = server.chat_text(messages, req.add_generation_prompt, tool_dicts,
+                            req.chat_template_kwargs)
+    return server.encode(text, add_special_tokens=False)
 
 
 @dataclass
@@ -73,24 +85,38 @@ class _Call:
     num_top: int  # top_logprobs
     prompt_tokens: int
     start: float  # time.monotonic() at the add
+    mode: tools.Mode
+    named: str | None  # the function tool_choice names
 
     def chunk(self, choices: list[responses.ChatChunkChoice], **kw: Any) -> str:
         return sse(responses.ChatCompletionChunk(
             id=self.request_id, model=self.server.served_model_name, choices=choices, **kw
         ))
 
+    def message(self, text: str) -> tuple[responses.ChatMessageOut, bool]:
+        """A finished output as the assistant's message, and whether it calls tools."""
+        reasoning = None
+        if self.server.reasoning_parser is not None:
+            reasoning, text = split_reasoning(self.server.reasoning_parser, text)
+        content, calls = tools.parse_calls(text, self.mode, self.named)
+        message = responses.ChatMessageOut(
+            content=content, reasoning_content=reasoning, tool_calls=calls
+        )
+        return message, bool(calls)
+
 
 def _response(call: _Call, outputs: list[RequestOutput]) -> responses.ChatCompletionResponse:
     choices = []
     for index, output in enumerate(outputs):
         out = output.outputs[0]
+        message, has_calls = call.message(out.text)
         choices.append(responses.ChatChoice(
             index=index,
-            message=responses.ChatMessageOut(content=out.text),
+            message=message,
             logprobs=call.server.logprobs.chat(out, 0, call.num_top),
-            finish_reason=out.finish_reason,
+            finish_reason="tool_calls" if has_calls else out.finish_reason,
         ))
-    usage = usage_of(call.prompt_tokens, outputs)
+    usage = usage_of(call.prompt_tokens, outputs, call.params.n)
     call.server.log_finished(
         call.request_id, call.prompt_tokens, usage.completion_tokens, call.start, "finished"
     )
@@ -100,9 +126,16 @@ def _response(call: _Call, outputs: list[RequestOutput]) -> responses.ChatComple
 
 
 def _stream(call: _Call, include_usage: bool) -> AsyncIterator[str]:
+    splitter = _DeltaSplitter(call)
+
     def choice(index: int, delta: str, logprobs: Any, finish_reason: str | None) -> str:
+        message, has_calls = splitter.delta(index, delta, finish_reason is not None)
+        if has_calls:
+            finish_reason = "tool_calls"
+        if message is None and finish_reason is None and logprobs is None:
+            return ""  # everything held back this step
         return call.chunk([responses.ChatChunkChoice(
-            index=index, delta=responses.DeltaMessage(content=delta), logprobs=logprobs,
+            index=index, delta=message or responses.DeltaMessage(content=""), logprobs=logprobs,
             finish_reason=finish_reason,
         )])
 
@@ -123,4 +156,37 @@ def _stream(call: _Call, include_usage: bool) -> AsyncIterator[str]:
         call.stream, call.params, call.params.n, call.prompt_tokens, fmt,
         on_end=lambda tokens, how: call.server.log_finished(
             call.request_id, call.prompt_tokens, tokens, call.start, how),
+        n=call.params.n,
     )
+
+
+class _DeltaSplitter:
+    """Per streamed choice: text deltas into reasoning, content and tool-call deltas."""
+
+    def __init__(self, call: _Call) -> None:
+        self.call = call
+        self.reasoning: dict[int, ReasoningStream] = {}
+        self.tools: dict[int, tools.ToolStream] = {}
+
+    def delta(self, index: int, text: str, finished: bool) -> tuple[Any, bool]:
+        """(a DeltaMessage, or None if nothing is to be sent; whether it calls tools)."""
+        reasoning = ""
+        parser = self.call.server.reasoning_parser
+        if parser is not None:
+            stream = self.reasoning.setdefault(index, ReasoningStream(parser))
+            reasoning, text = stream.feed(text, finished)
+        if self.call.mode != "none":
+            stream_t = self.tools.setdefault(index, tools.ToolStream(self.call.mode,
+                                                                     self.call.named))
+            text, calls = stream_t.feed(text, finished)
+        else:
+            calls = []
+        if not (reasoning or text or calls):
+            return None, False
+        deltas = [
+            responses.DeltaToolCall(index=i, id=c.id, type="function", function=c.function)
+            for i, c in enumerate(calls)
+        ]
+        return responses.DeltaMessage(
+            content=text or None, reasoning_content=reasoning or None, tool_calls=deltas or None
+        ), bool(calls)

@@ -83,7 +83,7 @@ def _response(call: _Call, outputs: list[RequestOutput]) -> responses.Completion
         choices.append(responses.CompletionChoice(
             index=index, text=text, logprobs=logprobs, finish_reason=out.finish_reason
         ))
-    usage = usage_of(call.prompt_tokens, outputs)
+    usage = usage_of(call.prompt_tokens, outputs, call.n)
     call.server.log_finished(
         call.request_id, call.prompt_tokens, usage.completion_tokens, call.start, "finished"
     )
@@ -116,6 +116,7 @@ def _stream(call: _Call, params: Any, include_usage: bool) -> AsyncIterator[str]
         call.stream, params, call.num_choices, call.prompt_tokens, fmt,
         on_end=lambda tokens, how: call.server.log_finished(
             call.request_id, call.prompt_tokens, tokens, call.start, how),
+        n=call.n,
     )
 
 

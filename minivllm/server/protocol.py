@@ -12,6 +12,7 @@ their ValueErrors carry the message the client sees.
 from __future__ import annotations
 
 import dataclasses
+import json
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -26,6 +27,7 @@ from minivllm.server.constraints import (
     from_structured_outputs,
     one_constraint,
 )
+from minivllm.server.tools import NamedToolChoice, Tool, tool_constraint
 
 MAX_N = 128  # choices per request
 MAX_STOP = 64  # stop strings per request
@@ -177,10 +179,23 @@ class ContentPart(_Request):
     text: str | None = None
 
 
+class FunctionCall(_Request):
+    name: str
+    arguments: str  # JSON text, OpenAI's
+
+
+class ToolCall(_Request):
+    id: str | None = None
+    type: str = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Request):
     role: str = Field(min_length=1)
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
 
     def text(self) -> str:
         """The message's text; a list of parts must be text parts only."""
@@ -193,9 +208,55 @@ class ChatMessage(_Request):
             texts.append(part.text)
         return "".join(texts)
 
+    def template_dict(self) -> dict[str, Any]:
+        """The message as chat templates read it: tool-call arguments as objects (HF's
+        templates write them with `tojson`)."""
+        message: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.name is not None:
+            message["name"] = self.name
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:
+            message["tool_calls"] = [
+                {"id": c.id, "type": "function",
+                 "function": {"name": c.function.name, "arguments": _json_or_text(c.function)}}
+                for c in self.tool_calls
+            ]
+        return message
+
+
+def _json_or_text(call: FunctionCall) -> Any:
+    try:
+        return json.loads(call.arguments)
+    except json.JSONDecodeError:
+        return call.arguments
+
 
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True  # vLLM's extra
+    tools: list[Tool] | None = None
+    tool_choice: str | NamedToolChoice | None = None  # none, auto, required, or a function
+    parallel_tool_calls: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: e.g. enable_thinking
+
+    def constraint(self) -> Constraint | None:
+        from_tools = tool_constraint(self.tools, self.tool_choice, self.parallel_tool_calls)
+        return one_constraint([super().constraint(), from_tools])
+
+
+class TokenizeRequest(_Body):
+    """vLLM's /tokenize: a `prompt`, or chat `messages` through the chat template."""
+
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None  # default: True for a prompt, False for messages
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class DetokenizeRequest(_Body):
+    tokens: list[int]

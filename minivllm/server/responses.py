@@ -8,10 +8,24 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int  # prompt tokens served from the prefix cache
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+
+def make_usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> Usage:
+    return Usage(
+        prompt_tokens=prompt_tokens,
+        completion_tokens=completion_tokens,
+        total_tokens=prompt_tokens + completion_tokens,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens),
+    )
 
 
 class CompletionLogprobs(BaseModel):
@@ -51,9 +65,22 @@ class ChatLogprobs(BaseModel):
     content: list[TokenLogprob]
 
 
+class FunctionCallOut(BaseModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCallOut(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallOut
+
+
 class ChatMessageOut(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    reasoning_content: str | None = None  # vLLM's, with --reasoning-parser
+    tool_calls: list[ToolCallOut] = []
 
 
 class ChatChoice(BaseModel):
@@ -72,9 +99,18 @@ class ChatCompletionResponse(BaseModel):
     usage: Usage
 
 
+class DeltaToolCall(BaseModel):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionCallOut | None = None
+
+
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatChunkChoice(BaseModel):
@@ -123,3 +159,14 @@ def error_body(
     return ErrorResponse(
         error=ErrorInfo(message=message, type=type, param=param, code=code)
     ).model_dump()
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int | None
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str

@@ -12,17 +12,20 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import logging
 import socket
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import uvicorn
 
 from minivllm.engine.llm_engine import LLMEngine
 from minivllm.server.app import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_WAITING_REQUESTS, create_app
+from minivllm.server.serving import ChatOptions
 
 logger = logging.getLogger("minivllm.server")
 
@@ -84,8 +87,26 @@ def serve(args: argparse.Namespace, engine_options: dict[str, Any]) -> int:
         or DEFAULT_MAX_WAITING_REQUESTS,
         graceful_shutdown_s=_or(getattr(args, "shutdown_timeout", None), 5.0),
         lab=bool(getattr(args, "lab", False)),
+        chat=chat_options(args),
     )
     return 0
+
+
+def chat_options(args: argparse.Namespace) -> ChatOptions:
+    """--chat-template FILE (or an inline template), --chat-template-kwargs JSON,
+    --reasoning-parser NAME, where the CLI has them."""
+    template = getattr(args, "chat_template", None)
+    if template is not None and Path(template).is_file():
+        template = Path(template).read_text()
+    kwargs = getattr(args, "chat_template_kwargs", None)
+    if isinstance(kwargs, str):
+        try:
+            kwargs = json.loads(kwargs)
+        except json.JSONDecodeError as exc:
+            raise SystemExit(f"--chat-template-kwargs is not valid JSON: {exc}") from None
+        if not isinstance(kwargs, dict):
+            raise SystemExit("--chat-template-kwargs must be a JSON object")
+    return ChatOptions(template, dict(kwargs or {}), getattr(args, "reasoning_parser", None))
 
 
 def _or(value: float | None, default: float) -> float:
@@ -102,6 +123,7 @@ def run_server(
     max_waiting_requests: int | None = DEFAULT_MAX_WAITING_REQUESTS,
     graceful_shutdown_s: float = 5.0,
     lab: bool = False,
+    chat: ChatOptions | None = None,
 ) -> None:
     """Build an engine from `engine_options` (LLMEngine.from_options) and serve it until
     SIGINT or SIGTERM. In-flight requests get `graceful_shutdown_s` to finish; the rest end
@@ -117,6 +139,7 @@ def run_server(
         max_body_bytes=max_body_bytes,
         max_waiting_requests=max_waiting_requests,
         lab=lab,
+        chat=chat,
     )
     name = app.state.server.served_model_name
     logger.info("serving %r on http://%s:%d/v1", name, host, port)

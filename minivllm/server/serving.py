@@ -11,7 +11,8 @@ import dataclasses
 import json
 import logging
 import time
-from typing import TypeVar
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 from fastapi import Request
 from fastapi.responses import Response
@@ -35,11 +36,27 @@ from minivllm.server.errors import validation_error as _validation_error
 from minivllm.server.logprobs import LogprobFormatter
 from minivllm.server.metrics import ServerMetrics
 from minivllm.server.middleware import check_auth
+from minivllm.server.reasoning import PARSERS
 from minivllm.structured import GrammarError, compile_grammar
 
 logger = logging.getLogger("minivllm.server")
 
 R = TypeVar("R", bound=protocol._Request)
+
+
+@dataclass(frozen=True)
+class ChatOptions:
+    """Server-wide chat settings: `minivllm serve --chat-template FILE
+    --chat-template-kwargs JSON --reasoning-parser NAME`."""
+
+    chat_template: str | None = None  # a Jinja template replacing the model's
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)  # request's win
+    reasoning_parser: str | None = None  # reasoning.PARSERS
+
+    def __post_init__(self) -> None:
+        if self.reasoning_parser not in (None, *PARSERS):
+            raise ValueError(f"reasoning_parser must be one of {PARSERS}, got "
+                             f"{self.reasoning_parser!r}")
 
 
 class OpenAIServer:
@@ -52,7 +69,12 @@ class OpenAIServer:
         api_key: str | None,
         max_waiting_requests: int | None,
         recorder: StepRecorder | None = None,
+        chat: ChatOptions | None = None,
     ) -> None:
+        chat = chat or ChatOptions()
+        self.chat_template = chat.chat_template
+        self.chat_template_kwargs = dict(chat.chat_template_kwargs)
+        self.reasoning_parser = chat.reasoning_parser
         self.engine = engine
         self.served_model_name = served_model_name
         self.api_key = api_key
@@ -131,6 +153,27 @@ class OpenAIServer:
         except GrammarError as exc:
             raise bad_request(f"{field} is invalid: {exc.reason}", param=field) from None
         return dataclasses.replace(params, structured_outputs=spec)
+
+    def chat_text(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool,
+        tools: list[dict[str, Any]] | None = None,
+        template_kwargs: dict[str, Any] | None = None,
+    ) -> str:
+        """The conversation through the chat template (the server's --chat-template, else the
+        model's), with the template kwargs (the server's defaults, then the request's); 400 if
+        there is no template or it rejects the messages."""
+        try:
+            return requests.chat_text(
+                self.tokenizer, messages, add_generation_prompt=add_generation_prompt,
+                tools=tools, chat_template=self.chat_template,
+                chat_template_kwargs={**self.chat_template_kwargs, **(template_kwargs or {})},
+            )
+        except requests.NoChatTemplateError:
+            raise bad_request("this model has no chat template: use /v1/completions") from None
+        except ValueError as exc:
+            raise bad_request(str(exc), param="messages") from None
 
     def encode(self, prompt: str, add_special_tokens: bool) -> list[int]:
         if self.tokenizer is None:
@@ -211,13 +254,12 @@ def json_response(body: BaseModel) -> Response:
     return Response(body.model_dump_json(), media_type="application/json")
 
 
-def usage_of(prompt_tokens: int, outputs: list[RequestOutput]) -> responses.Usage:
+def usage_of(prompt_tokens: int, outputs: list[RequestOutput], n: int) -> responses.Usage:
+    """Usage of a request's final outputs (n choices per prompt, prompt-major): each prompt
+    counted once, its cached tokens those of its first choice."""
     completion = sum(len(o.outputs[0].token_ids) for o in outputs)
-    return responses.Usage(
-        prompt_tokens=prompt_tokens,
-        completion_tokens=completion,
-        total_tokens=prompt_tokens + completion,
-    )
+    cached = sum(o.num_cached_prompt_tokens for o in outputs[::n])
+    return responses.make_usage(prompt_tokens, completion, cached)
 
 
 async def _until_disconnected(request: Request) -> None:

@@ -94,13 +94,15 @@ async def stream_choices(
     prompt_tokens: int,
     fmt: StreamFormat,
     on_end: Callable[[int, str], None],
+    n: int = 1,
 ) -> AsyncIterator[str]:
     """The SSE lines of a streamed request: one chunk per committed step and choice, an error
-    event if the request failed, usage, `[DONE]`. `on_end(completion_tokens, how)` runs
-    however the stream ends."""
+    event if the request failed, usage, `[DONE]` (n choices per prompt, prompt-major).
+    `on_end(completion_tokens, how)` runs however the stream ends."""
     states = [ChoiceState() for _ in range(num_choices)]
     hold_back = max(map(len, params.stop_strings), default=1) - 1
     completion_tokens = 0
+    cached = {}  # prompt index -> its prompt tokens served from the prefix cache
     how = "aborted (client disconnected)"
     try:
         for line in fmt.preamble:
@@ -113,6 +115,7 @@ async def stream_choices(
                 yield DONE
                 return
             state = states[index]
+            cached.setdefault(index // n, output.num_cached_prompt_tokens)
             if fmt.first_chunk is not None and not state.started:
                 line, state.offset = fmt.first_chunk(index, output)
                 yield line
@@ -126,11 +129,9 @@ async def stream_choices(
                 continue
             yield fmt.choice_chunk(index, delta, logprobs, out.finish_reason)
         if fmt.usage_chunk is not None:
-            yield fmt.usage_chunk(responses.Usage(
-                prompt_tokens=prompt_tokens,
-                completion_tokens=completion_tokens,
-                total_tokens=prompt_tokens + completion_tokens,
-            ))
+            yield fmt.usage_chunk(
+                responses.make_usage(prompt_tokens, completion_tokens, sum(cached.values()))
+            )
         how = "finished"
         yield DONE
     finally:

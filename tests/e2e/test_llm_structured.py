@@ -70,3 +70,16 @@ def test_chat_with_a_schema_and_greedy_min_tokens(tiny_llama_dir) -> None:
                                   structured_outputs=spec), use_tqdm=False)[0]
     assert out.outputs[0].text == "ok"
     assert out.outputs[0].finish_reason == "stop"
+
+
+def test_chat_passes_tools_and_template_kwargs(tiny_llama_dir) -> None:
+    """The template sees `tools` and the kwargs (the tiny template ignores tools, so a
+    template kwarg is what shows)."""
+    llm = LLM(str(tiny_llama_dir), max_model_len=256)
+    tokenizer = llm.get_tokenizer()
+    tokenizer.chat_template = ("{% for m in messages %}{{ m['content'] }}{% endfor %}"
+                               "{% if tools %}TOOLS{% endif %}{% if flag %}FLAG{% endif %}")
+    conv = [{"role": "user", "content": "hi"}]
+    text = tokenizer.decode(llm.apply_chat_template(conv, tools=[{"type": "function",
+                            "function": {"name": "f"}}], chat_template_kwargs={"flag": True}))
+    assert text.endswith("hiTOOLSFLAG")

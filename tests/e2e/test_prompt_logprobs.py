@@ -4,25 +4,14 @@ batching, LM-head slices, tensor parallelism)."""
 
 from __future__ import annotations
 
-import functools
-
 import pytest
-import torch
-from transformers import AutoModelForCausalLM
+from support.hf_reference import hf_prompt_logprobs
 
 from minivllm import LLM, SamplingParams
 from minivllm.engine import model_runner
 
 PROMPTS = [list(range(10, 50)), [5, 17, 42, 99, 3, 5, 5], [7] * 20, [300, 301]]
 TOP = 3
-
-
-@functools.cache
-def hf_prompt_logprobs(model_dir: str, prompt: tuple[int, ...]) -> torch.Tensor:
-    """[len(prompt) - 1, V]: the log-softmax at positions 0..n-2, which score tokens 1..n-1."""
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    with torch.inference_mode():
-        return model(torch.tensor([prompt])).logits[0, :-1].float().log_softmax(-1)
 
 
 def assert_matches_hf(model_dir: str, prompt: list[int], got: list | None) -> None:
@@ -50,7 +39,7 @@ def test_prompt_logprobs_match_hf(model, schedule, request):
     """Every request of a batch asks for prompt logprobs but one, which gets None; all run
     twice, so the second round would hit the prefix cache: these requests take no hits."""
     model_dir = str(request.getfixturevalue(model))
-    llm = LLM(model_dir, **SCHEDULES[schedule])
+    llm = LLM(model_dir, dtype="float32", **SCHEDULES[schedule])
     params = [
         SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, prompt_logprobs=TOP)
         for _ in PROMPTS
@@ -69,7 +58,7 @@ def test_prompt_logprobs_match_hf(model, schedule, request):
 def test_prompt_logprobs_across_lm_head_slices(tiny_llama_dir, monkeypatch):
     """With 7 rows per LM-head call, one step's samples and prompt rows straddle slices."""
     monkeypatch.setattr(model_runner, "LOGITS_ROWS", 7)
-    llm = LLM(str(tiny_llama_dir))
+    llm = LLM(str(tiny_llama_dir), dtype="float32")
     plain = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
     scored = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, prompt_logprobs=TOP)
     prompts = [[11] * 3, *PROMPTS]
@@ -83,7 +72,8 @@ def test_prompt_logprobs_across_lm_head_slices(tiny_llama_dir, monkeypatch):
 
 
 def test_prompt_logprobs_with_tensor_parallelism(tiny_qwen3_dir):
-    with LLM(str(tiny_qwen3_dir), tensor_parallel_size=2, max_model_len=128) as llm:
+    with LLM(str(tiny_qwen3_dir), tensor_parallel_size=2, max_model_len=128,
+             dtype="float32") as llm:
         params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, prompt_logprobs=TOP)
         outs = llm.generate(PROMPTS[:2], params, use_tqdm=False)
     for prompt, out in zip(PROMPTS[:2], outs, strict=True):

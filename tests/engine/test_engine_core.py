@@ -23,7 +23,7 @@ def fields(seq: Sequence) -> tuple:
 
 
 def test_seed_experiment_plan_commit_decode(make_engine):
-    """The seed's 8-token experiment: scheduled grows at plan, cached only at commit."""
+    """The chapter's 8-token experiment: scheduled grows at plan, cached only at commit."""
     engine = make_engine(trace=True)
     seq = engine.add_request(list(range(1, 9)), greedy(max_tokens=4))
     assert fields(seq) == (WAITING, 8, 0, 0) and seq.block_table == []

@@ -84,7 +84,7 @@ def source_line(location: str) -> str:
 
 
 def test_seq8_follows_the_seed(client: TestClient) -> None:
-    """The seed's table: after Plan RUNNING, scheduled 8, cached 0, num_tokens 8; after Commit
+    """The chapter's table: after Plan RUNNING, scheduled 8, cached 0, num_tokens 8; after Commit
     scheduled 0, cached 8, num_tokens 9; after Decode (Step) cached 9, num_tokens 10. An
     earlier request finished first, so the blocks are not 0, 1, ... and slot != position."""
     s0 = post(client, "reset", {"scenario": "seq8"})
@@ -379,7 +379,7 @@ def test_page_and_its_hooks_are_served(client: TestClient) -> None:
 
 @pytest.mark.default_model
 def test_seq8_on_the_default_model() -> None:
-    """On SmolLM2-135M: the preset text is exactly 8 tokens, the seed's field sequence holds,
+    """On SmolLM2-135M: the preset text is exactly 8 tokens, the chapter's field sequence holds,
     the execute events name ModelRunner.run in its own file, and a learner's text prompt runs."""
     from minivllm.lab.engines import default_engines
 

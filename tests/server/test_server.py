@@ -73,6 +73,7 @@ def tiny_server(tiny_llama_long_dir: Path) -> Iterator[Live]:
         block_size=16,
         max_num_seqs=64,
         device="cpu",
+        dtype="float32",
     )
     yield from _serve(engine, MODEL)
 
@@ -124,9 +125,9 @@ def test_completion_token_id_prompt_matches_text_prompt(tiny_server: Live) -> No
 
 def test_penalties_and_logit_bias_reach_the_sampler(tiny_server: Live, tiny_llama_dir) -> None:
     """OpenAI's presence/frequency penalties and logit_bias (string keys) and vLLM's
-    repetition_penalty give the text of the plain-Python reference (tests/support/penalties.py),
+    repetition_penalty give the text of the plain-Python reference (tests/support/hf_reference.py),
     streamed or not; logprobs stay those of the raw model."""
-    from support.penalties import reference_greedy
+    from support.hf_reference import reference_greedy
 
     ids = tiny_server.engine.tokenizer.encode(PROMPT, add_special_tokens=True)
     params = SamplingParams(
@@ -157,7 +158,7 @@ def test_echo_puts_the_prompt_and_its_logprobs_first(tiny_server: Live, tiny_lla
     text starts with the prompt; with logprobs, every prompt token comes first (None for the
     first one), with the values of HF's forward over the prompt; streamed, the prompt is each
     choice's first chunk, and the rest equals the non-streamed answer."""
-    from test_prompt_logprobs import hf_prompt_logprobs
+    from support.hf_reference import hf_prompt_logprobs
 
     engine = tiny_server.engine
     ids = engine.tokenizer.encode(PROMPT, add_special_tokens=True)

@@ -1,4 +1,4 @@
-// The page's two languages: English and Chinese (the seed's language), one file each.
+// The page's two languages: English and Chinese (the tutorial chapter's language), one file each.
 
 import { EN } from "./words_en.js";
 import { ZH } from "./words_zh.js";

@@ -1,5 +1,6 @@
-"""Plain-Python references for the sampler's penalties: the rules as written, one row at a
-time, and greedy decoding on HF transformers that recomputes the whole sequence each step."""
+"""References the engine is checked against: the sampler's penalties as the rules are written
+(one row at a time), greedy decoding on HF transformers that recomputes the whole sequence
+each step, and HF's prompt log-probabilities."""
 
 from __future__ import annotations
 
@@ -45,3 +46,11 @@ def reference_greedy(model_dir: str, prompt: list[int], params: SamplingParams) 
         )
         tokens.append(int(logits.argmax()))
     return tokens[len(prompt) :]
+
+
+@functools.cache
+def hf_prompt_logprobs(model_dir: str, prompt: tuple[int, ...]) -> torch.Tensor:
+    """[len(prompt) - 1, V]: the log-softmax at positions 0..n-2, which score tokens 1..n-1."""
+    model = hf_model(model_dir)
+    with torch.inference_mode():
+        return model(torch.tensor([prompt])).logits[0, :-1].float().log_softmax(-1)

@@ -37,12 +37,16 @@ class EngineConfig:
     device: str | None = _option(
         None, "cpu or cuda (default: cuda when available)", ("cpu", "cuda"))
     dtype: str | None = _option(
-        None, "compute dtype (default: float32 on the CPU, bfloat16 on CUDA)",
-        ("float32", "bfloat16", "float16"))
+        "auto", "compute dtype; auto: bfloat16 on CUDA and on CPUs with native bf16 "
+        "(AVX-512 BF16), else float32; float32 is the token-exact path",
+        ("auto", "float32", "bfloat16", "float16"))
     seed: int = _option(0, "the engine's random seed (requests without their own seed)")
     tensor_parallel_size: int = _option(1, "processes the model is split over")
     quantization: str | None = _option(
-        None, "int8: int8 weights for the MLP's gate/up projection (CPU, float32)", ("int8",))
+        None, "weights: default = as stored (a GGUF's 4-bit tensors run packed int4 where the "
+        "compute is bf16 on the CPU); int4: also quantize the other linear layers (HF "
+        "checkpoints); int8: int8 MLP gate/up (CPU, float32); none: dense",
+        ("int4", "int8", "none"))
     # filled from the model when the engine is built
     eos_token_ids: tuple[int, ...] = _option((), "end-of-sequence token ids", cli=False)
 
@@ -64,13 +68,14 @@ class EngineConfig:
             )
         if self.device not in (None, "cpu", "cuda") and not str(self.device).startswith("cuda:"):
             raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
-        if self.dtype not in (None, "float32", "bfloat16", "float16"):
+        if self.dtype not in (None, "auto", "float32", "bfloat16", "float16"):
             raise ValueError(
-                f"dtype must be one of float32, bfloat16, float16, got {self.dtype!r}"
+                f"dtype must be one of auto, float32, bfloat16, float16, got {self.dtype!r}"
             )
-
-        if self.quantization not in (None, "int8"):
-            raise ValueError(f"quantization must be None or 'int8', got {self.quantization!r}")
+        if self.quantization not in (None, "int4", "int8", "none"):
+            raise ValueError(
+                f"quantization must be None, 'int4', 'int8' or 'none', got {self.quantization!r}"
+            )
 
     @classmethod
     def from_options(cls, **options: object) -> EngineConfig:

@@ -43,7 +43,16 @@ def make_engine() -> Iterator[Callable[..., LLMEngine]]:
 
 @pytest.fixture(scope="session")
 def default_llm():
-    """The default model (SmolLM2-135M-Instruct), loaded once per test session."""
+    """The default model (SmolLM2-135M-Instruct) with the default options (on a CPU with
+    native bf16: bf16 compute, its 4-bit weights packed int4), loaded once per session."""
     from minivllm import LLM
 
     return LLM(None, num_kv_blocks=1024, max_model_len=2048)
+
+
+@pytest.fixture(scope="session")
+def default_llm_fp32():
+    """The default model on the token-exact fp32 path, for parity with HF transformers."""
+    from minivllm import LLM
+
+    return LLM(None, num_kv_blocks=1024, max_model_len=2048, dtype="float32")

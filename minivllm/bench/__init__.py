@@ -1,5 +1,6 @@
-"""`minivllm bench`: throughput (vs HF transformers), prefix caching on/off, engine overhead
-and serving, one module per benchmark over the shared workloads of `workloads.py`.
+"""`minivllm bench`: throughput (vs HF transformers), prefix caching on/off, engine overhead,
+serving and quality (vs HF fp32), one module per benchmark over the shared workloads of
+`workloads.py`.
 
 Every benchmark prints its numbers, writes them as JSON (`--output`), and can draw a PNG
 chart (`--chart`, needs matplotlib). Ratios are measured in one run on one machine.
@@ -15,12 +16,13 @@ from typing import Any
 from minivllm.bench.common import chart
 from minivllm.bench.overhead import cmd_overhead
 from minivllm.bench.prefix import cmd_prefix
+from minivllm.bench.quality import cmd_quality
 from minivllm.bench.serve import cmd_serve_bench
 from minivllm.bench.throughput import cmd_throughput
 
 
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("which", choices=["throughput", "prefix", "serve", "overhead"])
+    parser.add_argument("which", choices=["throughput", "prefix", "serve", "overhead", "quality"])
     parser.add_argument("--num-requests", type=int, default=16)
     parser.add_argument("--input-min", type=int, default=32)
     parser.add_argument("--input-max", type=int, default=256)
@@ -34,6 +36,8 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--suffix-len", type=int, default=16)
     parser.add_argument("--output-len", type=int, default=8)
     parser.add_argument("--bench-seed", dest="seed", type=int, default=0)
+    parser.add_argument("--decode-chunk", type=int, default=1,
+                        help="quality: tokens per step of the decode-sized scoring")
     parser.add_argument("--output", type=Path, default=None, help="write the JSON here")
     parser.add_argument("--chart", type=Path, default=None, help="draw a PNG chart here")
     parser.add_argument("--url", default="http://127.0.0.1:8000",
@@ -50,6 +54,8 @@ def run_bench(args: argparse.Namespace, options: dict[str, Any]) -> int:
         report = cmd_prefix(args, options)
     elif args.which == "overhead":
         report = cmd_overhead(args, options)
+    elif args.which == "quality":
+        report = cmd_quality(args, options)
     else:
         report = cmd_serve_bench(args)
     if args.output is not None:

@@ -24,9 +24,11 @@ from minivllm.distributed.heads import shard_heads
 from minivllm.engine.scheduler import SampledToken, ScheduledBatch
 from minivllm.engine.sequence import Sequence, blocks_for
 from minivllm.layers.attention import AttentionMetadata
+from minivllm.layers.int4 import int4_supported
 from minivllm.layers.quantization import check_quantization, quantize_model_int8
 from minivllm.layers.sampler import Sampler, SamplingBatch
-from minivllm.models.loader import load_model
+from minivllm.models.gguf_int4 import read_int4_weights
+from minivllm.models.loader import attach_int4, load_model, quantize_linear_int4
 
 logger = logging.getLogger(__name__)
 
@@ -43,10 +45,40 @@ def resolve_device(config: EngineConfig) -> torch.device:
     return device
 
 
+def cpu_has_native_bf16() -> bool:
+    """Whether torch runs AVX-512 kernels on a CPU with the BF16 instructions (forcing
+    `ATEN_CPU_CAPABILITY=avx2` answers no, as on an AVX2-only CPU)."""
+    capability = torch.backends.cpu.get_cpu_capability()
+    return capability.startswith("AVX512") and torch.cpu._is_avx512_bf16_supported()
+
+
 def resolve_dtype(config: EngineConfig, device: torch.device) -> torch.dtype:
-    if config.dtype is not None:
+    """The compute dtype: the one asked for, else ("auto") bf16 on CUDA and on CPUs with
+    native bf16, fp32 on other CPUs and for int8 weights (fp32 activations)."""
+    if config.dtype not in (None, "auto"):
         return DTYPES[config.dtype]
-    return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if device.type == "cuda":
+        return torch.bfloat16
+    if config.quantization == "int8" or not cpu_has_native_bf16():
+        return torch.float32
+    return torch.bfloat16
+
+
+def kv_cache_dtype(device: torch.device, dtype: torch.dtype) -> torch.dtype:
+    """The KV cache's dtype, which is also the attention maths' (see docs/benchmarks.md):
+    fp32 on the CPU, where torch's SDPA with bf16 inputs is several times slower than with
+    fp32 at decode, and the model dtype on CUDA (flash-attn reads bf16/fp16)."""
+    return torch.float32 if device.type == "cpu" else dtype
+
+
+def gguf_source(model: str | None) -> Path | None:
+    """The GGUF file the model comes from, None for an HF directory."""
+    from minivllm.models.paths import default_model_path
+
+    if model is None:
+        return default_model_path()
+    path = Path(model).expanduser()
+    return path if path.suffix.lower() == ".gguf" and path.is_file() else None
 
 
 def slot_mapping_for(block_table: list[int], start: int, length: int, block_size: int) -> list[int]:
@@ -153,15 +185,13 @@ class ModelRunner:
         self.model_dir = model_dir
         self.device = resolve_device(config)
         self.dtype = resolve_dtype(config, self.device)
+        self.kv_dtype = kv_cache_dtype(self.device, self.dtype)
         self.block_size = config.block_size
         torch.manual_seed(config.seed)
         self.model, self.hf_config = load_model(
             model_dir, self.dtype, self.device, tp_rank=tp_rank, tp_size=tp_size
         )
-        if config.quantization is not None:
-            check_quantization(config.quantization, self.device, self.dtype)
-            count = quantize_model_int8(self.model)
-            logger.info("int8 weights for %d linear layers", count)
+        self._quantize(tp_size)
         lm_head = getattr(self.model, "lm_head", None)
         if lm_head is not None and hasattr(lm_head, "pack_for_cpu") and lm_head.pack_for_cpu():
             logger.info("LM head: oneDNN-packed fp32 weight")
@@ -183,19 +213,43 @@ class ModelRunner:
         shape = (self.num_kv_blocks, self.block_size, self.num_kv_heads, self.head_dim)
         # Zeros, not empty: padded gathers read unused slots, which must be finite.
         self.kv_caches = [
-            (torch.zeros(shape, dtype=self.dtype, device=self.device),
-             torch.zeros(shape, dtype=self.dtype, device=self.device))
+            (torch.zeros(shape, dtype=self.kv_dtype, device=self.device),
+             torch.zeros(shape, dtype=self.kv_dtype, device=self.device))
             for _ in range(self.num_layers)
         ]
         self.sampler = Sampler(config.seed, self.device, config.eos_token_ids)
         logger.info(
             "KV cache: %d blocks x %d tokens = %d tokens (%.2f GB, %s, %s)",
             self.num_kv_blocks, self.block_size, self.num_kv_blocks * self.block_size,
-            self.num_kv_blocks * self._bytes_per_block() / 1e9, self.device, self.dtype,
+            self.num_kv_blocks * self._bytes_per_block() / 1e9, self.device, self.kv_dtype,
         )
 
+    def _quantize(self, tp_size: int) -> None:
+        """Switch linear layers to the quantized kernels `config.quantization` asks for: by
+        default a GGUF's 4-bit tensors run as packed int4 where the kernel is fast (bf16 on
+        the CPU); "int4" quantizes the other linear layers too; "none" keeps them dense."""
+        method = self.config.quantization
+        if method == "int8":
+            check_quantization(method, self.device, self.dtype)
+            logger.info("int8 weights for %d linear layers", quantize_model_int8(self.model))
+            return
+        if method == "none" or (method is None and tp_size > 1):
+            return
+        if not int4_supported(self.device, self.dtype) or tp_size > 1:
+            if method == "int4":
+                raise ValueError("quantization='int4' runs on the CPU with dtype bfloat16 and "
+                                 f"tensor_parallel_size=1 (got device {self.device.type}, "
+                                 f"dtype {self.dtype}, tensor_parallel_size {tp_size})")
+            return
+        source = gguf_source(self.config.model)
+        count = attach_int4(self.model, read_int4_weights(source)) if source else 0
+        if method == "int4":
+            count += quantize_linear_int4(self.model)
+        logger.info("packed int4 weights for %d linear layers (%s)", count,
+                    "from the GGUF's 4-bit blocks" if source else "quantized at load")
+
     def _bytes_per_block(self) -> int:
-        element = torch.tensor([], dtype=self.dtype).element_size()
+        element = torch.tensor([], dtype=self.kv_dtype).element_size()
         return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * element
 
     def _blocks_from_memory_budget(self) -> int:

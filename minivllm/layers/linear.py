@@ -22,6 +22,7 @@ from torch import nn
 
 from minivllm.distributed import parallel_state
 from minivllm.distributed.heads import shard_heads
+from minivllm.layers.int4 import Int4Weight, PackedInt4, use_int4
 from minivllm.layers.quantization import int8_linear, pack_int8
 
 
@@ -88,6 +89,12 @@ class LinearBase(nn.Module):
         else:
             self.register_parameter("bias", None)
         self.int8_weight: Any = None  # prepacked int8 weight once quantize_int8() has run
+        self.int4_weight: PackedInt4 | None = None  # packed int4 weight once set_int4() has run
+
+    @property
+    def shard_ids(self) -> tuple[int | str | None, ...]:
+        """The checkpoint tensors stacked along the output dim, in order (None: one, whole)."""
+        return (None,)
 
     def weight_loader(
         self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | str | None = None
@@ -109,11 +116,26 @@ class LinearBase(nn.Module):
         """Compute with int8 weights from now on (CPU; see minivllm/layers/quantization.py)."""
         self.int8_weight = pack_int8(self.weight)
 
+    def set_int4(self, weight: Int4Weight) -> None:
+        """Run decode-sized steps on packed int4 weights from now on, `weight` being the whole
+        (unsplit, shards stacked) `[out, in]` one; the dense weight stays for prefill-sized
+        steps (see minivllm/layers/int4.py). Single-process only."""
+        if self.tp_size != 1:
+            raise ValueError("int4 weights are supported with tensor_parallel_size=1 only")
+        if weight.shape != tuple(self.weight.shape):
+            raise ValueError(f"int4 weight of shape {weight.shape} for a {type(self).__name__} "
+                             f"of shape {tuple(self.weight.shape)}")
+        self.int4_weight = PackedInt4(weight, self.weight.dtype)
+
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """`x @ weight.T (+ bias)`, on the int8 weights when quantized."""
-        if self.int8_weight is None:
+        """`x @ weight.T (+ bias)`: on the packed int4 weights for few rows when set, on the
+        int8 weights when quantized, else dense."""
+        if self.int4_weight is not None and use_int4(x.numel() // x.shape[-1]):
+            out = self.int4_weight.matmul(x)
+        elif self.int8_weight is not None:
+            out = int8_linear(x, self.int8_weight)
+        else:
             return F.linear(x, self.weight, bias)
-        out = int8_linear(x, self.int8_weight)
         return out if bias is None else out + bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -168,6 +190,10 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         self.output_sizes = list(output_sizes)
         super().__init__(input_size, sum(output_sizes), bias, tp_size=tp_size, tp_rank=tp_rank)
 
+    @property
+    def shard_ids(self) -> tuple[int | str | None, ...]:
+        return tuple(range(len(self.output_sizes)))
+
     def weight_loader(
         self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | str | None = None
     ) -> None:
@@ -214,6 +240,10 @@ class QKVParallelLinear(ColumnParallelLinear):
         super().__init__(
             hidden_size, output_size, bias, tp_size=tp_size, tp_rank=tp_rank, shard=(0, rows)
         )
+
+    @property
+    def shard_ids(self) -> tuple[int | str | None, ...]:
+        return ("q", "k", "v")
 
     @property
     def q_size(self) -> int:

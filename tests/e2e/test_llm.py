@@ -68,7 +68,7 @@ def greedy(**kw) -> SamplingParams:
 
 @functools.cache
 def cached_llm(model_dir: str, **options) -> LLM:
-    return LLM(model_dir, **options)
+    return LLM(model_dir, dtype="float32", **options)  # the token-exact path HF is held to
 
 
 SCHEDULES = {

@@ -104,7 +104,7 @@ def test_penalised_greedy_matches_the_reference_in_one_mixed_batch(model, option
     scheduling: the small pool preempts and recomputes, and the penalties still count the
     completion generated before the preemption."""
     model_dir = str(request.getfixturevalue(model))
-    llm = LLM(model_dir, **options)
+    llm = LLM(model_dir, dtype="float32", **options)  # the reference is fp32
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(len(MIXED))]
     outs = llm.generate(prompts, MIXED, use_tqdm=False)
     if options:
@@ -117,7 +117,7 @@ def test_penalised_greedy_matches_the_reference_in_one_mixed_batch(model, option
 
 def test_repetition_penalty_matches_hf_generate(tiny_llama_dir):
     model = hf_model(str(tiny_llama_dir))
-    llm = LLM(str(tiny_llama_dir))
+    llm = LLM(str(tiny_llama_dir), dtype="float32")
     for prompt in PROMPTS:
         hf = model.generate(
             torch.tensor([prompt]), max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS,
@@ -130,7 +130,7 @@ def test_repetition_penalty_matches_hf_generate(tiny_llama_dir):
 def test_min_tokens_bans_eos_until_reached(tiny_llama_dir):
     """EOS pushed to the top by a bias: it cannot come before min_tokens, then ends the request
     at once; without min_tokens it is the first token."""
-    llm = LLM(str(tiny_llama_dir))
+    llm = LLM(str(tiny_llama_dir), dtype="float32")
     eos = llm.llm_engine.tokenizer.eos_token_id
     params = SamplingParams(temperature=0, max_tokens=20, min_tokens=5, logit_bias={eos: 100.0})
     [out] = llm.generate([PROMPTS[0]], params, use_tqdm=False)
@@ -143,7 +143,7 @@ def test_min_tokens_bans_eos_until_reached(tiny_llama_dir):
 
 
 def test_logit_bias_outside_the_vocabulary_is_rejected_at_add(tiny_llama_dir):
-    llm = LLM(str(tiny_llama_dir))
+    llm = LLM(str(tiny_llama_dir), dtype="float32")
     with pytest.raises(ValueError, match="logit_bias token id .* outside the vocabulary"):
         llm.llm_engine.add_request(PROMPTS[0], SamplingParams(logit_bias={10**6: 1.0}))
     assert not llm.llm_engine.has_unfinished_requests()

@@ -39,7 +39,7 @@ def test_prompt_logprobs_match_hf(model, schedule, request):
     """Every request of a batch asks for prompt logprobs but one, which gets None; all run
     twice, so the second round would hit the prefix cache: these requests take no hits."""
     model_dir = str(request.getfixturevalue(model))
-    llm = LLM(model_dir, **SCHEDULES[schedule])
+    llm = LLM(model_dir, dtype="float32", **SCHEDULES[schedule])
     params = [
         SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, prompt_logprobs=TOP)
         for _ in PROMPTS
@@ -58,7 +58,7 @@ def test_prompt_logprobs_match_hf(model, schedule, request):
 def test_prompt_logprobs_across_lm_head_slices(tiny_llama_dir, monkeypatch):
     """With 7 rows per LM-head call, one step's samples and prompt rows straddle slices."""
     monkeypatch.setattr(model_runner, "LOGITS_ROWS", 7)
-    llm = LLM(str(tiny_llama_dir))
+    llm = LLM(str(tiny_llama_dir), dtype="float32")
     plain = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
     scored = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, prompt_logprobs=TOP)
     prompts = [[11] * 3, *PROMPTS]
@@ -72,7 +72,8 @@ def test_prompt_logprobs_across_lm_head_slices(tiny_llama_dir, monkeypatch):
 
 
 def test_prompt_logprobs_with_tensor_parallelism(tiny_qwen3_dir):
-    with LLM(str(tiny_qwen3_dir), tensor_parallel_size=2, max_model_len=128) as llm:
+    with LLM(str(tiny_qwen3_dir), tensor_parallel_size=2, max_model_len=128,
+             dtype="float32") as llm:
         params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, prompt_logprobs=TOP)
         outs = llm.generate(PROMPTS[:2], params, use_tqdm=False)
     for prompt, out in zip(PROMPTS[:2], outs, strict=True):

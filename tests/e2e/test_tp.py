@@ -205,15 +205,15 @@ def test_odd_head_layouts_equal_tp1(odd_heads_dirs, layout, tp_size):
 
 
 @pytest.mark.default_model
-def test_tp2_default_model_matches_tp1_and_agrees_on_blocks(default_llm):
+def test_tp2_default_model_matches_tp1_and_agrees_on_blocks(default_llm_fp32):
     """SmolLM2-135M: 9 heads / 3 KV heads split 3+6 / 1+2 over two ranks. Rank 1 holds twice
     rank 0's KV heads, so from the same memory budget it fits half the blocks: the engine
     must use rank 1's count (the all-reduce MIN), or rank 1 would index past its pool."""
     prompts = ["The capital of France is", "Once upon a time"]
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
-    want = tokens(default_llm, prompts, params)
+    want = tokens(default_llm_fp32, prompts, params)
     budget_gb = 0.05
-    with tp_llm(None, max_model_len=256, kv_cache_memory_gb=budget_gb) as llm:
+    with tp_llm(None, max_model_len=256, kv_cache_memory_gb=budget_gb, dtype="float32") as llm:
         assert tokens(llm, prompts, params) == want
         runner = llm.llm_engine.model_runner
         bytes_per_block_rank1 = 2 * 30 * runner.block_size * 2 * 64 * 4  # layers, K+V, fp32

@@ -18,7 +18,7 @@ def test_capital_of_france_is_paris(default_llm):
     assert out.outputs[0].finish_reason == "stop"  # it ended on <|im_end|>, not the limit
 
 
-def test_our_gguf_loading_matches_transformers_gguf_loading(default_llm):
+def test_our_gguf_loading_matches_transformers_gguf_loading(default_llm_fp32):
     """Greedy tokens equal those of transformers' own GGUF loader (its dequant, its
     un-permute, its tokenizer) running HF's Llama on the same file."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -29,7 +29,7 @@ def test_our_gguf_loading_matches_transformers_gguf_loading(default_llm):
                                                     dtype=torch.float32).eval()
     prompts = ["The history of the Roman Empire", "def fibonacci(n):",
                "<|im_start|>user\nName a planet.<|im_end|>\n<|im_start|>assistant\n"]
-    ours = default_llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=16,
+    ours = default_llm_fp32.generate(prompts, SamplingParams(temperature=0.0, max_tokens=16,
                                                         ignore_eos=True), use_tqdm=False)
     for prompt, out in zip(prompts, ours):
         ids = hf_tok(prompt, return_tensors="pt").input_ids

@@ -21,13 +21,13 @@ def test_int8_linear_is_close_to_fp32():
 
 def test_int8_is_refused_where_it_cannot_run():
     with pytest.raises(ValueError, match="quantization"):
-        EngineConfig(quantization="int4")
+        EngineConfig(quantization="int2")
     with pytest.raises(ValueError, match="CPU with dtype float32"):
         check_quantization("int8", torch.device("cpu"), torch.bfloat16)
 
 
 @pytest.mark.default_model
-def test_int8_keeps_the_default_model_within_the_top5_rule(default_llm):
+def test_int8_keeps_the_default_model_within_the_top5_rule(default_llm_fp32):
     """At the first token where int8 and fp32 greedy differ, each one's token is in the
     other's top-5 (vLLM's rule for lower-precision kernels); and it still knows Paris."""
     int8 = LLM(None, num_kv_blocks=256, quantization="int8")
@@ -40,7 +40,7 @@ def test_int8_keeps_the_default_model_within_the_top5_rule(default_llm):
                "Explain photosynthesis:", "1, 2, 3, 4, 5,", "Dear Sir or Madam,",
                "The quick brown fox"]
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=5)
-    fp32_out = default_llm.generate(prompts, params, use_tqdm=False)
+    fp32_out = default_llm_fp32.generate(prompts, params, use_tqdm=False)
     int8_out = int8.generate(prompts, params, use_tqdm=False)
     for a, b in zip(fp32_out, int8_out):
         ta, tb = a.outputs[0].token_ids, b.outputs[0].token_ids

@@ -73,6 +73,7 @@ def tiny_server(tiny_llama_long_dir: Path) -> Iterator[Live]:
         block_size=16,
         max_num_seqs=64,
         device="cpu",
+        dtype="float32",
     )
     yield from _serve(engine, MODEL)
 

@@ -58,10 +58,12 @@ class Attention(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         num_tokens = q.shape[0]
-        q = q.view(num_tokens, self.num_heads, self.head_dim)  # [T, H, D]
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, KVH, D]
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, KVH, D]
         k_cache, v_cache = kv_cache
+        out_dtype = q.dtype
+        # The attention maths run in the cache's dtype (fp32 on the CPU even for bf16 models).
+        q = q.view(num_tokens, self.num_heads, self.head_dim).to(k_cache.dtype)  # [T, H, D]
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim).to(k_cache.dtype)  # [T, KVH, D]
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim).to(k_cache.dtype)  # [T, KVH, D]
         store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         if can_use_flash_attn(q, meta.block_size):
             out = paged_attention_flash(
@@ -79,7 +81,7 @@ class Attention(nn.Module):
                     v.index_select(0, tokens), kv_cache, sub,
                 )
                 out.index_copy_(0, tokens, part)
-        return out.reshape(num_tokens, self.num_heads * self.head_dim)  # [T, H*D]
+        return out.reshape(num_tokens, self.num_heads * self.head_dim).to(out_dtype)  # [T, H*D]
 
     def _attend_sdpa(
         self,

@@ -1,0 +1,69 @@
+"""Where a decode step's time goes: torch.profiler over decode steps of the default model.
+
+Prefills `--batch` random prompts of `--context` tokens, then profiles `--steps` decode steps
+and prints the ms per step of the top ops and of three buckets: the linear layers (dense and
+packed int4 matmuls), the LM head, and everything else (norms, rotary, attention, copies).
+
+    .venv/bin/python benchmarks/decode_profile.py [--batch 1] [--dtype auto] [--quantization Q]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections import defaultdict
+
+import torch
+
+from minivllm import LLM, SamplingParams
+from minivllm.bench.workloads import Workload
+
+MATMUL_OPS = ("aten::_weight_int4pack_mm_for_cpu", "aten::linear", "aten::addmm", "aten::mm",
+              "aten::matmul", "quantized::linear_dynamic", "mkldnn::", "aten::_weight_int8pack_mm")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--context", type=int, default=200)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--quantization", default=None)
+    args = parser.parse_args()
+    llm = LLM(None, dtype=args.dtype, quantization=args.quantization, num_kv_blocks=512)
+    engine = llm.llm_engine
+    prompts, _ = Workload(args.batch, (args.context, args.context), (1, 1)).make(
+        engine.model_runner.vocab_size)
+    for prompt in prompts:
+        engine.add_request(prompt, SamplingParams(max_tokens=args.steps + 8, ignore_eos=True))
+    while any(s.num_cached_tokens < s.num_prompt_tokens for s in engine.scheduler.running) \
+            or engine.scheduler.waiting:
+        engine.step()
+    for _ in range(3):
+        engine.step()  # warm-up decodes
+    start = time.perf_counter()
+    for _ in range(args.steps):
+        engine.step()
+    wall = (time.perf_counter() - start) / args.steps * 1e3
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        for _ in range(args.steps):
+            engine.step()
+    per_op: dict[str, float] = defaultdict(float)
+    for event in prof.key_averages():
+        per_op[event.key] += event.self_cpu_time_total / 1e3 / args.steps
+    runner = engine.model_runner
+    print(f"batch {args.batch}, context {args.context}, dtype {runner.dtype}, KV "
+          f"{runner.kv_dtype}: {wall:.1f} ms per decode step unprofiled "
+          f"({args.batch / wall * 1e3:.1f} tok/s)")
+    matmul = sum(ms for op, ms in per_op.items() if op.startswith(MATMUL_OPS))
+    total = sum(per_op.values())
+    print(f"profiled self time per step: {total:.1f} ms; matmuls {matmul:.1f} ms, "
+          f"other ops {total - matmul:.1f} ms")
+    for op, ms in sorted(per_op.items(), key=lambda kv: -kv[1])[:15]:
+        print(f"  {ms:7.2f} ms  {op}")
+    for seq in list(engine.scheduler.running):
+        engine.abort_request(seq.seq_id)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,71 @@
+"""The linear layers' kernels side by side at SmolLM2-135M's shapes, per row count.
+
+For each row count M (tokens in the step) it times one decoder layer's four projections
+(qkv 576->960, o 576->576, gate_up 576->3072, down 1536->576) and the LM head (576->49152)
+with: dense fp32, dense bf16, and torch's packed int4 weights (groups of 32, a scale and a
+zero each) with bf16 activations (with fp32 activations the kernel is scalar on x86, 8-100x
+slower than dense fp32 in a first run here, so it is left out). It prints microseconds per
+call and the speed-up over fp32, from which `minivllm.layers.int4.INT4_MAX_ROWS` (packed int4
+at or below it, dense bf16 above) is chosen. Run it on each CPU kind:
+
+    .venv/bin/python benchmarks/linear_kernels.py
+    ATEN_CPU_CAPABILITY=avx2 .venv/bin/python benchmarks/linear_kernels.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+SHAPES = {"layer": [(960, 576), (576, 576), (3072, 576), (576, 1536)], "lm_head": [(49152, 576)]}
+GROUP = 32
+INT4_MM = torch.ops.aten._weight_int4pack_mm_for_cpu
+
+
+def timed(fn, repeats: int) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(3):
+        start = time.perf_counter()
+        for _ in range(repeats):
+            fn()
+        best = min(best, (time.perf_counter() - start) / repeats)
+    return best * 1e6
+
+
+def kernels(shapes: list[tuple[int, int]], rows: int):
+    """`{name: callable}` running every shape once per call."""
+    fns: dict[str, list] = {"fp32": [], "bf16": [], "int4 bf16": []}
+    for n, k in shapes:
+        w = torch.randn(n, k) * 0.02
+        q = torch.randint(0, 16, (n, k), dtype=torch.int32)
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 2)
+        sz = torch.rand(k // GROUP, n, 2) * 0.01  # [K/G, N, (scale, zero)]
+        x32 = torch.randn(rows, k)
+        x16, w16, sz16 = x32.bfloat16(), w.bfloat16(), sz.bfloat16()
+        fns["fp32"].append(lambda x=x32, w=w: torch.nn.functional.linear(x, w))
+        fns["bf16"].append(lambda x=x16, w=w16: torch.nn.functional.linear(x, w))
+        fns["int4 bf16"].append(lambda x=x16, p=packed, s=sz16: INT4_MM(x, p, GROUP, s))
+    return {name: (lambda fs=fs: [f() for f in fs]) for name, fs in fns.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=int, nargs="*", default=[1, 2, 4, 8, 16, 32, 64, 256])
+    args = parser.parse_args()
+    print(f"torch {torch.__version__}, CPU capability {torch.backends.cpu.get_cpu_capability()}, "
+          f"{torch.get_num_threads()} threads; us per call (speed-up over fp32)")
+    with torch.inference_mode():
+        for part, shapes in SHAPES.items():
+            for rows in args.rows:
+                repeats = max(3, 2000 // rows) if part == "layer" else max(2, 200 // rows)
+                times = {name: timed(fn, repeats) for name, fn in kernels(shapes, rows).items()}
+                cells = ", ".join(f"{name} {t:8.0f} ({times['fp32'] / t:4.1f}x)"
+                                  for name, t in times.items())
+                print(f"{part:>7} M={rows:<4} {cells}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,72 @@
+"""Packed int4 weights: quantization error bounded, the CPU kernel equal to the dense matmul
+of the same (dequantized) weights, and the linear layer's dispatch by row count."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from minivllm.layers.int4 import (
+    GROUP_SIZE,
+    INT4_MAX_ROWS,
+    PackedInt4,
+    int4_supported,
+    quantize_int4,
+)
+from minivllm.layers.linear import MergedColumnParallelLinear, RowParallelLinear
+
+needs_int4 = pytest.mark.skipif(
+    not int4_supported(torch.device("cpu"), torch.bfloat16), reason="no int4 CPU kernel"
+)
+
+
+def test_quantize_int4_error_is_within_half_a_step_per_group():
+    w = torch.randn(48, 128, generator=torch.Generator().manual_seed(0))
+    q = quantize_int4(w)
+    assert q.codes.dtype == torch.uint8 and int(q.codes.max()) <= 15
+    assert q.scales.shape == (48, 128 // GROUP_SIZE)
+    step = q.scales.repeat_interleave(GROUP_SIZE, dim=1)  # [48, 128]
+    assert ((q.dequantize() - w).abs() <= step / 2 + 1e-6).all()
+
+
+def test_quantize_int4_refuses_a_ragged_input_size():
+    with pytest.raises(ValueError, match="multiple of 32"):
+        quantize_int4(torch.randn(4, 40))
+
+
+@needs_int4
+@pytest.mark.parametrize("rows", [1, 3, 17])
+def test_packed_int4_matmul_equals_dense_matmul_of_the_same_weights(rows: int):
+    gen = torch.Generator().manual_seed(rows)
+    q = quantize_int4(torch.randn(96, 256, generator=gen) * 0.05)
+    x = torch.randn(rows, 256, generator=gen).bfloat16()
+    got = PackedInt4(q).matmul(x)
+    want = x.float() @ q.dequantize().t()
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, 96)
+    torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2)
+
+
+@needs_int4
+def test_linear_layer_uses_int4_for_decode_rows_and_dense_for_prefill_rows():
+    """Shards stacked as the fused layer stacks them; few rows go through the int4 kernel,
+    many through the dense weight (which here differs on purpose, to tell them apart)."""
+    torch.manual_seed(0)
+    layer = MergedColumnParallelLinear(64, [32, 32]).to(torch.bfloat16)
+    gate, up = torch.randn(32, 64) * 0.1, torch.randn(32, 64) * 0.1
+    layer.weight.data.copy_(torch.cat([gate, up]))
+    q = quantize_int4(torch.cat([gate, up]))
+    layer.set_int4(q)
+    layer.weight.data.zero_()  # only the int4 path can give a non-zero output now
+    few = torch.randn(INT4_MAX_ROWS, 64).bfloat16()
+    many = torch.randn(INT4_MAX_ROWS + 1, 64).bfloat16()
+    torch.testing.assert_close(layer(few).float(), few.float() @ q.dequantize().t(),
+                               rtol=2e-2, atol=2e-2)
+    assert layer(many).abs().max() == 0
+
+
+def test_int4_weights_of_the_wrong_shape_or_with_tensor_parallelism_are_refused():
+    layer = RowParallelLinear(64, 32)
+    with pytest.raises(ValueError, match="shape"):
+        layer.set_int4(quantize_int4(torch.randn(32, 96)))
+    with pytest.raises(ValueError, match="tensor_parallel_size=1"):
+        RowParallelLinear(64, 32, tp_size=2, tp_rank=0).set_int4(quantize_int4(torch.randn(32, 32)))

@@ -10,6 +10,7 @@ pay nothing.
 
 from __future__ import annotations
 
+import os
 from collections import OrderedDict
 from typing import Any
 
@@ -21,6 +22,7 @@ from minivllm.sampling_params import SamplingParams
 from minivllm.structured.grammar import GrammarError, compile_grammar
 
 _PRISTINE_CACHE = 64  # compiled matchers kept, copied per request
+_MASK_THREADS = min(4, os.cpu_count() or 1)  # masks filled in parallel (batches of 2+)
 
 
 class GrammarMatcher:
@@ -73,9 +75,12 @@ class StructuredOutputs:
         if not rows:
             return None
         bitmask = llnp.allocate_token_bitmask(len(matchers), self.vocab_size)
-        if self._executor is None:
-            self._executor = llguidance.LLExecutor()
-        llnp.fill_next_token_bitmask_par(self._executor, rows, bitmask)
+        if len(rows) == 1:  # one request: no thread pool to wake
+            llnp.fill_next_token_bitmask(rows[0][0], bitmask, rows[0][1])
+        else:
+            if self._executor is None:
+                self._executor = llguidance.LLExecutor(num_threads=_MASK_THREADS)
+            llnp.fill_next_token_bitmask_par(self._executor, rows, bitmask)
         words = bitmask.view(np.uint32)  # [rows, ceil(vocab / 32)], the same bits
         for _, i in rows:
             if not words[i].any():  # never leave a request with no token at all: let it end

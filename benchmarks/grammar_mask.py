@@ -125,7 +125,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 16])
     parser.add_argument("--steps", type=int, default=64)
+    parser.add_argument("--torch-threads", type=int, default=None,
+                        help="torch's intra-op threads (1: steadier on a loaded machine)")
     args = parser.parse_args()
+    if args.torch_threads is not None:
+        torch.set_num_threads(args.torch_threads)
     tokenizer = load_tokenizer(resolve_model_dir(None))
     vocab = len(tokenizer)
     print(f"vocab {vocab}, {args.steps} steps, ms per step (median)")

@@ -149,6 +149,12 @@ def _uniforms(batch: SamplingBatch, device: torch.device,
     return u
 
 
+def _in_min_tokens(batch: SamplingBatch, row: int) -> bool:
+    """Row `row` has not generated its min_tokens yet (EOS and stop tokens are banned)."""
+    p = batch.params[row]
+    return bool(p.min_tokens) and batch.positions[row] - batch.num_prompt_tokens[row] < p.min_tokens
+
+
 def sample_from(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """Invert each row's CDF at `u`: [N, V] probabilities, [N] uniforms -> [N] token ids.
 
@@ -203,6 +209,8 @@ class Sampler:
             return self._adjust(logits, batch)
         masked = apply_token_bitmask(logits, batch.token_bitmask)  # [N, V]
         adjusted = self._adjust(masked, batch)
+        if not any(_in_min_tokens(batch, row) for row in range(len(batch.params))):
+            return adjusted  # bias and penalties keep finite logits finite: no row can die
         dead = torch.isneginf(adjusted).all(dim=-1)  # [N]
         return torch.where(dead.unsqueeze(-1), masked, adjusted)
 
@@ -216,7 +224,7 @@ class Sampler:
                 bias_rows += [row] * len(p.logit_bias)
                 bias_cols += list(p.logit_bias)
                 bias_values += list(p.logit_bias.values())
-            if p.min_tokens and batch.positions[row] - batch.num_prompt_tokens[row] < p.min_tokens:
+            if _in_min_tokens(batch, row):
                 stops = set(p.stop_token_ids) | set(() if p.ignore_eos else self.eos_token_ids)
                 banned = [t for t in stops if t < vocab]
                 ban_rows += [row] * len(banned)

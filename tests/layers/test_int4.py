@@ -8,8 +8,8 @@ import torch
 
 from minivllm.layers.int4 import (
     GROUP_SIZE,
-    INT4_MAX_ROWS,
     PackedInt4,
+    int4_max_rows,
     int4_supported,
     quantize_int4,
 )
@@ -57,8 +57,8 @@ def test_linear_layer_uses_int4_for_decode_rows_and_dense_for_prefill_rows():
     q = quantize_int4(torch.cat([gate, up]))
     layer.set_int4(q)
     layer.weight.data.zero_()  # only the int4 path can give a non-zero output now
-    few = torch.randn(INT4_MAX_ROWS, 64).bfloat16()
-    many = torch.randn(INT4_MAX_ROWS + 1, 64).bfloat16()
+    few = torch.randn(int4_max_rows(), 64).bfloat16()
+    many = torch.randn(int4_max_rows() + 1, 64).bfloat16()
     torch.testing.assert_close(layer(few).float(), few.float() @ q.dequantize().t(),
                                rtol=2e-2, atol=2e-2)
     assert layer(many).abs().max() == 0

@@ -124,17 +124,19 @@ _PARTS = ("codes", "scales", "zeros")
 
 
 def read_int4_weights_cached(gguf_path: str | Path) -> dict[str, Int4Weight]:
-    """`read_int4_weights`, read once and then kept as `int4.safetensors` in the converter's
-    cache directory of this file (when it exists), written atomically."""
+    """`read_int4_weights`, read once and then kept as `int4/weights.safetensors` in the
+    converter's cache directory of this file (when it exists), written atomically."""
     from safetensors.torch import load_file, save_file
 
-    path = cached_dir_for(gguf_path) / "int4.safetensors"
+    # In a subdirectory: the dense loader reads every *.safetensors of the model directory.
+    path = cached_dir_for(gguf_path) / "int4" / "weights.safetensors"
     if path.is_file():
         flat = load_file(str(path))
         names = {key.rsplit(".", 1)[0] for key in flat}
         return {name: Int4Weight(*(flat[f"{name}.{part}"] for part in _PARTS)) for name in names}
     weights = read_int4_weights(gguf_path)
-    if path.parent.is_dir():
+    if path.parent.parent.is_dir():
+        path.parent.mkdir(exist_ok=True)
         flat = {f"{name}.{part}": getattr(w, part).contiguous()
                 for name, w in weights.items() for part in _PARTS}
         tmp = path.with_name(f".int4.tmp-{os.getpid()}")

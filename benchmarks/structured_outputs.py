@@ -2,7 +2,7 @@
 
 Offline (`LLM.generate`) on the default model, so the numbers are the engine's, not HTTP's:
 the same prompts and sampling with `structured_outputs=None` and with a schema whose output
-never ends early (an unbounded array of objects), every request running to max_tokens.
+cannot end early (50 objects at least), every request running to max_tokens.
 Runs alternate (free, constrained) `--repeats` times; prints the best of each.
 
     python benchmarks/structured_outputs.py --concurrency 1 16 --max-tokens 64
@@ -16,15 +16,16 @@ import time
 from minivllm import LLM, SamplingParams
 from minivllm.sampling_params import StructuredOutputsParams
 
+# An object whose one string must be long: the output cannot end before max_tokens, so both
+# runs generate the same number of tokens.
 SCHEMA = {
-    "type": "array",
-    "items": {
-        "type": "object",
-        "properties": {"id": {"type": "integer"}, "name": {"type": "string"},
-                       "ok": {"type": "boolean"}},
-        "required": ["id", "name", "ok"],
-        "additionalProperties": False,
-    },
+    "type": "object",
+    "properties": {"notes": {"type": "array", "minItems": 50,
+                             "items": {"type": "object",
+                                       "properties": {"id": {"type": "integer"},
+                                                      "text": {"type": "string"}},
+                                       "required": ["id", "text"]}}},
+    "required": ["notes"],
 }
 
 
@@ -38,7 +39,9 @@ def run(llm: LLM, concurrency: int, max_tokens: int, spec: StructuredOutputsPara
     start = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - start
-    return sum(len(o.outputs[0].token_ids) for o in outs) / elapsed
+    tokens = [len(o.outputs[0].token_ids) for o in outs]
+    assert all(n == max_tokens for n in tokens), tokens  # no early end: like for like
+    return sum(tokens) / elapsed
 
 
 def main() -> None:

@@ -113,6 +113,36 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return run_bench(args, engine_options(args))
 
 
+def add_serve_parser(sub: Any) -> None:
+    """`minivllm serve [MODEL]`: the server's flags, then the engine's."""
+    p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server")
+    p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                   help="the model, as `vllm serve MODEL` (same as --model)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
+    p.add_argument("--served-model-name", default=None,
+                   help="the model name clients use (default: the model path's name)")
+    p.add_argument("--max-waiting-requests", type=int, default=1024,
+                   help="answer 503 when this many requests are already waiting")
+    p.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024,
+                   help="answer 413 to a request body larger than this")
+    p.add_argument("--shutdown-timeout", type=float, default=5.0,
+                   help="seconds in-flight requests get to finish on SIGTERM/Ctrl-C")
+    p.add_argument("--lab", action="store_true",
+                   help="record the engine between steps and show it live at /lab")
+    p.add_argument("--chat-template", default=None,
+                   help="a Jinja chat template (a file, or the template itself) for the model's")
+    p.add_argument("--chat-template-kwargs", default=None, metavar="JSON",
+                   help='default chat-template variables, e.g. \'{"enable_thinking": false}\'')
+    p.add_argument("--reasoning-parser", default=None, choices=["qwen3", "deepseek_r1"],
+                   help="split <think>...</think> into message.reasoning_content")
+    p.add_argument("--allowed-origins", nargs="+", default=None, metavar="ORIGIN",
+                   help="browser origins CORS lets in ('*' for any); none by default")
+    add_engine_options(p)
+    p.set_defaults(func=cmd_serve)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="minivllm", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
@@ -138,30 +168,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_options(p)
     p.set_defaults(func=cmd_demo)
 
-    p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server")
-    p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
-                   help="the model, as `vllm serve MODEL` (same as --model)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
-    p.add_argument("--served-model-name", default=None,
-                   help="the model name clients use (default: the model path's name)")
-    p.add_argument("--max-waiting-requests", type=int, default=1024,
-                   help="answer 503 when this many requests are already waiting")
-    p.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024,
-                   help="answer 413 to a request body larger than this")
-    p.add_argument("--shutdown-timeout", type=float, default=5.0,
-                   help="seconds in-flight requests get to finish on SIGTERM/Ctrl-C")
-    p.add_argument("--lab", action="store_true",
-                   help="record the engine between steps and show it live at /lab")
-    p.add_argument("--chat-template", default=None,
-                   help="a Jinja chat template (a file, or the template itself) for the model's")
-    p.add_argument("--chat-template-kwargs", default=None, metavar="JSON",
-                   help='default chat-template variables, e.g. \'{"enable_thinking": false}\'')
-    p.add_argument("--reasoning-parser", default=None, choices=["qwen3", "deepseek_r1"],
-                   help="split <think>...</think> into message.reasoning_content")
-    add_engine_options(p)
-    p.set_defaults(func=cmd_serve)
+    add_serve_parser(sub)
 
     p = sub.add_parser("lab", help="the Engine Lab: step the real engine in your browser")
     p.add_argument("--host", default="127.0.0.1")

@@ -19,6 +19,7 @@ Pure Python: no torch here.
 from __future__ import annotations
 
 import itertools
+import logging
 import threading
 import time
 from collections import deque
@@ -31,6 +32,8 @@ from minivllm.engine.llm_engine import LLMEngine
 from minivllm.engine.scheduler import ScheduledBatch
 from minivllm.engine.sequence import Sequence
 from minivllm.outputs import RequestOutput
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_HISTORY = 300  # frames kept for the page's pause-and-scrub
 
@@ -118,7 +121,10 @@ class LiveRecorder:
         preempted = tuple(_name(s, request_ids) for s in batch.preempted)
         record = StepRecord(self._steps, prefill, decode, len(scheduled), seconds, preempted,
                             scheduled)
-        self._photograph(engine, request_ids, record)
+        try:
+            self._photograph(engine, request_ids, record)
+        except Exception:  # a missed photo must never cost the step's outputs
+            logger.exception("the live lab could not record step %d", self._steps)
         return outputs
 
     def snapshot(self, engine: LLMEngine, request_ids: Mapping[int, str]) -> None:

@@ -23,6 +23,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from fastapi import APIRouter, FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
@@ -47,12 +48,14 @@ def create_app(
     max_waiting_requests: int | None = DEFAULT_MAX_WAITING_REQUESTS,
     lab: bool = False,
     chat: ChatOptions | None = None,
+    allowed_origins: list[str] | None = None,
 ) -> FastAPI:
     """An OpenAI-compatible app serving `engine`. Its engine thread starts with the app's
     lifespan and stops with it; `app.state.server` is the OpenAIServer (tests read it).
     `lab`: record the engine between steps and serve the live lab page at /lab (without it
     nothing is recorded and /lab is 404). `chat`: the server's chat template, template kwargs
-    and reasoning parser."""
+    and reasoning parser. `allowed_origins`: the browser origins CORS lets in (["*"]: any).
+    """
     name = served_model_name or _default_name(engine)
     recorder = None
     if lab:
@@ -75,6 +78,9 @@ def create_app(
     app = FastAPI(title="minivllm", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.server = server
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=max_body_bytes)
+    if allowed_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=allowed_origins, allow_methods=["*"],
+                           allow_headers=["*"])
     install_error_handlers(app)
     app.include_router(openai_routes(server))
     if recorder is not None:

@@ -88,6 +88,7 @@ def serve(args: argparse.Namespace, engine_options: dict[str, Any]) -> int:
         graceful_shutdown_s=_or(getattr(args, "shutdown_timeout", None), 5.0),
         lab=bool(getattr(args, "lab", False)),
         chat=chat_options(args),
+        allowed_origins=getattr(args, "allowed_origins", None),
     )
     return 0
 
@@ -124,6 +125,7 @@ def run_server(
     graceful_shutdown_s: float = 5.0,
     lab: bool = False,
     chat: ChatOptions | None = None,
+    allowed_origins: list[str] | None = None,
 ) -> None:
     """Build an engine from `engine_options` (LLMEngine.from_options) and serve it until
     SIGINT or SIGTERM. In-flight requests get `graceful_shutdown_s` to finish; the rest end
@@ -140,6 +142,7 @@ def run_server(
         max_waiting_requests=max_waiting_requests,
         lab=lab,
         chat=chat,
+        allowed_origins=allowed_origins,
     )
     name = app.state.server.served_model_name
     logger.info("serving %r on http://%s:%d/v1", name, host, port)

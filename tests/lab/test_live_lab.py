@@ -12,6 +12,10 @@ import contextlib
 import os
 import re
 import shutil
+import signal
+import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -179,6 +183,44 @@ def test_snapshots_keep_the_invariants_and_show_preemption(live: LiveServer) -> 
     assert any(r and r["status"] == "RUNNING" for r in history[at + 1:]) or at == len(frames) - 1
 
 
+def test_cli_serve_lab(tiny_llama_dir: Path) -> None:
+    """The real `minivllm serve --lab --api-key` in a subprocess: the page and the API on the
+    server's own port, the key enforced; SIGTERM stops it cleanly."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    cli = Path(sys.executable).parent / "minivllm"
+    cmd = [str(cli), "serve", "--lab", "--api-key", KEY, "--model", str(tiny_llama_dir),
+           "--served-model-name", MODEL, "--port", str(port), "--device", "cpu",
+           "--num-kv-blocks", "32", "--max-model-len", "64"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env)
+    base = f"http://127.0.0.1:{port}"
+    auth = {"Authorization": f"Bearer {KEY}"}
+    try:
+        deadline = time.monotonic() + 90
+        while True:
+            assert proc.poll() is None, proc.stderr.read()
+            with contextlib.suppress(httpx.TransportError):
+                if httpx.get(f"{base}/health", timeout=1).status_code == 200:
+                    break
+            assert time.monotonic() < deadline, "the server did not become healthy"
+            time.sleep(0.1)
+        body = {"model": MODEL, "prompt": "Hello", "max_tokens": 3}
+        r = httpx.post(f"{base}/v1/completions", json=body, headers=auth, timeout=60)
+        assert r.status_code == 200
+        assert httpx.get(f"{base}/lab").status_code == 200
+        assert httpx.get(f"{base}/lab/api/live").status_code == 401
+        snap = httpx.get(f"{base}/lab/api/live", headers=auth).json()
+        check_snapshot(snap)
+        assert snap["step"] >= 3 and snap["requests"] == []
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    assert f"live Engine Lab on http://127.0.0.1:{port}/lab" in err
+
 # ---- the page in headless Chromium --------------------------------------------------------
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
@@ -251,8 +293,11 @@ def test_page_shows_a_preemption_and_follows_its_request(live: LiveServer, brows
     from playwright.sync_api import expect
 
     with open_page(browser, live, KEY) as page:
+        shot = os.environ.get("MINIVLLM_LAB_SCREENSHOT") == "1"
         with live.load(concurrency=6):
             expect(page.get_by_test_id("preempt-mark").first).to_be_attached(timeout=30_000)
+            while shot and int(page.get_by_test_id("live-step").inner_text()) < 80:
+                time.sleep(0.1)  # the picture for the README: a longer timeline
             page.get_by_test_id("btn-pause").click()
         mark = page.get_by_test_id("preempt-mark").first
         victim = mark.get_attribute("data-requests").split()[0]
@@ -262,7 +307,9 @@ def test_page_shows_a_preemption_and_follows_its_request(live: LiveServer, brows
         expect(page.locator('[data-testid="history-row"][data-event="ev_preempted"]')).not_to_have_count(0)
         expect(page.get_by_test_id("history-preempt").first).to_be_attached()
         expect(page.get_by_test_id("timeline").locator(".col.at")).to_have_count(1)
-        if os.environ.get("MINIVLLM_LAB_SCREENSHOT") == "1":
+        if shot:
+            marks = page.get_by_test_id("preempt-mark")
+            marks.nth(marks.count() // 2).dispatch_event("click")
             page.screenshot(path=str(DOCS_SHOT), full_page=True)
         page.get_by_test_id("lang-toggle").click()
         expect(page.get_by_test_id("mode")).to_have_text("已暂停")

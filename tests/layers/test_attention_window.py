@@ -2,7 +2,8 @@
 
 Guards: a window off by one (HF's `kv_idx > q_idx - window`), a window measured from the chunk
 instead of the sequence position, padded query rows left fully masked (NaN), soft-capping
-applied after the mask or not at all, and the lone-prefill shortcut skipping the window.
+applied after the mask or not at all, the lone-prefill shortcut skipping the window, and a
+windowed gather (only the keys a window can see) that misses one.
 """
 
 import math
@@ -115,3 +116,18 @@ def test_window_mask_never_leaves_a_padded_row_empty() -> None:
 def test_bad_window_is_refused() -> None:
     with pytest.raises(ValueError, match="sliding_window"):
         Attention(4, 2, 8, 1.0, sliding_window=0)
+
+
+def test_window_gathers_only_the_keys_it_can_see() -> None:
+    """Decodes deep into long sequences beside a prefill chunk: a window of 4 gathers
+    `4 - 1 + max_query_len` keys per sequence, not the whole sequence, and still matches the
+    reference."""
+    context_lens, query_lens = [200, 97, 150], [1, 1, 6]
+    meta, _ = make_attention_metadata(
+        [list(range(i * 60, i * 60 + 60)) for i in range(3)], context_lens, query_lens, 4
+    )
+    index, mask = meta.kv_view(4)
+    assert index.shape == (3, 4 - 1 + 6) and mask.shape == (3, 1, 6, 9)
+    assert meta.kv_view(None)[0].shape == (3, 201)
+    run_batch(context_lens, query_lens, 4, (4, 2), 4, None)
+    run_batch(context_lens, query_lens, 4, (4, 2), 4, 1.5)

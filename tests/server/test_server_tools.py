@@ -206,3 +206,12 @@ def test_serve_takes_the_model_positionally_and_the_chat_flags(tmp_path: Path) -
     args.chat_template_kwargs = "{nope"
     with pytest.raises(SystemExit, match="not valid JSON"):
         chat_options(args)
+
+
+def test_cors_only_when_asked(tiny_llama_dir: Path) -> None:
+    engine = LLMEngine.from_options(model=str(tiny_llama_dir), max_model_len=256, device="cpu")
+    preflight = {"Origin": "http://example.com", "Access-Control-Request-Method": "POST"}
+    for origins, allowed in [(None, None), (["http://example.com"], "http://example.com")]:
+        with ServerThread(create_app(engine, "t", allowed_origins=origins)) as thread:
+            r = httpx.options(f"{thread.base_url}/v1/completions", headers=preflight)
+            assert r.headers.get("access-control-allow-origin") == allowed

@@ -182,7 +182,10 @@ function renderHistory() {
     $("history").replaceChildren();
     return;
   }
-  const rows = S.frames.map((f, i) => [i, f.requests.find((r) => r.request_id === id) || null, f.step, f]);
+  const all = S.frames.map((f, i) => [i, f.requests.find((r) => r.request_id === id) || null, f.step, f]);
+  // its lifetime within the buffer, with the frame after it left (its finish)
+  const seen = all.filter(([, r]) => r).map(([i]) => i);
+  const rows = seen.length ? all.slice(Math.max(0, seen[0] - 1), seen[seen.length - 1] + 2) : [];
   const preemptedAt = new Set(S.frames.filter((f) => f.timeline && f.timeline.preempted.includes(id)).map((f) => f.step));
   $("history-chart").replaceChildren(historyChart(rows, preemptedAt, viewed(), pause));
   const head = h("tr", {}, ["step", "status", "num_tokens", "num_cached_tokens", t("planned"), "block_table", t("event")].map((c) => h("th", { text: c })));

@@ -40,8 +40,10 @@ class AttentionMetadata:
     _scratch: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = field(
         default_factory=dict, init=False, repr=False
     )
-    # Per-step sliding-window masks, keyed by window; see mask_for.
-    _window_masks: dict[int, torch.Tensor] = field(default_factory=dict, init=False, repr=False)
+    # Per-step sliding-window gather indices and masks, keyed by window; see kv_view.
+    _window_views: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(
+        default_factory=dict, init=False, repr=False
+    )
 
     @property
     def num_seqs(self) -> int:
@@ -83,17 +85,30 @@ class AttentionMetadata:
             self.query_lens, self.seq_lens, self.max_query_len, self.max_seq_len
         )
 
-    def mask_for(self, sliding_window: int | None) -> torch.Tensor:
-        """`attn_mask`, or for a sliding-window layer the same causal mask cut to each query's
-        last `sliding_window` keys (itself included); built once per step and window."""
+    def kv_view(self, sliding_window: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """What a layer gathers and how it masks it: `(index [num_seqs, kv_len], mask
+        [num_seqs, 1, max_query_len, kv_len])`, built once per step and window.
+
+        Without a window (or one no query outgrows) it is `(kv_gather_index, attn_mask)`. With
+        one, each sequence's gather starts `sliding_window - 1` keys before its first query,
+        so `kv_len` is at most `sliding_window - 1 + max_query_len`, however long the sequence:
+        the keys every window has left behind are neither gathered nor scored.
+        """
         if sliding_window is None or sliding_window >= self.max_seq_len:
-            return self.attn_mask
-        if sliding_window not in self._window_masks:
-            self._window_masks[sliding_window] = paged_causal_mask(
-                self.query_lens, self.seq_lens, self.max_query_len, self.max_seq_len,
-                sliding_window,
-            )
-        return self._window_masks[sliding_window]
+            return self.kv_gather_index, self.attn_mask
+        if sliding_window not in self._window_views:
+            if sliding_window - 1 + self.max_query_len >= self.max_seq_len:
+                view = self.kv_gather_index, paged_causal_mask(
+                    self.query_lens, self.seq_lens, self.max_query_len, self.max_seq_len,
+                    sliding_window,
+                )
+            else:
+                view = windowed_kv_view(
+                    self.block_tables, self.query_lens, self.seq_lens, self.max_query_len,
+                    sliding_window, self.block_size,
+                )
+            self._window_views[sliding_window] = view
+        return self._window_views[sliding_window]
 
     @cached_property
     def query_pad_index(self) -> torch.Tensor:
@@ -107,14 +122,17 @@ class AttentionMetadata:
         """One sequence whose cache holds nothing but this step's tokens."""
         return self.num_seqs == 1 and self.seq_lens_cpu[0] == self.query_lens_cpu[0]
 
-    def kv_gather_buffers(self, k_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Two `[num_seqs * max_seq_len, KVH, D]` tensors to gather K and V into, allocated
-        once per step and reused by every layer: on the CPU a fresh allocation this large per
-        layer costs more in page faults than the gather itself."""
+    def kv_gather_buffers(
+        self, k_cache: torch.Tensor, kv_len: int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Two `[num_seqs * kv_len, KVH, D]` tensors (`kv_len` defaults to `max_seq_len`) to
+        gather K and V into, allocated once per step and reused by every layer: on the CPU a
+        fresh allocation this large per layer costs more in page faults than the gather."""
         num_kv_heads, head_dim = k_cache.shape[-2:]
-        key = (num_kv_heads, head_dim, k_cache.dtype, k_cache.device)
+        kv_len = self.max_seq_len if kv_len is None else kv_len
+        key = (num_kv_heads, head_dim, k_cache.dtype, k_cache.device, kv_len)
         if key not in self._scratch:
-            shape = (self.num_seqs * self.max_seq_len, num_kv_heads, head_dim)
+            shape = (self.num_seqs * kv_len, num_kv_heads, head_dim)
             self._scratch[key] = (k_cache.new_empty(shape), k_cache.new_empty(shape))
         return self._scratch[key]
 
@@ -210,6 +228,38 @@ def paged_causal_mask(
         # A padded row's position can lie past every key its window would reach.
         mask |= (rows >= query_lens[:, None, None]) & (k_pos == 0)
     return mask.unsqueeze(1)  # [num_seqs, 1, max_query_len, max_seq_len]
+
+
+def windowed_kv_view(
+    block_tables: torch.Tensor,
+    query_lens: torch.Tensor,
+    seq_lens: torch.Tensor,
+    max_query_len: int,
+    sliding_window: int,
+    block_size: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gather index `[num_seqs, kv_len]` and mask `[num_seqs, 1, max_query_len, kv_len]` of a
+    sliding-window layer, `kv_len = sliding_window - 1 + max_query_len`: key `j` of sequence
+    `s` is position `start[s] + j`, `start[s]` the first position its first query can see.
+
+    Positions past the sequence are clamped to its last token (only written slots are read)
+    and masked by causality; padded query rows see key 0, so no row is fully masked.
+    """
+    device = seq_lens.device
+    kv_len = sliding_window - 1 + max_query_len
+    context_lens = seq_lens - query_lens  # [num_seqs]
+    starts = (context_lens - (sliding_window - 1)).clamp(min=0)  # [num_seqs]
+    keys = torch.arange(kv_len, device=device)[None, :]  # [1, kv_len]
+    k_pos = starts[:, None] + keys  # [num_seqs, kv_len]
+    clamped = torch.minimum(k_pos, seq_lens[:, None] - 1)
+    blocks = block_tables.gather(1, clamped // block_size)  # [num_seqs, kv_len]
+    index = blocks * block_size + clamped % block_size
+    rows = torch.arange(max_query_len, device=device)[None, :, None]  # [1, max_query_len, 1]
+    q_pos = context_lens[:, None, None] + rows  # [num_seqs, max_query_len, 1]
+    k_pos = k_pos[:, None, :]  # [num_seqs, 1, kv_len]
+    mask = (k_pos <= q_pos) & (k_pos > q_pos - sliding_window)
+    mask |= (rows >= query_lens[:, None, None]) & (keys[:, None, :] == 0)
+    return index, mask.unsqueeze(1)  # [S, kv_len], [S, 1, max_query_len, kv_len]
 
 
 def query_pad_index(

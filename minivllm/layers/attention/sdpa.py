@@ -39,14 +39,15 @@ def paged_attention_sdpa(
     scores soft-capped at `softcap` when given. Returns `[num_tokens, num_heads, head_dim]`."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[-2]
-    num_seqs, max_q, max_kv = meta.num_seqs, meta.max_query_len, meta.max_seq_len
-    gather = meta.kv_gather_index.view(-1)  # [S * max_kv]
-    k_buf, v_buf = meta.kv_gather_buffers(k_cache)
+    num_seqs, max_q = meta.num_seqs, meta.max_query_len
+    index, mask = meta.kv_view(sliding_window)  # a window gathers only the keys it can see
+    max_kv = index.shape[1]
+    gather = index.view(-1)  # [S * max_kv]
+    k_buf, v_buf = meta.kv_gather_buffers(k_cache, max_kv)
     k = torch.index_select(k_cache.view(-1, num_kv_heads, head_dim), 0, gather, out=k_buf)
     v = torch.index_select(v_cache.view(-1, num_kv_heads, head_dim), 0, gather, out=v_buf)
     k = k.view(num_seqs, max_kv, num_kv_heads, head_dim)  # [S, max_kv, KVH, D]
     v = v.view(num_seqs, max_kv, num_kv_heads, head_dim)  # [S, max_kv, KVH, D]
-    mask = meta.mask_for(sliding_window)
 
     if meta.is_decode_only:
         # One query per sequence: fold each KV head's group of query heads into the query

@@ -3,7 +3,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run test test-quick install lint clean
+.PHONY: run test test-quick test-avx2 install lint clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -24,6 +24,10 @@ test: $(STAMP)
 # The edit-test loop: the package layout, the engine core on the fake runner, the layers.
 test-quick: $(STAMP)
 	$(PY) -m pytest -q tests/package tests/engine tests/layers
+
+# The other CPU kind on an AVX-512 machine: torch's AVX2 kernels forced (dtype "auto" is then fp32).
+test-avx2: $(STAMP)
+	ATEN_CPU_CAPABILITY=avx2 $(PY) -m pytest -q tests/layers tests/models
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check minivllm tests

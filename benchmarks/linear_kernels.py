@@ -6,10 +6,10 @@ with: dense fp32, dense bf16, and torch's packed int4 weights (groups of 32, a s
 zero each) with bf16 activations (with fp32 activations the kernel is scalar on x86, 8-100x
 slower than dense fp32 in a first run here, so it is left out). It prints microseconds per
 call and the speed-up over fp32, from which `minivllm.layers.int4.INT4_MAX_ROWS` (packed int4
-at or below it, dense bf16 above) is chosen. Run it on each CPU kind:
+at or below it, dense bf16 above) is chosen for each CPU kind. Run it on each CPU kind:
 
-    .venv/bin/python benchmarks/linear_kernels.py
-    ATEN_CPU_CAPABILITY=avx2 .venv/bin/python benchmarks/linear_kernels.py
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/linear_kernels.py
+    OMP_NUM_THREADS=1 ATEN_CPU_CAPABILITY=avx2 .venv/bin/python benchmarks/linear_kernels.py
 """
 
 from __future__ import annotations
@@ -28,10 +28,10 @@ def timed(fn, repeats: int) -> float:
     fn()
     best = float("inf")
     for _ in range(3):
-        start = time.perf_counter()
+        start = time.process_time()  # CPU time: the shared machine's wall clock is its load
         for _ in range(repeats):
             fn()
-        best = min(best, (time.perf_counter() - start) / repeats)
+        best = min(best, (time.process_time() - start) / repeats)
     return best * 1e6
 
 
@@ -60,7 +60,7 @@ def main() -> None:
     with torch.inference_mode():
         for part, shapes in SHAPES.items():
             for rows in args.rows:
-                repeats = max(3, 2000 // rows) if part == "layer" else max(2, 200 // rows)
+                repeats = max(3, 400 // rows) if part == "layer" else max(2, 40 // rows)
                 times = {name: timed(fn, repeats) for name, fn in kernels(shapes, rows).items()}
                 cells = ", ".join(f"{name} {t:8.0f} ({times['fp32'] / t:4.1f}x)"
                                   for name, t in times.items())

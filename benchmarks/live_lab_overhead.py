@@ -9,7 +9,9 @@ default model unless --model):
    page polls /lab/api/frames, through the real app and uvicorn on a loopback port; the modes
    alternate round by round (fresh random prompts per run: no prefix-cache hits).
 
-    .venv/bin/python benchmarks/live_lab_overhead.py [--rounds 3] [--device cpu]
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/live_lab_overhead.py [--rounds 4]
+
+(OMP_NUM_THREADS=1 on a shared 2-core machine: spinning OpenMP threads slow every step 20x.)
 """
 
 from __future__ import annotations
@@ -83,13 +85,17 @@ def paired_steps(engine: LLMEngine, prompts: list[list[int]], steps: int) -> Non
         engine.step()  # the prefills
     times: dict[str, list[float]] = {"off": [], "lab": []}
     for i in range(steps):
-        mode = "off" if i % 2 == 0 else "lab"
+        # off, lab, lab, off: each step is a little longer than the last (one more token of
+        # context), and this order cancels that drift within every four steps
+        mode = "off" if i % 4 in (0, 3) else "lab"
         start = time.perf_counter()
         if mode == "off":
             engine.step()
         else:
             recorder.step(engine, names)
         times[mode].append(time.perf_counter() - start)
+        if (i + 1) % 40 == 0:
+            print(f"  step {i + 1}/{steps}: {times[mode][-1] * 1e3:.1f} ms", flush=True)
     photo = time.perf_counter()
     for _ in range(200):
         recorder.snapshot(engine, names)
@@ -97,17 +103,22 @@ def paired_steps(engine: LLMEngine, prompts: list[list[int]], steps: int) -> Non
     for s in seqs:
         engine.abort_request(s.seq_id)
     off, lab = (statistics.mean(times[m]) for m in ("off", "lab"))
+    lab_t, off_t = times["lab"], times["off"]
+    quads = [
+        (lab_t[2 * q] + lab_t[2 * q + 1]) / (off_t[2 * q] + off_t[2 * q + 1])
+        for q in range(len(off_t) // 2)
+    ]
     print(f"paired steps, {len(prompts)} sequences decoding, {steps} steps: mean step "
-          f"{off * 1e3:.2f} ms off, {lab * 1e3:.2f} ms with the recorder ({lab / off:.3f}x); "
-          f"one photo {photo * 1e6:.0f} us ({photo / off:.2%} of a step)", flush=True)
-
+          f"{off * 1e3:.2f} ms off, {lab * 1e3:.2f} ms with the recorder ({lab / off:.3f}x; "
+          f"median of the {len(quads)} four-step ratios {statistics.median(quads):.3f}x); "
+          f"the photo alone {photo * 1e6:.0f} us ({photo / off:.2%} of a step)", flush=True)
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=None)
     parser.add_argument("--device", default=None)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=200, help="paired steps (part 1)")
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=160, help="paired steps (part 1)")
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--prompt-len", type=int, default=64)

@@ -11,18 +11,29 @@ from typing import Any
 
 @dataclass
 class Result:
+    """One run's output tokens over its wall-clock seconds and over the CPU seconds the
+    process used (`time.process_time`): on a shared, oversubscribed machine the wall clock
+    mostly measures the neighbours, the CPU time what the run itself cost."""
+
     name: str
     requests: int
     output_tokens: int
     seconds: float
+    cpu_seconds: float | None = None
 
     @property
     def tok_per_s(self) -> float:
         return self.output_tokens / self.seconds
 
+    @property
+    def tok_per_cpu_s(self) -> float | None:
+        return None if self.cpu_seconds is None else self.output_tokens / self.cpu_seconds
+
     def line(self) -> str:
+        cpu = "" if self.cpu_seconds is None else (
+            f"; {self.cpu_seconds:.2f} CPU s, {self.tok_per_cpu_s:.1f} tok per CPU s")
         return (f"{self.name:>12}: {self.requests} requests, {self.output_tokens} output tokens, "
-                f"{self.seconds:.2f} s, {self.tok_per_s:.1f} tok/s")
+                f"{self.seconds:.2f} s, {self.tok_per_s:.1f} tok/s{cpu}")
 
 
 def machine() -> dict[str, Any]:
@@ -34,6 +45,7 @@ def machine() -> dict[str, Any]:
         "cpus": os.cpu_count(),
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),
+        "load_average_1min": os.getloadavg()[0],
         "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
     }
 

@@ -20,12 +20,12 @@ def bench_minivllm(llm: Any, prompts: list[list[int]], out_lens: list[int],
     params = [SamplingParams(temperature=temperature, max_tokens=n, ignore_eos=True, seed=i)
               for i, n in enumerate(out_lens)]
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     outs = llm.generate(prompts, params, use_tqdm=False)
-    seconds = time.perf_counter() - start
+    seconds, cpu = time.perf_counter() - start, time.process_time() - cpu_start
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     assert tokens == sum(out_lens), "ignore_eos: every request must give all its tokens"
-    return Result("minivllm", len(prompts), tokens, seconds)
+    return Result("minivllm", len(prompts), tokens, seconds, cpu)
 
 
 def bench_hf(model_dir: Path, prompts: list[list[int]], out_lens: list[int],
@@ -45,11 +45,11 @@ def bench_hf(model_dir: Path, prompts: list[list[int]], out_lens: list[int],
     with torch.inference_mode():
         model.generate(ids[:1, -4:], attention_mask=mask[:1, -4:], max_new_tokens=2,
                        pad_token_id=pad)  # warm-up
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         model.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
                        do_sample=True, temperature=temperature, top_k=0, pad_token_id=pad)
-        seconds = time.perf_counter() - start
-    return Result("hf", len(prompts), sum(out_lens), seconds)
+        seconds, cpu = time.perf_counter() - start, time.process_time() - cpu_start
+    return Result("hf", len(prompts), sum(out_lens), seconds, cpu)
 
 
 def bench_llama_cpp(gguf_path: Path, prompts: list[list[int]], out_lens: list[int],
@@ -109,10 +109,15 @@ def cmd_throughput(args: argparse.Namespace, options: dict[str, Any]) -> dict[st
         "temperature": args.temperature,
         "machine": machine(),
         "engine_options": {k: v for k, v in options.items()},
-        "results": [asdict(r) | {"tok_per_s": r.tok_per_s} for r in results],
+        "results": [asdict(r) | {"tok_per_s": r.tok_per_s, "tok_per_cpu_s": r.tok_per_cpu_s}
+                    for r in results],
     }
     for r in results[1:]:
         ratio = results[0].tok_per_s / r.tok_per_s
         report[f"ratio_vs_{r.name}"] = ratio
-        print(f"minivllm / {r.name}: {ratio:.2f}x")
+        line = f"minivllm / {r.name}: {ratio:.2f}x"
+        if results[0].cpu_seconds and r.cpu_seconds:
+            report[f"cpu_ratio_vs_{r.name}"] = r.cpu_seconds / results[0].cpu_seconds
+            line += f" (per CPU second: {report[f'cpu_ratio_vs_{r.name}']:.2f}x)"
+        print(line)
     return report

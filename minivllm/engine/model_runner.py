@@ -27,7 +27,7 @@ from minivllm.layers.attention import AttentionMetadata
 from minivllm.layers.int4 import int4_supported
 from minivllm.layers.quantization import check_quantization, quantize_model_int8
 from minivllm.layers.sampler import Sampler, SamplingBatch
-from minivllm.models.gguf_int4 import read_int4_weights
+from minivllm.models.gguf_int4 import read_int4_weights_cached
 from minivllm.models.loader import attach_int4, load_model, quantize_linear_int4
 
 logger = logging.getLogger(__name__)
@@ -242,7 +242,7 @@ class ModelRunner:
                                  f"dtype {self.dtype}, tensor_parallel_size {tp_size})")
             return
         source = gguf_source(self.config.model)
-        count = attach_int4(self.model, read_int4_weights(source)) if source else 0
+        count = attach_int4(self.model, read_int4_weights_cached(source)) if source else 0
         if method == "int4":
             count += quantize_linear_int4(self.model)
         logger.info("packed int4 weights for %d linear layers (%s)", count,

@@ -12,20 +12,22 @@ The kernel is vectorised for bf16 activations only (fp32 activations run it scal
 than dense fp32), so int4 is used where the model computes in bf16. It reads 4x fewer bytes
 than dense bf16 and wins at decode-sized row counts; at prefill sizes the dense bf16 matmul is
 faster, so a layer with int4 weights keeps its dense weight too and picks per call
-(`use_int4`, crossover `INT4_MAX_ROWS`, measured by `benchmarks/linear_kernels.py`).
+(`use_int4`, crossover `INT4_MAX_ROWS` per CPU kind, measured by
+`benchmarks/linear_kernels.py`).
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 
 GROUP_SIZE = 32
-# Row counts (tokens in the step) at or below which the packed int4 matmul runs; above it the
-# dense bf16 one. benchmarks/linear_kernels.py on this project's CPU (AVX-512 and AVX2
-# kernels alike) put the crossover between 8 and 16 rows.
-INT4_MAX_ROWS = 8
+# Row counts (tokens in the step) at or below which the packed int4 matmul runs, per kernel
+# kind torch dispatches to; above it the dense bf16 one. benchmarks/linear_kernels.py
+# (docs/benchmarks.md): int4 wins up to 8 rows with the AVX-512 kernels, up to 4 with AVX2.
+INT4_MAX_ROWS = {"AVX512": 8, "AVX2": 4}
 
 
 @dataclass
@@ -106,6 +108,13 @@ class PackedInt4:
         return out.view(*x.shape[:-1], self.out_features)
 
 
+@functools.cache
+def int4_max_rows() -> int:
+    """INT4_MAX_ROWS for the kernels torch runs on this CPU."""
+    capability = torch.backends.cpu.get_cpu_capability()
+    return INT4_MAX_ROWS["AVX512" if capability.startswith("AVX512") else "AVX2"]
+
+
 def use_int4(rows: int) -> bool:
     """The dispatch: packed int4 for decode-sized steps, dense bf16 for prefill-sized ones."""
-    return rows <= INT4_MAX_ROWS
+    return rows <= int4_max_rows()

@@ -1,5 +1,5 @@
 """Gemma 3 text decoder (`Gemma3ForCausalLM`, the 1B and the text part of the others): Gemma 2's
-block with per-head `(1 + w)` q/k norms, no soft-capping by default, and two rotary
+block with per-head `(1 + w)` q/k norms, no attention soft-capping, and two rotary
 embeddings: the local base (`rope_parameters["sliding_attention"]`, 10k) on the sliding-window
 layers and the global one (`["full_attention"]`, 1M, linearly scaled in the larger models) on
 the full-attention layers, which `layer_types` places every sixth layer.
@@ -24,6 +24,10 @@ class Gemma3Attention(Gemma2Attention):
         super().__init__(config, layer_idx, tp_size, tp_rank)
         self.q_norm = GemmaRMSNorm(self.head_dim, eps=config.rms_norm_eps)
         self.k_norm = GemmaRMSNorm(self.head_dim, eps=config.rms_norm_eps)
+
+    def logit_softcap(self, config: Any) -> float | None:
+        """None: Gemma 3 dropped attention soft-capping (HF ignores the config field)."""
+        return None
 
     def norm_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q `[T, H, D]`, k `[T, KVH, D]`, normed per head."""

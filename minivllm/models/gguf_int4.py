@@ -11,10 +11,15 @@ map, which is exactly `minivllm.layers.int4`'s `w = (q - 8) * scale + zero`:
 In a Q4_0/Q4_1 block the low nibbles of the 16 bytes are weights 0..15 and the high nibbles
 weights 16..31; in Q4_K each 32 bytes hold two sub-blocks (low nibbles, then high nibbles).
 Other tensor types (Q8_0, Q6_K, F32...) are not 4-bit and stay with the dense loader.
+
+`read_int4_weights_cached` keeps the result (codes, scales, zeros: the same on every CPU; the
+packed layout is made at each load) beside the converter's cache: opening a GGUF parses all
+its metadata, the tokenizer's 49k tokens included, which costs seconds at every start.
 """
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
@@ -22,7 +27,7 @@ import torch
 from gguf import GGMLQuantizationType, GGUFReader, ReaderTensor
 
 from minivllm.layers.int4 import Int4Weight
-from minivllm.models.gguf import hf_tensor_name, unpermute_qk
+from minivllm.models.gguf import cached_dir_for, hf_tensor_name, unpermute_qk
 from minivllm.models.gguf_arch import ARCHITECTURES, architecture, meta
 
 INT4_TENSOR_TYPES = (
@@ -112,4 +117,29 @@ def read_int4_weights(gguf_path: str | Path) -> dict[str, Int4Weight]:
             weight = Int4Weight(*(torch.from_numpy(unpermute_qk(t.numpy(), heads).copy())
                                   for t in (weight.codes, weight.scales, weight.zeros)))
         weights[name] = weight
+    return weights
+
+
+_PARTS = ("codes", "scales", "zeros")
+
+
+def read_int4_weights_cached(gguf_path: str | Path) -> dict[str, Int4Weight]:
+    """`read_int4_weights`, read once and then kept as `int4/weights.safetensors` in the
+    converter's cache directory of this file (when it exists), written atomically."""
+    from safetensors.torch import load_file, save_file
+
+    # In a subdirectory: the dense loader reads every *.safetensors of the model directory.
+    path = cached_dir_for(gguf_path) / "int4" / "weights.safetensors"
+    if path.is_file():
+        flat = load_file(str(path))
+        names = {key.rsplit(".", 1)[0] for key in flat}
+        return {name: Int4Weight(*(flat[f"{name}.{part}"] for part in _PARTS)) for name in names}
+    weights = read_int4_weights(gguf_path)
+    if path.parent.parent.is_dir():
+        path.parent.mkdir(exist_ok=True)
+        flat = {f"{name}.{part}": getattr(w, part).contiguous()
+                for name, w in weights.items() for part in _PARTS}
+        tmp = path.with_name(f".int4.tmp-{os.getpid()}")
+        save_file(flat, str(tmp))
+        os.replace(tmp, path)
     return weights

@@ -5,8 +5,8 @@ Parameter names follow HF's `LlamaForCausalLM` except for the fused projections:
 `self_attn.qkv_proj` holds q_proj/k_proj/v_proj and `mlp.gate_up_proj` holds gate_proj/up_proj
 (see `packed_modules_mapping`, used by the loader).
 
-A family changes what it must through small hooks: the attention's `biases`, `softmax_scale`
-and `norm_qk`; the model's `attention_cls`, `layer_cls`, `norm_cls`, `embed`,
+A family changes what it must through small hooks: the attention's `biases`, `softmax_scale`,
+`logit_softcap` and `norm_qk`; the model's `attention_cls`, `layer_cls`, `norm_cls`, `embed`,
 `rotary_for_layers` and `rope_layer_type`; the LM's `model_cls`. Per layer,
 `sliding_window_of` reads the window from the config (`sliding_window`, and `layer_types` when
 only some layers slide), and `attn_logit_softcapping` / `final_logit_softcapping` cap the
@@ -99,13 +99,17 @@ class LlamaAttention(nn.Module):
             self.head_dim,
             scale=self.softmax_scale(config),
             sliding_window=sliding_window_of(config, layer_idx),
-            logit_softcap=getattr(config, "attn_logit_softcapping", None),
+            logit_softcap=self.logit_softcap(config),
         )
 
     def biases(self, config: Any) -> tuple[bool, bool]:
         """Whether qkv_proj and o_proj have biases: both follow `attention_bias` in Llama."""
         bias = bool(getattr(config, "attention_bias", False))
         return bias, bias
+
+    def logit_softcap(self, config: Any) -> float | None:
+        """The cap on attention scores: `attn_logit_softcapping` when the config sets it."""
+        return getattr(config, "attn_logit_softcapping", None)
 
     def softmax_scale(self, config: Any) -> float:
         """The factor on q·k: `head_dim ** -0.5` (Gemma's differs)."""

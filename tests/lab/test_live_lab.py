@@ -293,8 +293,11 @@ def test_page_shows_a_preemption_and_follows_its_request(live: LiveServer, brows
     from playwright.sync_api import expect
 
     with open_page(browser, live, KEY) as page:
+        shot = os.environ.get("MINIVLLM_LAB_SCREENSHOT") == "1"
         with live.load(concurrency=6):
             expect(page.get_by_test_id("preempt-mark").first).to_be_attached(timeout=30_000)
+            while shot and int(page.get_by_test_id("live-step").inner_text()) < 80:
+                time.sleep(0.1)  # the picture for the README: a longer timeline
             page.get_by_test_id("btn-pause").click()
         mark = page.get_by_test_id("preempt-mark").first
         victim = mark.get_attribute("data-requests").split()[0]
@@ -304,7 +307,9 @@ def test_page_shows_a_preemption_and_follows_its_request(live: LiveServer, brows
         expect(page.locator('[data-testid="history-row"][data-event="ev_preempted"]')).not_to_have_count(0)
         expect(page.get_by_test_id("history-preempt").first).to_be_attached()
         expect(page.get_by_test_id("timeline").locator(".col.at")).to_have_count(1)
-        if os.environ.get("MINIVLLM_LAB_SCREENSHOT") == "1":
+        if shot:
+            marks = page.get_by_test_id("preempt-mark")
+            marks.nth(marks.count() // 2).dispatch_event("click")
             page.screenshot(path=str(DOCS_SHOT), full_page=True)
         page.get_by_test_id("lang-toggle").click()
         expect(page.get_by_test_id("mode")).to_have_text("已暂停")

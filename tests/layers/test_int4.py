@@ -8,8 +8,8 @@ import torch
 
 from minivllm.layers.int4 import (
     GROUP_SIZE,
-    INT4_MAX_ROWS,
     PackedInt4,
+    int4_max_rows,
     int4_supported,
     quantize_int4,
 )
@@ -57,8 +57,8 @@ def test_linear_layer_uses_int4_for_decode_rows_and_dense_for_prefill_rows():
     q = quantize_int4(torch.cat([gate, up]))
     layer.set_int4(q)
     layer.weight.data.zero_()  # only the int4 path can give a non-zero output now
-    few = torch.randn(INT4_MAX_ROWS, 64).bfloat16()
-    many = torch.randn(INT4_MAX_ROWS + 1, 64).bfloat16()
+    few = torch.randn(int4_max_rows(), 64).bfloat16()
+    many = torch.randn(int4_max_rows() + 1, 64).bfloat16()
     torch.testing.assert_close(layer(few).float(), few.float() @ q.dequantize().t(),
                                rtol=2e-2, atol=2e-2)
     assert layer(many).abs().max() == 0
@@ -70,3 +70,29 @@ def test_int4_weights_of_the_wrong_shape_or_with_tensor_parallelism_are_refused(
         layer.set_int4(quantize_int4(torch.randn(32, 96)))
     with pytest.raises(ValueError, match="tensor_parallel_size=1"):
         RowParallelLinear(64, 32, tp_size=2, tp_rank=0).set_int4(quantize_int4(torch.randn(32, 32)))
+
+
+def test_forced_avx2_kernels_pick_fp32_and_int4_still_matches_dense():
+    """On an AVX2-only CPU (torch's AVX2 kernels forced on this one) dtype "auto" is fp32,
+    and the int4 kernel's AVX2 variant equals the dense matmul of the same weights."""
+    import os
+    import subprocess
+    import sys
+
+    script = (
+        "import torch\n"
+        "from minivllm.config import EngineConfig\n"
+        "from minivllm.engine.model_runner import resolve_dtype\n"
+        "from minivllm.layers.int4 import PackedInt4, quantize_int4\n"
+        "assert torch.backends.cpu.get_cpu_capability() == 'AVX2'\n"
+        "assert resolve_dtype(EngineConfig(), torch.device('cpu')) == torch.float32\n"
+        "w = torch.randn(64, 128, generator=torch.Generator().manual_seed(0)) * 0.05\n"
+        "q = quantize_int4(w)\n"
+        "x = torch.randn(3, 128, generator=torch.Generator().manual_seed(1)).bfloat16()\n"
+        "torch.testing.assert_close(PackedInt4(q).matmul(x).float(),\n"
+        "                           x.float() @ q.dequantize().t(), rtol=2e-2, atol=2e-2)\n"
+    )
+    env = dict(os.environ, ATEN_CPU_CAPABILITY="avx2")
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]

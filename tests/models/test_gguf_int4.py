@@ -72,3 +72,29 @@ def test_read_int4_weights_unpermutes_llama_qk_like_the_converter(tmp_path: Path
     for name, weight in int4.items():
         torch.testing.assert_close(weight.dequantize(), dense[name], rtol=1e-5, atol=1e-6,
                                    msg=name)
+
+
+def test_int4_weights_are_kept_beside_the_conversion_cache(tmp_path: Path,
+                                                           monkeypatch: pytest.MonkeyPatch):
+    """The second read comes from the cache (the GGUF is not parsed again), equal to the
+    first; without a conversion directory nothing is written."""
+    from minivllm.models import gguf_int4
+
+    monkeypatch.setenv("MINIVLLM_CACHE", str(tmp_path / "cache"))
+    path = tmp_path / "m.gguf"
+    rng = np.random.default_rng(2)
+    _write(path, {"blk.0.ffn_up.weight": (_random_blocks(QT.Q4_1, 4, 64, rng), QT.Q4_1)})
+    assert gguf_int4.read_int4_weights_cached(path)
+    assert not (tmp_path / "cache").exists()
+    mgguf.cached_dir_for(path).mkdir(parents=True)
+    first = gguf_int4.read_int4_weights_cached(path)
+
+    def parse_again(*args: object) -> None:
+        raise AssertionError("the GGUF was parsed again")
+
+    monkeypatch.setattr(gguf_int4, "read_int4_weights", parse_again)
+    second = gguf_int4.read_int4_weights_cached(path)
+    assert set(second) == set(first) == {"model.layers.0.mlp.up_proj.weight"}
+    for name in first:
+        for part in ("codes", "scales", "zeros"):
+            assert torch.equal(getattr(second[name], part), getattr(first[name], part))

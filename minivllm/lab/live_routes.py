@@ -27,6 +27,7 @@ PAGE_FILES = {
     "live.js": "text/javascript",
     "live-i18n.js": "text/javascript",
     "live-charts.js": "text/javascript",
+    "dom.js": "text/javascript",
     "live.css": "text/css",
     "lab.css": "text/css",
 }

@@ -2,6 +2,9 @@
 // server recorded and the JSON API. No build step, no framework: plain ES modules.
 
 import { I18N } from "./i18n.js";
+import { $, h, initialLang } from "./dom.js";
+
+export { $, h, initialLang };
 
 export const FIELDS = ["num_tokens", "num_prompt_tokens", "num_cached_tokens", "num_scheduled_tokens"];
 export const SLOT_STATES = ["committed", "written", "planned", "reserved", "cached", "free"];
@@ -27,12 +30,6 @@ export const S = {
 
 // ---- small helpers ----------------------------------------------------------------------
 
-export function initialLang() {
-  const saved = localStorage.getItem("minivllm-lab-lang");
-  if (saved === "en" || saved === "zh") return saved;
-  return (navigator.language || "en").toLowerCase().startsWith("zh") ? "zh" : "en";
-}
-
 export function t(key, params) {
   let s = I18N[S.lang][key];
   if (s === undefined) s = I18N.en[key];
@@ -42,24 +39,6 @@ export function t(key, params) {
   }
   return s;
 }
-
-export function h(tag, attrs, ...children) {
-  const node = document.createElement(tag);
-  for (const [k, v] of Object.entries(attrs || {})) {
-    if (v === null || v === undefined || v === false) continue;
-    if (k === "class") node.className = v;
-    else if (k === "text") node.textContent = v;
-    else if (k.startsWith("on")) node.addEventListener(k.slice(2), v);
-    else node.setAttribute(k, v === true ? "" : v);
-  }
-  for (const c of children.flat()) {
-    if (c === null || c === undefined || c === false) continue;
-    node.append(c instanceof Node ? c : document.createTextNode(String(c)));
-  }
-  return node;
-}
-
-export const $ = (id) => document.getElementById(id);
 
 /** node.replaceChildren, skipping null/false children (they would render as text). */
 export function fill(node, ...children) {

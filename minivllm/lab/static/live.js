@@ -2,6 +2,7 @@
 // a Bearer header), keeps the last `history` frames, and draws the viewed one. Read-only: it
 // never changes the server. No build step, no framework: a plain ES module.
 
+import { $, h, initialLang } from "./dom.js";
 import { WORDS } from "./live-i18n.js";
 import { historyChart, timelineChart } from "./live-charts.js";
 
@@ -19,32 +20,12 @@ const S = {
   error: null,
 };
 
-function initialLang() {
-  const saved = localStorage.getItem("minivllm-lab-lang");
-  if (saved === "en" || saved === "zh") return saved;
-  return (navigator.language || "en").toLowerCase().startsWith("zh") ? "zh" : "en";
-}
-
 function t(key, params) {
   let s = WORDS[S.lang][key] ?? WORDS.en[key] ?? key;
   if (params) s = s.replace(/\{(\w+)\}/g, (_, k) => (params[k] === undefined ? "" : String(params[k])));
   return s;
 }
 
-function h(tag, attrs, ...children) {
-  const node = document.createElement(tag);
-  for (const [k, v] of Object.entries(attrs || {})) {
-    if (v === null || v === undefined || v === false) continue;
-    if (k === "class") node.className = v;
-    else if (k === "text") node.textContent = v;
-    else if (k.startsWith("on")) node.addEventListener(k.slice(2), v);
-    else node.setAttribute(k, v === true ? "" : v);
-  }
-  for (const c of children.flat()) if (c !== null && c !== undefined && c !== false) node.append(c);
-  return node;
-}
-
-const $ = (id) => document.getElementById(id);
 const viewed = () => (S.cursor === null ? S.frames.length - 1 : S.cursor);
 const frame = () => S.frames[viewed()] || null;
 const byStatus = (f, status) => (f ? f.requests.filter((r) => r.status === status) : []);

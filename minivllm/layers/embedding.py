@@ -82,10 +82,9 @@ class ParallelLMHead(VocabParallelEmbedding):
         """Keep a oneDNN-packed copy of the (loaded) fp32 weight and use it in forward.
 
         The LM head is the one GEMM whose output is huge (49k columns for SmolLM2): at decode
-        batch sizes MKL runs it at 8-38 GFLOP/s where oneDNN's packed weight reaches 14-71
-        (M = 4-32), and a whole decode step gets 1.09-1.20x faster at batch 4, 1.03-1.12x at
-        16 (`benchmarks/lm_head.py`, four runs; at 32 the runs spread from 0.92x to 1.17x on
-        this noisy machine). It costs one more copy of the weight. The results differ from
+        batch sizes oneDNN's packed weight runs it faster than MKL's plain GEMM, and so the
+        whole decode step (`benchmarks/lm_head.py`; the figures are in docs/benchmarks.md,
+        "The LM head through oneDNN"). It costs one more copy of the weight. The results differ from
         F.linear by float rounding only. False (nothing done) off the CPU or fp32.
         """
         weight = self.weight

@@ -2,8 +2,8 @@
 
 Weights are quantized once at load, symmetric per output channel, and prepacked for fbgemm;
 activations are quantized per call and per token (dynamic quantization), so the matmul runs
-on int8 with int32 accumulation and fp32 output. On AVX2 the int8 matmul is 2-3x faster than
-fp32 at decode batch sizes. It is not token-exact with fp32 (vLLM's rule applies: at a
+on int8 with int32 accumulation and fp32 output, faster than fp32 at decode batch sizes
+(docs/benchmarks.md). It is not token-exact with fp32 (vLLM's rule applies: at a
 divergence each side's token is in the other's top-5), so it is an option, never the
 default.
 """

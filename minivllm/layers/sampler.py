@@ -8,9 +8,9 @@ logits (greedy rows too); then temperature and the filters, with HF's semantics 
 order (temperature, top-k, top-p, min-p; top-p keeps the token that crosses the threshold).
 Sampling inverts each row's CDF at one uniform number (a float64 cumulative sum and a binary
 search), which draws from `probs` exactly and needs one random number per row, not one per
-vocabulary entry (on the CPU that is ~10x cheaper than an exponential race or
-`torch.multinomial`). A seeded request draws its number from a generator seeded by (seed,
-position), so its tokens depend neither on the batch it runs in nor on preemption.
+vocabulary entry (as an exponential race or `torch.multinomial` does). A seeded request draws
+its number from a generator seeded by (seed, position), so its tokens depend neither on the
+batch it runs in nor on preemption.
 """
 
 from __future__ import annotations

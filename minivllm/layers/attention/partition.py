@@ -8,9 +8,8 @@ queries each (`benchmarks/attention_groups.py` measures it; see docs/benchmarks.
 
 # Fixed cost of one more group, in units of padded work (one query against one key): the
 # extra gather, mask, index copies and SDPA call. Tuned with `benchmarks/attention_groups.py`
-# (SmolLM2 shapes, 30 layers, this project's 2-core CPU): at 512 the split batch is never
-# slower than one group and is 1.3x faster for 16 decodes with contexts of 64-512 tokens,
-# 1.5x for 64 such decodes, 1.6x for 16 prefills of 32-256 tokens.
+# on SmolLM2's shapes: the value at which splitting never lost to one group (the figures are
+# in docs/benchmarks.md, "Attention: splitting the batch into groups").
 GROUP_OVERHEAD = 512
 MAX_GROUPS = 8
 

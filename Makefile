@@ -18,8 +18,11 @@ install: $(STAMP)
 run: $(STAMP)
 	$(VENV)/bin/minivllm demo
 
+# The whole suite, then the layer and model tests again on torch's AVX2 kernels: the other CPU
+# kind this project runs on (on an AVX-512 machine dtype "auto" is bf16; forced AVX2, fp32).
 test: $(STAMP)
 	$(PY) -m pytest -q
+	$(MAKE) --no-print-directory test-avx2
 
 # The edit-test loop: the package layout, the engine core on the fake runner, the layers.
 test-quick: $(STAMP)

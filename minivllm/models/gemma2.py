@@ -55,11 +55,7 @@ class SandwichDecoderLayer(LlamaDecoderLayer):
         kv_cache: KVCache,
         meta: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual = hidden
-            hidden = self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden, residual = self.norm_input(hidden, residual)
         hidden = self.post_attention_layernorm(self.self_attn(hidden, cos, sin, kv_cache, meta))
         hidden, residual = self.pre_feedforward_layernorm(hidden, residual)
         return self.post_feedforward_layernorm(self.mlp(hidden)), residual

@@ -35,7 +35,7 @@ def main() -> None:
     prompts, _ = Workload(args.batch, (args.context, args.context), (1, 1)).make(
         engine.model_runner.vocab_size)
     for prompt in prompts:
-        engine.add_request(prompt, SamplingParams(max_tokens=args.steps + 8, ignore_eos=True))
+        engine.add_request(prompt, SamplingParams(max_tokens=2 * args.steps + 8, ignore_eos=True))
     while any(s.num_cached_tokens < s.num_prompt_tokens for s in engine.scheduler.running) \
             or engine.scheduler.waiting:
         engine.step()

@@ -47,6 +47,9 @@ class EngineConfig:
         "compute is bf16 on the CPU); int4: also quantize the other linear layers (HF "
         "checkpoints); int8: int8 MLP gate/up (CPU, float32); none: dense",
         ("int4", "int8", "none"))
+    enforce_eager: bool = _option(
+        False, "run every step eagerly: skip compiling the decode step (torch.compile, done "
+        "on the CPU in bf16 at start-up and cached on disk)")
     # filled from the model when the engine is built
     eos_token_ids: tuple[int, ...] = _option((), "end-of-sequence token ids", cli=False)
 

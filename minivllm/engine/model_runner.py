@@ -21,6 +21,7 @@ import torch
 from minivllm.config import EngineConfig
 from minivllm.distributed import parallel_state
 from minivllm.distributed.heads import shard_heads
+from minivllm.engine.compiled_decode import CompiledDecode, compile_decode_step
 from minivllm.engine.scheduler import SampledToken, ScheduledBatch
 from minivllm.engine.sequence import Sequence, blocks_for
 from minivllm.layers.attention import AttentionMetadata
@@ -218,6 +219,10 @@ class ModelRunner:
             for _ in range(self.num_layers)
         ]
         self.sampler = Sampler(config.seed, self.device, config.eos_token_ids)
+        self.compiled_decode: CompiledDecode | None = None
+        if compile_decode_step(config.enforce_eager, self.device, self.dtype, tp_size):
+            self.compiled_decode = CompiledDecode(self.model)
+            self.compiled_decode.warm_up(self.kv_caches, self.block_size)
         logger.info(
             "KV cache: %d blocks x %d tokens = %d tokens (%.2f GB, %s, %s)",
             self.num_kv_blocks, self.block_size, self.num_kv_blocks * self.block_size,
@@ -309,7 +314,10 @@ class ModelRunner:
     def run(self, batch: ScheduledBatch) -> list[SampledToken]:
         """Execute the plan: write the new tokens' KV, and sample for the finished prompts."""
         inputs = prepare_inputs(batch, self.block_size, self.device)
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+        forward = self.model
+        if self.compiled_decode is not None and self.compiled_decode.applies(inputs.meta):
+            forward = self.compiled_decode
+        hidden = forward(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
         num_samples = len(batch.sample_seqs)
         slices = compute_logits_in_slices(self.model, hidden, inputs.logits_indices)
         if inputs.prompt_logprob_runs:

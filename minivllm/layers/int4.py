@@ -12,7 +12,7 @@ The kernel is vectorised for bf16 activations only (fp32 activations run it scal
 than dense fp32), so int4 is used where the model computes in bf16. It reads 4x fewer bytes
 than dense bf16 and wins at decode-sized row counts; at prefill sizes the dense bf16 matmul is
 faster, so a layer with int4 weights keeps its dense weight too and picks per call
-(`use_int4`, crossover `INT4_MAX_ROWS` per CPU kind, measured by
+(`PackedInt4.fits`, crossover `INT4_MAX_ROWS` per CPU kind, measured by
 `benchmarks/linear_kernels.py`).
 """
 
@@ -91,6 +91,7 @@ class PackedInt4:
             raise ValueError(f"int4 needs the input size ({size}) to be a multiple of "
                              f"{GROUP_SIZE}")
         self.out_features = out
+        self.max_rows = int4_max_rows()  # read here, once: the compiled step cannot call it
         self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
             weight.codes.to(torch.int32).contiguous(), 2
         )
@@ -98,6 +99,11 @@ class PackedInt4:
         self.scales_and_zeros = (
             torch.stack([weight.scales, weight.zeros], dim=-1).transpose(0, 1).contiguous()
         ).to(dtype)
+
+    def fits(self, x: torch.Tensor) -> bool:
+        """The dispatch: packed int4 for decode-sized steps (up to `max_rows` rows of `x`),
+        dense bf16 for prefill-sized ones."""
+        return x.numel() // x.shape[-1] <= self.max_rows
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """`x @ W.T`: `[..., in]` -> `[..., out]` in x's dtype."""
@@ -115,6 +121,3 @@ def int4_max_rows() -> int:
     return INT4_MAX_ROWS["AVX512" if capability.startswith("AVX512") else "AVX2"]
 
 
-def use_int4(rows: int) -> bool:
-    """The dispatch: packed int4 for decode-sized steps, dense bf16 for prefill-sized ones."""
-    return rows <= int4_max_rows()

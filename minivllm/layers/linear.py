@@ -22,7 +22,7 @@ from torch import nn
 
 from minivllm.distributed import parallel_state
 from minivllm.distributed.heads import shard_heads
-from minivllm.layers.int4 import Int4Weight, PackedInt4, use_int4
+from minivllm.layers.int4 import Int4Weight, PackedInt4
 from minivllm.layers.quantization import int8_linear, pack_int8
 
 
@@ -130,7 +130,7 @@ class LinearBase(nn.Module):
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """`x @ weight.T (+ bias)`: on the packed int4 weights for few rows when set, on the
         int8 weights when quantized, else dense."""
-        if self.int4_weight is not None and use_int4(x.numel() // x.shape[-1]):
+        if self.int4_weight is not None and self.int4_weight.fits(x):
             out = self.int4_weight.matmul(x)
         elif self.int8_weight is not None:
             out = int8_linear(x, self.int8_weight)

@@ -17,6 +17,7 @@ row-parallel o_proj and down_proj, vocab-parallel embedding and LM head. Each ra
 attention heads of `minivllm.distributed.heads.shard_heads` and the KV heads they read.
 """
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -191,6 +192,10 @@ class LlamaDecoderLayer(nn.Module):
         return self.input_layernorm(hidden, residual)
 
 
+def _call_layer(layer: nn.Module, *args: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    return layer(*args)
+
+
 class LlamaModel(nn.Module):
     """Embedding, decoder layers and final norm; returns the last hidden states."""
 
@@ -227,14 +232,18 @@ class LlamaModel(nn.Module):
         positions: torch.Tensor,
         kv_caches: list[KVCache],
         meta: AttentionMetadata,
+        run_layer: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None,
     ) -> torch.Tensor:
+        """`run_layer(layer, hidden, residual, cos, sin, kv_cache, meta)` runs each layer
+        (default: calls it); the compiled decode step passes its compiled one."""
         if len(kv_caches) != len(self.layers):
             raise ValueError(f"expected {len(self.layers)} kv caches, got {len(kv_caches)}")
         hidden = self.embed(input_ids)  # [T, hidden_size]
         rotary = self.rotary_for_layers(positions, hidden.dtype)
         residual = None
+        run_layer = run_layer or _call_layer
         for layer, kv_cache, (cos, sin) in zip(self.layers, kv_caches, rotary, strict=True):
-            hidden, residual = layer(hidden, residual, cos, sin, kv_cache, meta)
+            hidden, residual = run_layer(layer, hidden, residual, cos, sin, kv_cache, meta)
         hidden, _ = self.norm(hidden, residual)
         return hidden
 

@@ -5,6 +5,7 @@
 - `partition.py`: the batch split into groups of like sequences before the padded SDPA.
 - `sdpa.py`: the portable path (torch's `scaled_dot_product_attention`, any device).
 - `flash.py`: flash-attn's varlen kernel on CUDA.
+- `decode.py`: a decode-only step's attention as plain tensor maths, for the compiled step.
 - `layer.py`: the `Attention` module choosing between them.
 """
 

@@ -2,12 +2,14 @@
 
 A step writes its new K/V at `slot_mapping`, then every query token attends, causally, to its
 own sequence's cached-plus-new tokens, with flash-attn where it applies (`flash.py`) and
-otherwise with SDPA (`sdpa.py`), one call per group of like sequences (`partition.py`).
+otherwise with SDPA (`sdpa.py`), one call per group of like sequences (`partition.py`). The
+compiled decode step hands it a `DecodeMetadata` instead, and it attends with `decode.py`.
 """
 
 import torch
 from torch import nn
 
+from minivllm.layers.attention.decode import DecodeMetadata, decode_attention
 from minivllm.layers.attention.flash import can_use_flash_attn, paged_attention_flash
 from minivllm.layers.attention.metadata import AttentionMetadata
 from minivllm.layers.attention.sdpa import (
@@ -55,8 +57,12 @@ class Attention(nn.Module):
         k: torch.Tensor,
         v: torch.Tensor,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
-        meta: AttentionMetadata,
+        meta: AttentionMetadata | DecodeMetadata,
     ) -> torch.Tensor:
+        if isinstance(meta, DecodeMetadata):  # the compiled decode step
+            return decode_attention(
+                q, k, v, kv_cache, meta, self.scale, self.sliding_window, self.logit_softcap
+            )
         num_tokens = q.shape[0]
         k_cache, v_cache = kv_cache
         out_dtype = q.dtype

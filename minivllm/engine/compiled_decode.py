@@ -1,0 +1,141 @@
+"""The single-sequence decode step compiled with torch.compile (Inductor) on the CPU.
+
+At batch 1 a decode step of the default model spends more time dispatching small ops (norms,
+rotary, casts, residual adds, attention's gathers: about 1,500 per step) than in its
+matmuls. Compiled, they become a few fused C++ loops per layer around the matmuls.
+
+What is compiled: one decoder layer's forward, for steps in which one sequence decodes one
+token, with attention as plain tensor maths (`minivllm.layers.attention.decode`). The layers
+of a model share their code, so the one graph serves all of them (their weights are the
+graph's inputs): compiling a layer costs a thirtieth of compiling the model. The embedding,
+the LM head and the sampler stay eager, as do steps of several sequences: measured on the
+default model, the compiled step was slower than the eager one from two sequences up
+(Inductor's code for the batched attention and the dense bf16 matmuls lost to oneDNN's and
+SDPA's), so only the one-sequence step, where dispatch dominates, is compiled
+(docs/benchmarks.md).
+
+The context length is a dynamic dimension: one graph serves every length. `warm_up`
+compiles it at start-up, with a progress bar; Inductor's on-disk caches live under the
+minivllm cache (`<cache>/inductor`), so a second start-up reuses the compiled code.
+
+Where: CPU, bf16 compute, one process, `enforce_eager=False` (see `compile_decode_step`).
+The fp32 path stays eager: it is the token-exact one, held to HF transformers.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from minivllm.layers.attention import AttentionMetadata
+from minivllm.layers.attention.decode import DecodeMetadata
+from minivllm.models.cache import cache_dir
+
+logger = logging.getLogger(__name__)
+
+KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+def compile_decode_step(
+    enforce_eager: bool, device: torch.device, dtype: torch.dtype, tp_size: int
+) -> bool:
+    """Whether the decode step is compiled: on the CPU in bf16, single-process, unless
+    `enforce_eager` (vLLM's name) asks for eager steps."""
+    return not enforce_eager and device.type == "cpu" and dtype == torch.bfloat16 and tp_size == 1
+
+
+def decode_metadata(meta: AttentionMetadata) -> DecodeMetadata:
+    """The tensors the compiled step's attention reads, from a decode-only step's metadata."""
+    index = meta.kv_gather_index  # [S, L]
+    key_positions = torch.arange(index.shape[1], device=index.device)  # [L]
+    return DecodeMetadata(
+        slot_mapping=meta.slot_mapping,
+        kv_index=index,
+        kv_valid=key_positions[None, :] < meta.seq_lens[:, None],  # [S, L]
+        key_positions=key_positions,
+        query_positions=meta.seq_lens - 1,
+    )
+
+
+def _keep_guards_on_values(entries: list[Any]) -> list[bool]:
+    """Which of a graph's guards to check before each call: not those on a layer's weights
+    or on the layer object itself (they never change once loaded, and dropping them lets
+    every layer share one graph), but those on its plain values, which can differ between
+    layers (Gemma 2 alternates sliding-window and full-attention layers: two graphs)."""
+    return [
+        not (entry.orig_guard.source.is_unspecialized_nn_module() and entry.has_value
+             and isinstance(entry.value, torch.Tensor | torch.nn.Module))
+        for entry in entries
+    ]
+
+
+def _run_layer(layer: torch.nn.Module, *args: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    return layer(*args)
+
+
+class CompiledDecode:
+    """`model`'s forward with compiled layers for one-sequence decode steps (`applies`);
+    `__call__` takes the eager step's inputs and returns the last hidden states."""
+
+    def __init__(self, model: Any) -> None:
+        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir() / "inductor"))
+        # Without this, a context length that happens to equal a model dim (head_dim / 2 at
+        # warm-up, say) is traced as that dim, and the graph holds for that length only.
+        torch.fx.experimental._config.use_duck_shape = False
+        self.decoder = model.model  # the LlamaModel: embedding, layers, final norm
+        self._run_layer = torch.compile(
+            _run_layer, dynamic=True, options={"guard_filter_fn": _keep_guards_on_values}
+        )
+
+    @staticmethod
+    def applies(meta: AttentionMetadata) -> bool:
+        """Whether a step runs compiled: one sequence decoding one token."""
+        return meta.num_seqs == 1 and meta.is_decode_only
+
+    def __call__(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: KVCaches,
+        meta: AttentionMetadata | DecodeMetadata,
+    ) -> torch.Tensor:
+        if isinstance(meta, AttentionMetadata):
+            meta = decode_metadata(meta)
+        return self.decoder(input_ids, positions, kv_caches, meta, run_layer=self.run_layer)
+
+    def run_layer(
+        self, layer: torch.nn.Module, hidden: torch.Tensor, residual: torch.Tensor | None,
+        *args: Any,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:  # the first layer: a zero residual (x + 0 == x) shares its graph
+            residual = torch.zeros_like(hidden)
+        return self._run_layer(layer, hidden, residual, *args)
+
+    @torch.inference_mode()  # as the steps run: a different grad mode is another graph
+    def warm_up(self, kv_caches: KVCaches, block_size: int) -> None:
+        """Compile the step's graph on a dummy step that writes only the first two KV blocks
+        (free at start-up: nothing has been scheduled yet)."""
+        start = time.perf_counter()
+        for _ in tqdm(range(1), desc="Compiling the decode step", unit="graph", disable=None):
+            self(*self._dummy_step(kv_caches, block_size))
+        logger.info("compiled the decode step in %.1f s (Inductor cache: %s; "
+                    "enforce_eager=True skips it)", time.perf_counter() - start,
+                    os.environ["TORCHINDUCTOR_CACHE_DIR"])
+
+    @staticmethod
+    def _dummy_step(kv_caches: KVCaches, block_size: int, num_seqs: int = 1) -> tuple:
+        device = kv_caches[0][0].device
+        context = 2 * block_size  # every sequence reads blocks 0 and 1
+        key_positions = torch.arange(context, device=device)
+        last = torch.full((num_seqs,), context - 1, dtype=torch.int64, device=device)
+        meta = DecodeMetadata(
+            slot_mapping=last,
+            kv_index=key_positions.expand(num_seqs, context).contiguous(),
+            kv_valid=torch.ones(num_seqs, context, dtype=torch.bool, device=device),
+            key_positions=key_positions,
+            query_positions=last,
+        )
+        input_ids = torch.zeros(num_seqs, dtype=torch.int64, device=device)
+        return input_ids, last, kv_caches, meta

@@ -1,0 +1,60 @@
+"""Attention of a decode-only step written as plain tensor maths, for the compiled step.
+
+Every sequence brings one query. Its keys and values are gathered through a precomputed slot
+index, scored in the cache's dtype (fp32 on the CPU), masked and softmaxed, and the values
+summed: five small ops that Inductor fuses around the two batched matmuls, where the eager
+path (`sdpa.py`) pays a dispatch for each of a dozen ops per layer. `DecodeMetadata` carries
+tensors only, so `torch.compile` traces through it without a graph break; the eager engine
+never uses this path (see minivllm/engine/compiled_decode.py).
+"""
+
+from typing import NamedTuple
+
+import torch
+
+
+class DecodeMetadata(NamedTuple):
+    """The inputs of a decode-only step's attention, shared by every layer."""
+
+    slot_mapping: torch.Tensor  # [S] int64: the KV slot of each sequence's new token
+    kv_index: torch.Tensor  # [S, L] int64: slot of key j of sequence s (clamped past its end)
+    kv_valid: torch.Tensor  # [S, L] bool: key j exists (j < seq_len)
+    key_positions: torch.Tensor  # [L] int64: 0 .. L-1
+    query_positions: torch.Tensor  # [S] int64: the new token's position (seq_len - 1)
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache: tuple[torch.Tensor, torch.Tensor],
+    meta: DecodeMetadata,
+    scale: float,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """Store the step's K/V, then attend: `q` `[S, H*D]`, `k`/`v` `[S, KVH*D]` -> `[S, H*D]`
+    in q's dtype. Grouped-query heads share their KV head's keys without copies."""
+    k_cache, v_cache = kv_cache
+    num_kv_heads, head_dim = k_cache.shape[-2:]
+    num_seqs = q.shape[0]
+    group = q.shape[1] // (num_kv_heads * head_dim)
+    k_flat = k_cache.view(-1, num_kv_heads, head_dim)  # [slots, KVH, D]
+    v_flat = v_cache.view(-1, num_kv_heads, head_dim)
+    new_k = k.view(num_seqs, num_kv_heads, head_dim).to(k_flat.dtype)  # [S, KVH, D]
+    new_v = v.view(num_seqs, num_kv_heads, head_dim).to(v_flat.dtype)
+    k_flat.index_copy_(0, meta.slot_mapping, new_k)
+    v_flat.index_copy_(0, meta.slot_mapping, new_v)
+    keys = k_flat[meta.kv_index]  # [S, L, KVH, D]
+    values = v_flat[meta.kv_index]  # [S, L, KVH, D]
+    queries = q.view(num_seqs, num_kv_heads, group, head_dim).to(k_flat.dtype)  # [S, KVH, G, D]
+    scores = torch.einsum("skgd,slkd->skgl", queries, keys) * scale  # [S, KVH, G, L]
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    visible = meta.kv_valid  # [S, L]
+    if sliding_window is not None:
+        earliest = meta.query_positions - (sliding_window - 1)  # [S]
+        visible = visible & (meta.key_positions[None, :] >= earliest[:, None])
+    scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
+    out = torch.einsum("skgl,slkd->skgd", scores.softmax(-1), values)  # [S, KVH, G, D]
+    return out.reshape(num_seqs, -1).to(q.dtype)  # [S, H*D]

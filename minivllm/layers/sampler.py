@@ -4,8 +4,9 @@ penalties, logit bias, min_tokens and structured outputs' token masks.
 vLLM's order: logprobs (with each token's rank in the full vocabulary) are taken from the
 raw logits; then the structured-output mask (a packed bitmask for the whole batch, one row
 per request), `logit_bias`, the min_tokens ban on EOS and stop tokens, and the repetition /
-presence / frequency penalties change the logits (greedy rows too); then temperature and the filters, with HF's semantics and in HF's
-order (temperature, top-k, top-p, min-p; top-p keeps the token that crosses the threshold).
+presence / frequency penalties change the logits (greedy rows too); then temperature and
+the filters, with HF's semantics and in HF's order (temperature, top-k, top-p, min-p; top-p
+keeps the token that crosses the threshold).
 Sampling inverts each row's CDF at one uniform number (a float64 cumulative sum and a binary
 search), which draws from `probs` exactly and needs one random number per row, not one per
 vocabulary entry (as an exponential race or `torch.multinomial` does). A seeded request draws

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from minivllm.config import EngineConfig
+from minivllm.engine.generation_config import default_sampling_params
 from minivllm.engine.scheduler import SampledToken, ScheduledBatch, Scheduler
 from minivllm.engine.sequence import FinishReason, Sequence
 from minivllm.engine.tracing import NullTracer
@@ -62,8 +63,11 @@ class LLMEngine:
         model_runner: ModelRunnerLike,
         tokenizer: Any | None = None,
         tracer: NullTracer | None = None,
+        default_sampling_params: dict[str, Any] | None = None,
     ) -> None:
         self.config = config
+        # The model's sampling defaults by SamplingParams' names (generation_config.py).
+        self.default_sampling_params = dict(default_sampling_params or {})
         self.model_runner = model_runner
         self.tokenizer = tokenizer
         self.tracer = tracer or NullTracer()
@@ -86,13 +90,14 @@ class LLMEngine:
         config, model_dir, hf_config = resolve_config(config)
         tokenizer = load_tokenizer(model_dir)
         config = _with_eos(config, tokenizer, model_dir)
+        defaults = default_sampling_params(config.generation_config, model_dir)
         if config.tensor_parallel_size > 1:
             from minivllm.distributed.tp_runner import TPModelRunner
 
             runner: ModelRunnerLike = TPModelRunner(config, model_dir, hf_config)
         else:
             runner = ModelRunner(config, model_dir, hf_config)
-        return cls(config, runner, tokenizer, tracer)
+        return cls(config, runner, tokenizer, tracer, defaults)
 
     def close(self) -> None:
         """Release the runner's processes, if it has any (tensor parallelism); idempotent."""

@@ -1,9 +1,10 @@
 """minivllm: a small, fast, readable LLM inference engine."""
 
+from minivllm.logprobs import Logprob
 from minivllm.outputs import CompletionOutput, RequestOutput
 from minivllm.sampling_params import SamplingParams
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob"]
 
 
 def __getattr__(name: str):

@@ -50,6 +50,10 @@ class EngineConfig:
     enforce_eager: bool = _option(
         False, "run every step eagerly: skip compiling the decode step (torch.compile, done "
         "on the CPU in bf16 at start-up and cached on disk)")
+    generation_config: str = _option(
+        "auto", "sampling defaults of requests that leave a field unset: auto (the model's "
+        "generation_config.json, as vLLM), vllm (vLLM's neutral defaults) or a folder holding "
+        "a generation_config.json")
     # filled from the model when the engine is built
     eos_token_ids: tuple[int, ...] = _option((), "end-of-sequence token ids", cli=False)
 
@@ -74,6 +78,11 @@ class EngineConfig:
         if self.dtype not in (None, "auto", "float32", "bfloat16", "float16"):
             raise ValueError(
                 f"dtype must be one of auto, float32, bfloat16, float16, got {self.dtype!r}"
+            )
+        if not isinstance(self.generation_config, str) or not self.generation_config:
+            raise ValueError(
+                "generation_config must be 'auto', 'vllm' or a folder path, got "
+                f"{self.generation_config!r}"
             )
         if self.quantization not in (None, "int4", "int8", "none"):
             raise ValueError(

@@ -36,6 +36,12 @@ class LLM:
     def get_tokenizer(self) -> Any:
         return self.llm_engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams with the model's sampling defaults (its generation_config.json's,
+        unless the engine option generation_config="vllm"): what `generate` and `chat` use
+        when given no sampling_params."""
+        return SamplingParams(**self.llm_engine.default_sampling_params)
+
     def generate(
         self,
         prompts: PromptInput | Seq[PromptInput],
@@ -45,11 +51,14 @@ class LLM:
         """Run every prompt to completion; outputs come back in input order.
 
         A prompt is a string, a list of token ids, or {"prompt_token_ids": [...]}.
-        `sampling_params` is one SamplingParams for all prompts or one per prompt.
+        `sampling_params` is one SamplingParams for all prompts or one per prompt (None:
+        `get_default_sampling_params()`).
         """
         prompt_list = requests.as_prompt_list(prompts)
-        if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            params_list = [sampling_params or SamplingParams()] * len(prompt_list)
+        if sampling_params is None:
+            sampling_params = self.get_default_sampling_params()
+        if isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params] * len(prompt_list)
         else:
             params_list = list(sampling_params)
             for params in params_list:

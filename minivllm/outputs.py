@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from minivllm.logprobs import PromptLogprobs, SampleLogprobs
+
 
 @dataclass
 class CompletionOutput:
@@ -13,8 +15,9 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     finish_reason: str | None = None  # None while running; a FinishReason value
-    # One dict per generated token, token id -> logprob (top-N plus the sampled token).
-    logprobs: list[dict[int, float]] | None = None
+    # With SamplingParams.logprobs: one dict per generated token, token id -> Logprob (the
+    # top-N plus the sampled token, each with its rank and decoded text). vLLM's shape.
+    logprobs: SampleLogprobs | None = None
     cumulative_logprob: float | None = None
 
 
@@ -37,6 +40,6 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     num_cached_prompt_tokens: int = 0  # prompt tokens served from the prefix cache
     # With SamplingParams.prompt_logprobs: None for the first prompt token, then one dict per
-    # prompt token, token id -> logprob (the top-N plus the prompt's own token). vLLM's shape.
-    prompt_logprobs: list[dict[int, float] | None] | None = None
+    # prompt token, token id -> Logprob (the top-N plus the prompt's own token). vLLM's shape.
+    prompt_logprobs: PromptLogprobs | None = None
     error: str | None = None  # why the request failed, when finish_reason is "error"

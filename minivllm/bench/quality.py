@@ -84,8 +84,8 @@ def engine_scores(llm: Any, token_ids: list[int], chunk: int | None) -> tuple[li
     while engine.has_unfinished_requests():
         outputs.extend(engine.step())
     entries = outputs[-1].prompt_logprobs[1:]  # one dict per token after the first
-    own = [entry[token] for entry, token in zip(entries, token_ids[1:], strict=True)]
-    top1 = [max(entry, key=entry.get) for entry in entries]
+    own = [entry[token].logprob for entry, token in zip(entries, token_ids[1:], strict=True)]
+    top1 = [next(t for t, lp in entry.items() if lp.rank == 1) for entry in entries]
     return own, top1
 
 

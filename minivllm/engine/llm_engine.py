@@ -16,9 +16,11 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from minivllm.config import EngineConfig
+from minivllm.engine.generation_config import default_sampling_params
 from minivllm.engine.scheduler import SampledToken, ScheduledBatch, Scheduler
 from minivllm.engine.sequence import FinishReason, Sequence
 from minivllm.engine.tracing import NullTracer
+from minivllm.logprobs import TokenTexts
 from minivllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from minivllm.sampling_params import SamplingParams
 from minivllm.structured import GrammarMatcher, StructuredOutputs
@@ -47,6 +49,9 @@ class _Request:
     num_cached_prompt_tokens: int | None = None  # set at admission (prefix-cache hits)
     error: str | None = None
     matcher: GrammarMatcher | None = None  # where a structured output is in its grammar
+    # Logprob entries (completion, prompt) whose decoded_token is filled already.
+    num_decoded_logprobs: int = 0
+    num_decoded_prompt_logprobs: int = 0
 
 
 class LLMEngine:
@@ -58,11 +63,15 @@ class LLMEngine:
         model_runner: ModelRunnerLike,
         tokenizer: Any | None = None,
         tracer: NullTracer | None = None,
+        default_sampling_params: dict[str, Any] | None = None,
     ) -> None:
         self.config = config
+        # The model's sampling defaults by SamplingParams' names (generation_config.py).
+        self.default_sampling_params = dict(default_sampling_params or {})
         self.model_runner = model_runner
         self.tokenizer = tokenizer
         self.tracer = tracer or NullTracer()
+        self.token_texts = TokenTexts(tokenizer)  # the decoded_token of Logprob entries
         self.scheduler = Scheduler(config, model_runner.num_kv_blocks)
         self.structured = StructuredOutputs(
             tokenizer, model_runner.vocab_size, config.eos_token_ids
@@ -81,13 +90,14 @@ class LLMEngine:
         config, model_dir, hf_config = resolve_config(config)
         tokenizer = load_tokenizer(model_dir)
         config = _with_eos(config, tokenizer, model_dir)
+        defaults = default_sampling_params(config.generation_config, model_dir)
         if config.tensor_parallel_size > 1:
             from minivllm.distributed.tp_runner import TPModelRunner
 
             runner: ModelRunnerLike = TPModelRunner(config, model_dir, hf_config)
         else:
             runner = ModelRunner(config, model_dir, hf_config)
-        return cls(config, runner, tokenizer, tracer)
+        return cls(config, runner, tokenizer, tracer, defaults)
 
     def close(self) -> None:
         """Release the runner's processes, if it has any (tensor parallelism); idempotent."""
@@ -264,13 +274,16 @@ class LLMEngine:
 
     def make_output(self, request: _Request) -> RequestOutput:
         seq = request.seq
-        logprobs = None
-        cumulative = None
-        if seq.sampling_params.logprobs is not None:
-            logprobs = []
-            for (lp, top), token in zip(seq.logprobs, seq.completion_token_ids):
-                logprobs.append({**top, token: lp})
-            cumulative = sum(lp for lp, _ in seq.logprobs)
+        sp = seq.sampling_params
+        self._decode_logprobs(request)
+        logprobs = cumulative = prompt_logprobs = None
+        if sp.prompt_logprobs is not None:
+            prompt_logprobs = [None, *seq.prompt_logprobs]
+        if sp.logprobs is not None:
+            logprobs = list(seq.logprobs)
+            cumulative = sum(
+                entry[token].logprob for entry, token in zip(logprobs, seq.completion_token_ids)
+            )
         completion = CompletionOutput(
             index=0,
             text=request.text,
@@ -288,13 +301,17 @@ class LLMEngine:
             finished=seq.is_finished,
             metrics=request.metrics,
             num_cached_prompt_tokens=request.num_cached_prompt_tokens or 0,
-            prompt_logprobs=(
-                [None, *seq.prompt_logprobs]
-                if seq.sampling_params.prompt_logprobs is not None
-                else None
-            ),
+            prompt_logprobs=prompt_logprobs,
             error=request.error,
         )
+
+    def _decode_logprobs(self, request: _Request) -> None:
+        """Fill the decoded_token of the Logprob entries committed since the last output."""
+        seq = request.seq
+        self.token_texts.fill(seq.logprobs[request.num_decoded_logprobs :])
+        request.num_decoded_logprobs = len(seq.logprobs)
+        self.token_texts.fill(seq.prompt_logprobs[request.num_decoded_prompt_logprobs :])
+        request.num_decoded_prompt_logprobs = len(seq.prompt_logprobs)
 
     # ---- introspection ----------------------------------------------------------------------
 

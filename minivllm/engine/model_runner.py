@@ -27,7 +27,7 @@ from minivllm.engine.sequence import Sequence, blocks_for
 from minivllm.layers.attention import AttentionMetadata
 from minivllm.layers.int4 import int4_supported
 from minivllm.layers.quantization import check_quantization, quantize_model_int8
-from minivllm.layers.sampler import Sampler, SamplingBatch
+from minivllm.layers.sampler import Sampler, SamplingBatch, gather_logprobs
 from minivllm.models.gguf_int4 import read_int4_weights_cached
 from minivllm.models.loader import attach_int4, load_model, quantize_linear_int4
 
@@ -298,14 +298,8 @@ class ModelRunner:
                 lps = logits[take:].log_softmax(dim=-1)  # [rows, V]
                 rows = targets[row + take - num_samples : row + n - num_samples]
                 tokens = torch.tensor([seq.token_ids[pos] for seq, pos in rows], device=lps.device)
-                own = lps.gather(-1, tokens.unsqueeze(-1)).squeeze(-1).tolist()
-                k = max(seq.sampling_params.prompt_logprobs for seq, _ in rows)
-                top_values, top_ids = lps.topk(max(k, 1), dim=-1)
-                top_values, top_ids = top_values.tolist(), top_ids.tolist()
-                for j, (seq, pos) in enumerate(rows):
-                    want = seq.sampling_params.prompt_logprobs
-                    entry = dict(zip(top_ids[j][:want], top_values[j][:want]))
-                    entry[seq.token_ids[pos]] = own[j]
+                wants = [seq.sampling_params.prompt_logprobs for seq, _ in rows]
+                for (seq, pos), entry in zip(rows, gather_logprobs(lps, tokens, wants)):
                     batch.prompt_logprobs.setdefault(seq.seq_id, (pos, []))[1].append(entry)
             row += n
         return torch.cat(sample_parts) if sample_parts else None
@@ -327,12 +321,9 @@ class ModelRunner:
         if logits is None:
             return []
         out = self.sampler(logits, inputs.sampling)  # logits: [num_samples, V]
-        if out.logprobs is None or out.top_logprobs is None:
+        if out.logprobs is None:
             return [SampledToken(t) for t in out.token_ids]
-        return [
-            SampledToken(t, lp, top)
-            for t, lp, top in zip(out.token_ids, out.logprobs, out.top_logprobs)
-        ]
+        return [SampledToken(t, lp) for t, lp in zip(out.token_ids, out.logprobs)]
 
 
 def _available_ram() -> float:

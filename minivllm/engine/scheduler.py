@@ -27,6 +27,7 @@ from minivllm.engine.sequence import (
     blocks_for,
     check_invariants,
 )
+from minivllm.logprobs import Logprob
 
 
 @dataclass
@@ -39,8 +40,8 @@ class ScheduledBatch:
     # Fixed when the plan is made, because committing changes the counters it is read from.
     sample_seqs: list[Sequence] = field(init=False)
     # Filled by the runner for sequences that asked for prompt logprobs: seq_id -> (first
-    # prompt position covered, one {token_id: logprob} per position), committed by postprocess.
-    prompt_logprobs: dict[int, tuple[int, list[dict[int, float]]]] = field(
+    # prompt position covered, one {token_id: Logprob} per position), committed by postprocess.
+    prompt_logprobs: dict[int, tuple[int, list[dict[int, Logprob]]]] = field(
         default_factory=dict, init=False
     )
     # Set by the engine before execution when a sampling sequence has structured outputs: the
@@ -72,8 +73,8 @@ class SampledToken:
     """What the ModelRunner returns for one sequence of `ScheduledBatch.sample_seqs`."""
 
     token_id: int
-    logprob: float | None = None  # of the sampled token, when logprobs were asked for
-    top_logprobs: dict[int, float] | None = None  # top-N token id -> logprob
+    # When logprobs were asked for: the sampled token's and the top-N's Logprob, by token id.
+    logprobs: dict[int, Logprob] | None = None
 
 
 class Scheduler:
@@ -209,8 +210,8 @@ class Scheduler:
             if seq.is_finished:
                 continue
             seq.append_token(sample.token_id)
-            if seq.sampling_params.logprobs is not None and sample.logprob is not None:
-                seq.logprobs.append((sample.logprob, sample.top_logprobs or {}))
+            if seq.sampling_params.logprobs is not None and sample.logprobs is not None:
+                seq.logprobs.append(sample.logprobs)
             reason = self._stop_reason(seq, sample.token_id)
             if reason is not None:
                 self.finish(seq, reason)

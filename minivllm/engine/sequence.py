@@ -18,6 +18,7 @@ from __future__ import annotations
 import time
 from enum import Enum
 
+from minivllm.logprobs import Logprob
 from minivllm.sampling_params import SamplingParams
 
 
@@ -61,11 +62,11 @@ class Sequence:
         self.finish_reason: FinishReason | None = None
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         # One entry per completion token when sampling_params.logprobs is set:
-        # (sampled token's logprob, {token_id: logprob} of the top-N).
-        self.logprobs: list[tuple[float, dict[int, float]]] = []
+        # {token_id: Logprob} of the sampled token and the top-N.
+        self.logprobs: list[dict[int, Logprob]] = []
         # When sampling_params.prompt_logprobs is set: for prompt positions 1.., committed in
-        # order, {token_id: logprob} of the prompt's own token plus the top-N.
-        self.prompt_logprobs: list[dict[int, float]] = []
+        # order, {token_id: Logprob} of the prompt's own token plus the top-N.
+        self.prompt_logprobs: list[dict[int, Logprob]] = []
         self.num_preemptions = 0
 
     def __repr__(self) -> str:

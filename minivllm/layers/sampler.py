@@ -1,11 +1,12 @@
 """Sampling: greedy, temperature, top-k, top-p, min-p, per-request seeds, logprobs,
 penalties, logit bias, min_tokens and structured outputs' token masks.
 
-vLLM's order: logprobs are taken from the raw logits; then the structured-output mask (a
-packed bitmask for the whole batch, one row per request), `logit_bias`, the min_tokens ban
-on EOS and stop tokens, and the repetition / presence / frequency penalties change the
-logits (greedy rows too); then temperature and the filters, with HF's semantics and in HF's
-order (temperature, top-k, top-p, min-p; top-p keeps the token that crosses the threshold).
+vLLM's order: logprobs (with each token's rank in the full vocabulary) are taken from the
+raw logits; then the structured-output mask (a packed bitmask for the whole batch, one row
+per request), `logit_bias`, the min_tokens ban on EOS and stop tokens, and the repetition /
+presence / frequency penalties change the logits (greedy rows too); then temperature and
+the filters, with HF's semantics and in HF's order (temperature, top-k, top-p, min-p; top-p
+keeps the token that crosses the threshold).
 Sampling inverts each row's CDF at one uniform number (a float64 cumulative sum and a binary
 search), which draws from `probs` exactly and needs one random number per row, not one per
 vocabulary entry (as an exponential race or `torch.multinomial` does). A seeded request draws
@@ -20,6 +21,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from minivllm.logprobs import Logprob, logprob_entry
 from minivllm.sampling_params import SamplingParams
 
 _MIX = 0x9E3779B97F4A7C15  # spreads (seed, position) over the generator's seed space
@@ -53,8 +55,26 @@ class SamplingBatch:
 @dataclass
 class SamplerOutput:
     token_ids: list[int]
-    logprobs: list[float] | None  # of each sampled token, when any row asked for logprobs
-    top_logprobs: list[dict[int, float]] | None
+    # When any row asked for logprobs: per row, the sampled token's entry (its own and the
+    # top-N's Logprob, ranks filled; decoded_token is the engine's), None for a row that did not.
+    logprobs: list[dict[int, Logprob] | None] | None = None
+
+
+def gather_logprobs(
+    logprobs: torch.Tensor, token_ids: torch.Tensor, num_top: list[int]
+) -> list[dict[int, Logprob]]:
+    """Each row's entry for `token_ids[row]`: its log-probability and rank, and the row's
+    top-`num_top[row]`. logprobs: [N, V] log-softmax; token_ids: [N].
+
+    The rank is vLLM's count: the tokens whose log-probability is >= the token's own, one
+    pass over the batch."""
+    own = logprobs.gather(-1, token_ids.unsqueeze(-1))  # [N, 1]
+    ranks = (logprobs >= own).sum(dim=-1)  # [N]
+    top_values, top_ids = logprobs.topk(max(max(num_top, default=0), 1), dim=-1)  # [N, K]
+    rows = zip(token_ids.tolist(), own.squeeze(-1).tolist(), ranks.tolist(), top_ids.tolist(),
+               top_values.tolist(), num_top, strict=True)
+    return [logprob_entry(token, lp, rank, ids[:k], values[:k])
+            for token, lp, rank, ids, values, k in rows]
 
 
 def apply_top_k(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
@@ -180,8 +200,8 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         """logits: [N, V] float32, one row per sampling sequence."""
         logits = logits.float()
-        max_logprobs = batch.max_logprobs
-        raw_logprobs = logits.log_softmax(dim=-1) if max_logprobs is not None else None  # [N, V]
+        wants_logprobs = batch.max_logprobs is not None
+        raw_logprobs = logits.log_softmax(dim=-1) if wants_logprobs else None  # [N, V]
         logits = self._process(logits, batch)
 
         if batch.all_greedy:
@@ -190,15 +210,13 @@ class Sampler:
             tokens = self._sample(logits, batch)
 
         token_list = tokens.tolist()
-        if raw_logprobs is None or max_logprobs is None:
-            return SamplerOutput(token_list, None, None)
-        chosen = raw_logprobs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1).tolist()  # [N]
-        top_values, top_ids = raw_logprobs.topk(max(max_logprobs, 1), dim=-1)  # [N, K]
-        tops = []
-        for row, params in enumerate(batch.params):
-            k = params.logprobs or 0
-            tops.append(dict(zip(top_ids[row, :k].tolist(), top_values[row, :k].tolist())))
-        return SamplerOutput(token_list, chosen, tops)
+        if raw_logprobs is None:
+            return SamplerOutput(token_list)
+        asked = [p.logprobs for p in batch.params]
+        entries = gather_logprobs(raw_logprobs, tokens, [k or 0 for k in asked])
+        return SamplerOutput(
+            token_list, [e if k is not None else None for e, k in zip(entries, asked)]
+        )
 
     def _process(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         """The structured-output mask, logit bias, the min_tokens ban and the penalties;

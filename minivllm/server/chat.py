@@ -33,13 +33,15 @@ async def create_chat_completion(server: OpenAIServer, request: Request) -> Resp
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs needs logprobs: true", param="top_logprobs")
     params = await server.sampling_params(
-        req, default_max_tokens=None, logprobs=num_top if req.logprobs else None
+        req, default_max_tokens=server.default_sampling.get("max_tokens"),
+        logprobs=num_top if req.logprobs else None,
     )
     try:
         mode = tools.mode_of(req.tools, req.tool_choice)
     except ValueError as exc:
         raise bad_value(exc) from None
     prompt = await asyncio.to_thread(chat_prompt, server, req, mode)
+    params = server.fit_default_max_tokens(req, params, len(prompt))
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     start = time.monotonic()
     stream = await server.start(request_id, [prompt], params)

@@ -6,26 +6,17 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from minivllm.logprobs import Logprob, TokenTexts
 from minivllm.outputs import CompletionOutput, RequestOutput
 from minivllm.server import responses
 
-_TOKEN_TEXT_CACHE = 1 << 16  # decoded single tokens kept (a vocabulary's worth)
-
 
 class LogprobFormatter:
-    """Formats the engine's token id -> logprob dicts; caches each token's decoded text."""
+    """Formats the engine's token id -> Logprob dicts; caches each token's decoded text."""
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
-        self._token_text: dict[int, str] = {}
-
-    def token_text(self, token_id: int) -> str:
-        text = self._token_text.get(token_id)
-        if text is None:
-            text = self.tokenizer.decode([token_id]) if self.tokenizer is not None else ""
-            if len(self._token_text) < _TOKEN_TEXT_CACHE:
-                self._token_text[token_id] = text
-        return text
+        self.token_text = TokenTexts(tokenizer)
 
     def completion(
         self, out: CompletionOutput, start: int, offset: int
@@ -37,7 +28,7 @@ class LogprobFormatter:
         return self.of_tokens(out.token_ids[start:], out.logprobs[start:], offset)
 
     def of_tokens(
-        self, token_ids: list[int], scores: list[dict[int, float] | None], offset: int
+        self, token_ids: list[int], scores: list[dict[int, Logprob] | None], offset: int
     ) -> responses.CompletionLogprobs:
         """OpenAI's completions logprobs of `token_ids`, the first at character `offset`; a
         None score (an echoed prompt's first token) has no logprobs."""
@@ -45,15 +36,15 @@ class LogprobFormatter:
         for token_id, top in zip(token_ids, scores, strict=False):
             text = self.token_text(token_id)
             result.tokens.append(text)
-            result.token_logprobs.append(None if top is None else top.get(token_id, -math.inf))
+            result.token_logprobs.append(None if top is None else _logprob(top, token_id))
             result.top_logprobs.append(None if top is None else self.by_text(top))
             result.text_offset.append(offset)
             offset += len(text)
         return result
 
-    def by_text(self, top: dict[int, float]) -> dict[str, float]:
-        """Token id -> logprob as OpenAI's token text -> logprob, most likely first."""
-        return {self.token_text(t): lp for t, lp in sorted(top.items(), key=lambda kv: -kv[1])}
+    def by_text(self, top: dict[int, Logprob]) -> dict[str, float]:
+        """Token id -> Logprob as OpenAI's token text -> logprob, most likely first."""
+        return {self.token_text(t): lp for t, lp in _most_likely_first(top)}
 
     def echo(self, output: RequestOutput) -> responses.CompletionLogprobs:
         """OpenAI's logprobs of an echoed prompt: every prompt token, None for the first."""
@@ -84,11 +75,11 @@ class LogprobFormatter:
         content = []
         for token_id, top in zip(out.token_ids[start:], out.logprobs[start:], strict=False):
             text = self.token_text(token_id)
-            best = sorted(top.items(), key=lambda kv: -kv[1])[:num_top]
+            best = _most_likely_first(top)[:num_top]
             content.append(
                 responses.TokenLogprob(
                     token=text,
-                    logprob=top.get(token_id, float("-inf")),
+                    logprob=_logprob(top, token_id),
                     bytes=list(text.encode()),
                     top_logprobs=[self._top(t, lp) for t, lp in best],
                 )
@@ -98,3 +89,13 @@ class LogprobFormatter:
     def _top(self, token_id: int, logprob: float) -> responses.TopLogprob:
         text = self.token_text(token_id)
         return responses.TopLogprob(token=text, logprob=logprob, bytes=list(text.encode()))
+
+
+def _logprob(entry: dict[int, Logprob], token_id: int) -> float:
+    found = entry.get(token_id)
+    return -math.inf if found is None else found.logprob
+
+
+def _most_likely_first(entry: dict[int, Logprob]) -> list[tuple[int, float]]:
+    """(token id, logprob) pairs, highest logprob first (ties keep the entry's order)."""
+    return sorted(((t, lp.logprob) for t, lp in entry.items()), key=lambda kv: -kv[1])

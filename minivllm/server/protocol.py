@@ -105,9 +105,19 @@ class _SamplingRequest(_Body):
         ])
 
     def sampling_params(
-        self, default_max_tokens: int | None, logprobs: int | None
+        self, default_max_tokens: int | None, logprobs: int | None,
+        defaults: dict[str, Any] | None = None,
     ) -> SamplingParams:
-        """The engine's SamplingParams; ValueError with a client-facing message if invalid."""
+        """The engine's SamplingParams; ValueError with a client-facing message if invalid.
+
+        A sampling field the request leaves unset takes `defaults`' value (the model's, from
+        its generation_config.json), else vLLM's neutral one: vLLM's order of precedence."""
+        defaults = defaults or {}
+
+        def pick(name: str, neutral: float) -> Any:
+            value = getattr(self, name)
+            return value if value is not None else defaults.get(name, neutral)
+
         if not 1 <= self.n <= MAX_N:
             raise ValueError(f"n must be an integer in [1, {MAX_N}], got {self.n}")
         if isinstance(self.stop, list) and len(self.stop) > MAX_STOP:
@@ -116,15 +126,15 @@ class _SamplingRequest(_Body):
             raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {logprobs}")
         max_tokens = self.max_tokens if self.max_tokens is not None else self.max_completion_tokens
         return SamplingParams(
-            presence_penalty=self.presence_penalty or 0.0,
-            frequency_penalty=self.frequency_penalty or 0.0,
-            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            presence_penalty=pick("presence_penalty", 0.0),
+            frequency_penalty=pick("frequency_penalty", 0.0),
+            repetition_penalty=pick("repetition_penalty", 1.0),
             logit_bias=_token_biases(self.logit_bias),
             n=self.n,
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=-1 if self.top_k is None else self.top_k,
-            min_p=0.0 if self.min_p is None else self.min_p,
+            temperature=pick("temperature", 1.0),
+            top_p=pick("top_p", 1.0),
+            top_k=pick("top_k", -1),
+            min_p=pick("min_p", 0.0),
             seed=self.seed,
             max_tokens=default_max_tokens if max_tokens is None else max_tokens,
             min_tokens=self.min_tokens,
@@ -162,13 +172,14 @@ class CompletionRequest(_SamplingRequest):
     suffix: str | None = None
 
     def sampling_params(
-        self, default_max_tokens: int | None, logprobs: int | None
+        self, default_max_tokens: int | None, logprobs: int | None,
+        defaults: dict[str, Any] | None = None,
     ) -> SamplingParams:
         if self.best_of is not None and self.best_of != self.n:
             raise ValueError(f"best_of is not supported (only best_of == n), got {self.best_of}")
         if self.suffix:
             raise ValueError("suffix is not supported")
-        params = super().sampling_params(default_max_tokens, logprobs)
+        params = super().sampling_params(default_max_tokens, logprobs, defaults)
         if self.echo and logprobs is not None:
             params = dataclasses.replace(params, prompt_logprobs=logprobs)
         return params

@@ -88,6 +88,11 @@ class OpenAIServer:
             recorder=recorder,
         )
         self.logprobs = LogprobFormatter(self.tokenizer)
+        # The model's sampling defaults (generation_config.json) for fields a request leaves
+        # unset; a request's own value wins.
+        self.default_sampling = dict(engine.default_sampling_params)
+        if self.default_sampling:
+            logger.info("default sampling params from the model: %s", self.default_sampling)
 
     def check_auth(self, request: Request) -> None:
         check_auth(request, self.api_key)
@@ -132,13 +137,32 @@ class OpenAIServer:
     async def sampling_params(
         self, req: protocol._SamplingRequest, default_max_tokens: int | None, logprobs: int | None
     ) -> SamplingParams:
-        """The request's SamplingParams, its output constraint included; 400 if invalid."""
+        """The request's SamplingParams (the model's defaults for the fields it leaves unset),
+        its output constraint included; 400 if invalid."""
         try:
-            params = req.sampling_params(default_max_tokens, logprobs)
+            params = req.sampling_params(default_max_tokens, logprobs, self.default_sampling)
             constraint = req.constraint()
         except ValueError as exc:
             raise bad_value(exc) from None
         return await self.constrain(params, constraint)
+
+    def fit_default_max_tokens(
+        self, req: protocol._SamplingRequest, params: SamplingParams, prompt_len: int
+    ) -> SamplingParams:
+        """vLLM's rule for a max_tokens the request did not set: the model's default is cut to
+        the room the prompt leaves in max_model_len (a request's own value is checked, not cut);
+        400 if min_tokens no longer fits."""
+        if req.max_tokens is not None or req.max_completion_tokens is not None:
+            return params
+        if params.max_tokens is None or self.max_model_len is None:
+            return params
+        room = self.max_model_len - prompt_len
+        if not 0 < room < params.max_tokens:
+            return params  # fits, or the prompt alone is too long (a 400 when it is added)
+        try:
+            return dataclasses.replace(params, max_tokens=room)
+        except ValueError as exc:
+            raise bad_value(exc) from None
 
     async def constrain(
         self, params: SamplingParams, constraint: Constraint | None

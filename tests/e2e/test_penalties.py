@@ -60,8 +60,9 @@ def test_logit_bias_and_min_tokens_change_the_choice_but_not_the_logprobs():
     assert out.token_ids[1] not in (4, 7)  # EOS and the stop token are banned before 3 tokens
     assert out.token_ids[2] == 4  # min_tokens reached: EOS is allowed again
     raw = logits.log_softmax(-1)
-    assert out.logprobs == pytest.approx([raw[0, 9].item(), raw[1, out.token_ids[1]].item(),
-                                          raw[2, 4].item()])
+    chosen = [entry[token].logprob for entry, token in zip(out.logprobs, out.token_ids)]
+    assert chosen == pytest.approx([raw[0, 9].item(), raw[1, out.token_ids[1]].item(),
+                                    raw[2, 4].item()])
 
 
 @pytest.mark.parametrize(

@@ -19,10 +19,12 @@ def assert_matches_hf(model_dir: str, prompt: list[int], got: list | None) -> No
     ref = hf_prompt_logprobs(model_dir, tuple(prompt))
     for pos in range(1, len(prompt)):
         entry = got[pos]
-        assert entry[prompt[pos]] == pytest.approx(ref[pos - 1, prompt[pos]].item(), abs=1e-4)
+        assert entry[prompt[pos]].logprob == pytest.approx(
+            ref[pos - 1, prompt[pos]].item(), abs=1e-4
+        )
         top = ref[pos - 1].topk(TOP)
         for token, value in zip(top.indices.tolist(), top.values.tolist(), strict=True):
-            assert entry[token] == pytest.approx(value, abs=1e-4)
+            assert entry[token].logprob == pytest.approx(value, abs=1e-4)
         assert len(entry) in (TOP, TOP + 1)  # the top-N, plus the prompt token if outside
 
 

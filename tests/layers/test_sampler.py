@@ -67,9 +67,10 @@ def test_logprobs_are_the_raw_model_distribution():
     out = Sampler(0, torch.device("cpu"))(logits, SamplingBatch(params, [0, 0]))
     ref = logits.log_softmax(-1)
     assert out.token_ids == logits.argmax(-1).tolist()
-    assert out.logprobs[0] == pytest.approx(ref[0].max().item(), abs=1e-6)
-    assert sorted(out.top_logprobs[0]) == sorted(ref[0].topk(3).indices.tolist())
-    assert out.top_logprobs[1] == {}
+    entry = out.logprobs[0]
+    assert entry[out.token_ids[0]].logprob == pytest.approx(ref[0].max().item(), abs=1e-6)
+    assert list(entry) == ref[0].topk(3).indices.tolist()  # the top-3, most likely first
+    assert out.logprobs[1] is None  # the row asked for no logprobs
 
 
 def test_inverse_cdf_never_picks_a_filtered_token():

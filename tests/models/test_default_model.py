@@ -37,3 +37,10 @@ def test_our_gguf_loading_matches_transformers_gguf_loading(default_llm_fp32):
         ref = hf_model.generate(ids, max_new_tokens=16, min_new_tokens=16, do_sample=False,
                                 pad_token_id=hf_tok.eos_token_id)
         assert out.outputs[0].token_ids == ref[0, ids.shape[1]:].tolist(), prompt
+
+
+def test_the_gguf_gives_no_sampling_defaults(default_llm):
+    """A GGUF carries no generation config (its conversion writes only the token ids), so the
+    default model keeps vLLM's defaults, as vLLM does with a GGUF."""
+    assert default_llm.llm_engine.default_sampling_params == {}
+    assert default_llm.get_default_sampling_params() == SamplingParams()

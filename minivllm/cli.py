@@ -29,10 +29,14 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
     for f in engine_fields():
         flag = "--" + f.name.replace("_", "-")
         kind = next((t for name, t in _TYPES.items() if name in str(f.type)), str)
-        if kind is bool:  # the options that default to on get a --no-... switch
+        if kind is bool and f.default:  # the options that default to on: a --no-... switch
             flag = "--no-" + f.name.removeprefix("enable_").replace("_", "-")
             g.add_argument(flag, dest=f.name, action="store_false", default=None,
                            help=f"do not {f.metadata['help']}")
+            continue
+        if kind is bool:  # off by default: a plain switch
+            g.add_argument(flag, dest=f.name, action="store_true", default=None,
+                           help=f.metadata["help"])
             continue
         g.add_argument(flag, type=kind, default=None, choices=f.metadata["choices"],
                        help=f.metadata["help"])

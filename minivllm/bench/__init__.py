@@ -1,6 +1,6 @@
 """`minivllm bench`: throughput (vs HF transformers), prefix caching on/off, engine overhead,
-serving and quality (vs HF fp32), one module per benchmark over the shared workloads of
-`workloads.py`.
+serving (alone, or against llama.cpp's server: `peer.py`) and quality (vs HF fp32), one
+module per benchmark over the shared workloads of `workloads.py`.
 
 Every benchmark prints its numbers, writes them as JSON (`--output`), and can draw a PNG
 chart (`--chart`, needs matplotlib). Ratios are measured in one run on one machine.
@@ -15,6 +15,7 @@ from typing import Any
 
 from minivllm.bench.common import chart
 from minivllm.bench.overhead import cmd_overhead
+from minivllm.bench.peer import cmd_compare_llama_cpp
 from minivllm.bench.prefix import cmd_prefix
 from minivllm.bench.quality import cmd_quality
 from minivllm.bench.serve import cmd_serve_bench
@@ -42,6 +43,9 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--chart", type=Path, default=None, help="draw a PNG chart here")
     parser.add_argument("--url", default="http://127.0.0.1:8000",
                         help="serve: the server to benchmark")
+    parser.add_argument("--llama-server", default=None, metavar="PATH",
+                        help="serve --compare llama.cpp: llama.cpp's server binary (default: "
+                        "$LLAMA_SERVER, else benchmarks/build_llama_cpp.sh's build)")
 
 
 def run_bench(args: argparse.Namespace, options: dict[str, Any]) -> int:
@@ -56,6 +60,8 @@ def run_bench(args: argparse.Namespace, options: dict[str, Any]) -> int:
         report = cmd_overhead(args, options)
     elif args.which == "quality":
         report = cmd_quality(args, options)
+    elif "llama.cpp" in args.compare:
+        report = cmd_compare_llama_cpp(args, options)
     else:
         report = cmd_serve_bench(args)
     if args.output is not None:

@@ -55,7 +55,10 @@ async def run_level(url: str, model: str, prompts: list[list[int]], max_tokens: 
     import httpx
 
     semaphore = asyncio.Semaphore(concurrency)
-    async with httpx.AsyncClient(timeout=600) as client:
+    # A fresh connection per request: llama.cpp's server may close one after a stream, and
+    # a pooled connection closed under the client fails the next request.
+    limits = httpx.Limits(max_keepalive_connections=0)
+    async with httpx.AsyncClient(timeout=600, limits=limits) as client:
         async def bounded(prompt: list[int]) -> tuple[float, list[float], int]:
             async with semaphore:
                 return await one_request(client, url, model, prompt, max_tokens)

@@ -1,0 +1,148 @@
+"""`minivllm bench serve --compare llama.cpp`: the same streaming client against `minivllm
+serve` and against llama.cpp's own server, on the same GGUF, one after the other.
+
+Each server is started here, waited for, loaded at c=1 (4 requests, 64-token prompts) and at
+c=16 (16 requests, prompts of 32-256 tokens), 128 output tokens each, `ignore_eos`, and
+stopped; then the two are printed side by side with their ratio. The llama.cpp server is the
+one `benchmarks/build_llama_cpp.sh` builds (`--llama-server PATH` or `$LLAMA_SERVER` to use
+another), with as many slots as the widest level and one thread per core.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import socket
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from minivllm.bench.common import machine
+from minivllm.bench.serve import SERVE_VOCAB_SIZE, run_level
+from minivllm.bench.workloads import Workload
+
+# (name, concurrency, requests, prompt lengths): the levels of issue 11's table
+LEVELS = [("c=1", 1, 4, (64, 64)), ("c=16", 16, 16, (32, 256))]
+OUTPUT_TOKENS = 128
+LLAMA_SERVER_CACHE = Path("~/.cache/minivllm/llama.cpp").expanduser()
+
+
+def find_llama_server(explicit: str | None) -> Path:
+    """The llama-server binary: `--llama-server`, `$LLAMA_SERVER`, or the newest build of
+    benchmarks/build_llama_cpp.sh."""
+    given = explicit or os.environ.get("LLAMA_SERVER")
+    if given:
+        path = Path(given).expanduser()
+    else:
+        builds = sorted(LLAMA_SERVER_CACHE.glob("build-*/bin/llama-server"))
+        if not builds:
+            raise SystemExit("no llama-server found: run `bash benchmarks/build_llama_cpp.sh` "
+                             "(about 15 minutes on 2 cores) or pass --llama-server PATH")
+        path = builds[-1]
+    if not os.access(path, os.X_OK):
+        raise SystemExit(f"llama-server {path} is not an executable file")
+    return path
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@contextmanager
+def running(command: list[str], url: str, ready_path: str, timeout: float = 600):
+    """Start a server process, wait until `url + ready_path` answers 200, stop it after."""
+    import httpx
+
+    log = open(Path(os.environ.get("TMPDIR", "/tmp")) / f"bench-peer-{os.getpid()}.log", "ab")
+    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            if process.poll() is not None:
+                raise SystemExit(f"{command[0]} exited with {process.returncode} (log: {log.name})")
+            try:
+                if httpx.get(url + ready_path, timeout=5).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise SystemExit(f"{command[0]} was not ready after {timeout:.0f} s")
+            time.sleep(0.5)
+        yield
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+        log.close()
+
+
+def load_levels(url: str, seed: int) -> list[dict[str, Any]]:
+    """Run every level of LEVELS against the server at `url`."""
+    import httpx
+
+    model = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
+    results = []
+    for name, concurrency, count, lengths in LEVELS:
+        prompts, _ = Workload(count, lengths, (1, 1), seed + concurrency).make(SERVE_VOCAB_SIZE)
+        asyncio.run(run_level(url, model, prompts[:1], 4, 1))  # warm-up: one short request
+        level = asyncio.run(run_level(url, model, prompts, OUTPUT_TOKENS, concurrency))
+        results.append(dict(level, name=name, tok_per_s=level["output_tok_per_s"]))
+    return results
+
+
+def peer_commands(gguf: Path, llama_server: Path, options: dict[str, Any],
+                  ports: tuple[int, int]) -> dict[str, list[str]]:
+    """How each server is started: ours with the engine options given, llama.cpp's with
+    16 slots of 512 tokens and one thread per core."""
+    ours = [sys.executable, "-m", "minivllm.cli", "serve", str(gguf), "--port", str(ports[0])]
+    for key, value in options.items():
+        if key == "model":
+            continue
+        if value is True or value is False:
+            ours.append(f"--{key.replace('_', '-')}" if value else
+                        f"--no-{key.removeprefix('enable_').replace('_', '-')}")
+        else:
+            ours += [f"--{key.replace('_', '-')}", str(value)]
+    slots = max(concurrency for _, concurrency, _, _ in LEVELS)
+    threads = str(os.cpu_count() or 1)
+    theirs = [str(llama_server), "-m", str(gguf), "--port", str(ports[1]), "-np", str(slots),
+              "-c", str(512 * slots), "-t", threads, "-tb", threads, "--no-webui"]
+    return {"minivllm": ours, "llama.cpp": theirs}
+
+
+def cmd_compare_llama_cpp(args: argparse.Namespace, options: dict[str, Any]) -> dict[str, Any]:
+    from minivllm.models.paths import default_model_path
+
+    gguf = Path(options.get("model") or default_model_path()).expanduser()
+    if gguf.suffix.lower() != ".gguf":
+        raise SystemExit(f"--compare llama.cpp needs a .gguf model, got {gguf}")
+    ports = (free_port(), free_port())
+    commands = peer_commands(gguf, find_llama_server(args.llama_server), options, ports)
+    runs = {}
+    for (name, command), port in zip(commands.items(), ports, strict=True):
+        url = f"http://127.0.0.1:{port}"
+        print(f"{name}: {' '.join(command)}", flush=True)
+        ready = "/v1/models" if name == "minivllm" else "/health"
+        with running(command, url, ready):
+            runs[name] = load_levels(url, args.seed)
+    rows = []
+    for ours, theirs in zip(runs["minivllm"], runs["llama.cpp"], strict=True):
+        ratio = ours["tok_per_s"] / theirs["tok_per_s"]
+        print(f"{ours['name']:>5}: minivllm {ours['tok_per_s']:6.1f} tok/s "
+              f"(TTFT p50 {ours['ttft_p50_s'] * 1e3:5.0f} ms, ITL p50 "
+              f"{ours['itl_p50_s'] * 1e3:4.1f} p99 {ours['itl_p99_s'] * 1e3:5.1f} ms) | "
+              f"llama.cpp {theirs['tok_per_s']:6.1f} tok/s (TTFT p50 "
+              f"{theirs['ttft_p50_s'] * 1e3:5.0f} ms, ITL p50 {theirs['itl_p50_s'] * 1e3:4.1f} "
+              f"p99 {theirs['itl_p99_s'] * 1e3:5.1f} ms) | {ratio:.2f}x", flush=True)
+        rows.append({"level": ours["name"], "ratio": ratio})
+    results = [dict(r, name=f"{peer} {r['name']}") for peer in runs for r in runs[peer]]
+    return {"benchmark": "serve vs llama.cpp", "gguf": str(gguf), "machine": machine(),
+            "commands": commands, "ratios": rows, "results": results}

@@ -5,6 +5,7 @@ and prints the ms per step of the top ops and of three buckets: the linear layer
 packed int4 matmuls), the LM head, and everything else (norms, rotary, attention, copies).
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/decode_profile.py [--batch 1] [--dtype auto]
+        [--enforce-eager]   # the eager step, for comparison with the compiled one
 """
 
 from __future__ import annotations
@@ -29,8 +30,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--quantization", default=None)
+    parser.add_argument("--enforce-eager", action="store_true")
     args = parser.parse_args()
-    llm = LLM(None, dtype=args.dtype, quantization=args.quantization, num_kv_blocks=512)
+    llm = LLM(None, dtype=args.dtype, quantization=args.quantization, num_kv_blocks=512,
+              enforce_eager=args.enforce_eager)
     engine = llm.llm_engine
     prompts, _ = Workload(args.batch, (args.context, args.context), (1, 1)).make(
         engine.model_runner.vocab_size)
@@ -52,7 +55,8 @@ def main() -> None:
     for event in prof.key_averages():
         per_op[event.key] += event.self_cpu_time_total / 1e3 / args.steps
     runner = engine.model_runner
-    print(f"batch {args.batch}, context {args.context}, dtype {runner.dtype}, KV "
+    print(f"{'eager' if runner.compiled_decode is None else 'compiled'} step, "
+          f"batch {args.batch}, context {args.context}, dtype {runner.dtype}, KV "
           f"{runner.kv_dtype}: {wall:.1f} CPU ms per decode step unprofiled "
           f"({args.batch / wall * 1e3:.1f} tok/s)")
     matmul = sum(ms for op, ms in per_op.items() if op.startswith(MATMUL_OPS))

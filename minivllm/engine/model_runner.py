@@ -25,10 +25,10 @@ from minivllm.engine.compiled_decode import CompiledDecode, compile_decode_step
 from minivllm.engine.scheduler import SampledToken, ScheduledBatch
 from minivllm.engine.sequence import Sequence, blocks_for
 from minivllm.layers.attention import AttentionMetadata
-from minivllm.layers.int4 import int4_supported
+from minivllm.layers.int4 import PackedInt4Pair, int4_supported
 from minivllm.layers.quantization import check_quantization, quantize_model_int8
 from minivllm.layers.sampler import Sampler, SamplingBatch, gather_logprobs
-from minivllm.models.gguf_int4 import read_int4_weights_cached
+from minivllm.models.gguf_int4 import LM_HEAD_HIGH, LM_HEAD_LOW, read_int4_weights_cached
 from minivllm.models.loader import attach_int4, load_model, quantize_linear_int4
 
 logger = logging.getLogger(__name__)
@@ -247,7 +247,12 @@ class ModelRunner:
                                  f"dtype {self.dtype}, tensor_parallel_size {tp_size})")
             return
         source = gguf_source(self.config.model)
-        count = attach_int4(self.model, read_int4_weights_cached(source)) if source else 0
+        weights = read_int4_weights_cached(source) if source else {}
+        if LM_HEAD_HIGH in weights and hasattr(self.model, "lm_head"):
+            self.model.lm_head.set_int8_pair(
+                PackedInt4Pair(weights.pop(LM_HEAD_HIGH), weights.pop(LM_HEAD_LOW)))
+            logger.info("LM head: its Q8_0 weight as two packed int4 halves for small steps")
+        count = attach_int4(self.model, weights)
         if method == "int4":
             count += quantize_linear_int4(self.model)
         logger.info("packed int4 weights for %d linear layers (%s)", count,

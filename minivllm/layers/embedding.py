@@ -12,6 +12,7 @@ import torch.utils.mkldnn
 from torch import nn
 
 from minivllm.distributed import parallel_state
+from minivllm.layers.int4 import PackedInt4Pair
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -73,6 +74,14 @@ class ParallelLMHead(VocabParallelEmbedding):
         # A oneDNN-packed copy of the weight for forward on the CPU (see pack_for_cpu), kept
         # in a tuple so that it is not registered as a submodule (no state_dict entry).
         self._packed: tuple[nn.Module, ...] = ()
+        self.int8_pair: PackedInt4Pair | None = None  # a Q8_0 head as two int4 halves
+
+    def set_int8_pair(self, pair: PackedInt4Pair) -> None:
+        """Run decode-sized bf16 steps on an 8-bit head split in two packed int4 halves
+        (`minivllm.layers.int4.split_int8`); larger steps keep the dense weight."""
+        if self.tp_size != 1:
+            raise ValueError("an int4-pair LM head needs tensor_parallel_size=1")
+        self.int8_pair = pair
 
     def tie_to(self, embedding: VocabParallelEmbedding) -> None:
         """Share the embedding's weight (tie_word_embeddings): one tensor, loaded once."""
@@ -102,6 +111,8 @@ class ParallelLMHead(VocabParallelEmbedding):
         With tp_size > 1 only rank 0 (which samples) gets the full logits; the other ranks
         get their own `[num_tokens, vocab_size / tp_size]` slice.
         """
+        if self.int8_pair is not None and self.int8_pair.fits(hidden):
+            return self.int8_pair.matmul(hidden)  # [num_tokens, vocab_size] float32
         if self._packed and hidden.dtype == torch.float32 and hidden.device.type == "cpu":
             logits = self._packed[0](hidden.contiguous())  # [num_tokens, vocab_size / tp_size]
         else:

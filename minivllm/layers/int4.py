@@ -28,6 +28,9 @@ GROUP_SIZE = 32
 # kind torch dispatches to; above it the dense bf16 one. benchmarks/linear_kernels.py
 # (docs/benchmarks.md): int4 wins up to 8 rows with the AVX-512 kernels, up to 4 with AVX2.
 INT4_MAX_ROWS = {"AVX512": 8, "AVX2": 4}
+# The same for an 8-bit weight run as two 4-bit halves (`split_int8`, the Q8_0 LM head): two
+# int4 calls beat one dense bf16 call up to 4 rows with the AVX-512 kernels, never with AVX2.
+INT8_AS_INT4_PAIR_MAX_ROWS = {"AVX512": 4, "AVX2": 0}
 
 
 @dataclass
@@ -73,6 +76,21 @@ def quantize_int4(weight: torch.Tensor) -> Int4Weight:
     return Int4Weight(codes.to(torch.uint8).view(out, size), scales, zeros)
 
 
+def split_int8(codes: torch.Tensor, scales: torch.Tensor) -> tuple[Int4Weight, Int4Weight]:
+    """An 8-bit weight `w = s * q` (q in -128..127, one scale `s` per group of GROUP_SIZE, as
+    llama.cpp's Q8_0) as two 4-bit weights whose sum it is: `q = 16h + l` with `h = floor(q /
+    16)` in -8..7 and `l` in 0..15, so `w = (16h + 8) * s + (l - 8) * s`. The +8 goes to the
+    high half so that the low half is centred on zero and its products stay small.
+    `codes` `[out, in]` int8, `scales` `[out, in // GROUP_SIZE]` float32."""
+    q = codes.to(torch.int16)
+    high = torch.div(q, 16, rounding_mode="floor")  # [out, in], -8..7
+    low = q - 16 * high  # [out, in], 0..15
+    return (
+        Int4Weight((high + 8).to(torch.uint8), 16 * scales, 8 * scales),  # (16h + 8) * s
+        Int4Weight(low.to(torch.uint8), scales.clone(), torch.zeros_like(scales)),  # (l - 8) * s
+    )
+
+
 def int4_supported(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether packed int4 weights run (fast) here: the CPU kernel with bf16 activations."""
     return (
@@ -114,10 +132,29 @@ class PackedInt4:
         return out.view(*x.shape[:-1], self.out_features)
 
 
+def _kernel_kind() -> str:
+    return "AVX512" if torch.backends.cpu.get_cpu_capability().startswith("AVX512") else "AVX2"
+
+
 @functools.cache
 def int4_max_rows() -> int:
     """INT4_MAX_ROWS for the kernels torch runs on this CPU."""
-    capability = torch.backends.cpu.get_cpu_capability()
-    return INT4_MAX_ROWS["AVX512" if capability.startswith("AVX512") else "AVX2"]
+    return INT4_MAX_ROWS[_kernel_kind()]
+
+
+class PackedInt4Pair:
+    """An 8-bit weight as two packed 4-bit halves (`split_int8`), for the LM head: `matmul`
+    sums the halves' products in float32 (`[..., in]` -> `[..., out]` float32)."""
+
+    def __init__(self, high: Int4Weight, low: Int4Weight) -> None:
+        self.high, self.low = PackedInt4(high), PackedInt4(low)
+        self.max_rows = INT8_AS_INT4_PAIR_MAX_ROWS[_kernel_kind()]
+
+    def fits(self, x: torch.Tensor) -> bool:
+        """Decode-sized bf16 steps (up to `max_rows` rows of `x`)."""
+        return x.dtype == torch.bfloat16 and x.numel() // x.shape[-1] <= self.max_rows
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return self.high.matmul(x).float() + self.low.matmul(x).float()
 
 

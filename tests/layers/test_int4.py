@@ -9,9 +9,11 @@ import torch
 from minivllm.layers.int4 import (
     GROUP_SIZE,
     PackedInt4,
+    PackedInt4Pair,
     int4_max_rows,
     int4_supported,
     quantize_int4,
+    split_int8,
 )
 from minivllm.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 
@@ -96,3 +98,33 @@ def test_forced_avx2_kernels_pick_fp32_and_int4_still_matches_dense():
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
                           text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_split_int8_halves_sum_to_the_8bit_weight_exactly():
+    """Every code -128..127: (16h + 8) s + (l - 8) s == q s up to float32 rounding, the low
+    half centred on zero."""
+    gen = torch.Generator().manual_seed(3)
+    codes = torch.arange(-128, 128, dtype=torch.int8).repeat(4, 2)  # [4, 512]
+    scales = torch.rand(4, 512 // GROUP_SIZE, generator=gen) * 0.01
+    high, low = split_int8(codes, scales)
+    assert int(high.codes.max()) <= 15 and int(low.codes.max()) <= 15
+    want = (codes.float().view(4, -1, GROUP_SIZE) * scales[..., None]).view(4, 512)
+    torch.testing.assert_close(high.dequantize() + low.dequantize(), want, rtol=1e-6, atol=1e-7)
+    assert low.dequantize().abs().max() <= 8 * scales.max()
+
+
+@needs_int4
+def test_the_int4_pair_matmul_equals_the_dense_8bit_matmul_for_few_rows():
+    gen = torch.Generator().manual_seed(4)
+    codes = torch.randint(-128, 128, (64, 256), generator=gen, dtype=torch.int8)
+    scales = torch.rand(64, 256 // GROUP_SIZE, generator=gen) * 0.01
+    pair = PackedInt4Pair(*split_int8(codes, scales))
+    x = torch.randn(2, 256, generator=gen).bfloat16()
+    weight = (codes.float().view(64, -1, GROUP_SIZE) * scales[..., None]).view(64, 256)
+    want = x.float() @ weight.t()
+    got = pair.matmul(x)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+    assert pair.fits(x) == (pair.max_rows >= 2)
+    assert not pair.fits(torch.randn(pair.max_rows + 1, 256).bfloat16())
+    assert not pair.fits(x.float())  # the kernel is fast with bf16 activations only

@@ -68,7 +68,7 @@ def test_read_int4_weights_unpermutes_llama_qk_like_the_converter(tmp_path: Path
     int4 = read_int4_weights(path)
     assert set(int4) == {"model.layers.0.self_attn.q_proj.weight",
                          "model.layers.0.self_attn.k_proj.weight",
-                         "model.layers.0.mlp.up_proj.weight"}
+                         "model.layers.0.mlp.up_proj.weight"}  # no LM head in this file
     for name, weight in int4.items():
         torch.testing.assert_close(weight.dequantize(), dense[name], rtol=1e-5, atol=1e-6,
                                    msg=name)
@@ -98,3 +98,20 @@ def test_int4_weights_are_kept_beside_the_conversion_cache(tmp_path: Path,
     for name in first:
         for part in ("codes", "scales", "zeros"):
             assert torch.equal(getattr(second[name], part), getattr(first[name], part))
+
+
+@pytest.mark.parametrize("head", ["output.weight", "token_embd.weight"])
+def test_a_q8_0_lm_head_is_read_as_two_int4_halves_of_the_same_weight(tmp_path: Path, head):
+    """The LM head (its own `output`, or the tied embedding) in Q8_0: the halves' sum is the
+    weight the dense converter dequantizes."""
+    from minivllm.models.gguf_int4 import LM_HEAD_HIGH, LM_HEAD_LOW
+
+    rng = np.random.default_rng(5)
+    path = tmp_path / "m.gguf"
+    _write(path, {head: (_random_blocks(QT.Q8_0, 16, 64, rng), QT.Q8_0)})
+    (tensor,) = gguf.GGUFReader(path).tensors
+    weights = read_int4_weights(path)
+    assert set(weights) == {LM_HEAD_HIGH, LM_HEAD_LOW}
+    dense = torch.from_numpy(mgguf.dequantize_tensor(tensor))
+    total = weights[LM_HEAD_HIGH].dequantize() + weights[LM_HEAD_LOW].dequantize()
+    torch.testing.assert_close(total, dense, rtol=1e-5, atol=1e-6)

@@ -219,6 +219,9 @@ class ModelRunner:
             for _ in range(self.num_layers)
         ]
         self.sampler = Sampler(config.seed, self.device, config.eos_token_ids)
+        # torch threads for one-sequence decode steps, None: torch's own setting. The server
+        # leaves a core to its HTTP thread (see minivllm/server/serve.py).
+        self.small_step_threads: int | None = None
         self.compiled_decode: CompiledDecode | None = None
         if compile_decode_step(config.enforce_eager, self.device, self.dtype, tp_size):
             self.compiled_decode = CompiledDecode(self.model)
@@ -313,6 +316,17 @@ class ModelRunner:
     def run(self, batch: ScheduledBatch) -> list[SampledToken]:
         """Execute the plan: write the new tokens' KV, and sample for the finished prompts."""
         inputs = prepare_inputs(batch, self.block_size, self.device)
+        threads = torch.get_num_threads()
+        small = self.small_step_threads is not None and inputs.meta.num_tokens == 1
+        if small:
+            torch.set_num_threads(self.small_step_threads)
+        try:
+            return self._run(batch, inputs)
+        finally:
+            if small:
+                torch.set_num_threads(threads)
+
+    def _run(self, batch: ScheduledBatch, inputs: StepInputs) -> list[SampledToken]:
         forward = self.model
         if self.compiled_decode is not None and self.compiled_decode.applies(inputs.meta):
             forward = self.compiled_decode

@@ -114,6 +114,24 @@ def _or(value: float | None, default: float) -> float:
     return default if value is None else value
 
 
+def share_the_cpu_with_http(engine: LLMEngine) -> None:
+    """On the CPU the engine thread and the HTTP thread share the cores and the GIL. Measured
+    at one stream on 2 cores (`minivllm bench serve --compare llama.cpp`, docs/benchmarks.md):
+    with torch's default 5 ms GIL switch interval, the engine thread waited for the GIL after
+    its ops; and a one-sequence step on every core stalled in its threads' barriers whenever
+    the HTTP thread held a core. So: a 0.5 ms switch interval, and one-sequence steps on all
+    cores but one (steps of many sequences keep every core)."""
+    import sys
+
+    import torch
+
+    runner = engine.model_runner
+    if getattr(runner, "device", None) is None or runner.device.type != "cpu":
+        return
+    sys.setswitchinterval(0.0005)
+    runner.small_step_threads = max(1, torch.get_num_threads() - 1)
+
+
 def run_server(
     engine_options: dict[str, Any],
     host: str = "127.0.0.1",
@@ -134,6 +152,7 @@ def run_server(
         logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logger.setLevel(logging.INFO)  # one line per finished request
     engine = LLMEngine.from_options(**engine_options)
+    share_the_cpu_with_http(engine)
     app = create_app(
         engine,
         served_model_name=served_model_name,

@@ -8,6 +8,8 @@ runner's choice of when to compile.
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 from support.model_fixtures import allocate_kv_caches, make_attention_metadata
@@ -86,3 +88,32 @@ def test_the_runner_compiles_the_bf16_cpu_decode_step_only(options, compiled, ti
     out = llm.generate([[5, 6, 7, 8]], SamplingParams(temperature=0, max_tokens=6,
                                                       ignore_eos=True), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 6
+
+
+def test_one_sequence_steps_run_on_the_servers_thread_share(tiny_llama_dir):
+    """`small_step_threads` (set by the server on the CPU): one-token steps run on that many
+    torch threads, larger steps on torch's own count, which every step restores."""
+    from minivllm import LLM, SamplingParams
+    from minivllm.server.serve import share_the_cpu_with_http
+
+    llm = LLM(str(tiny_llama_dir), device="cpu", max_model_len=64, dtype="float32")
+    runner = llm.llm_engine.model_runner
+    interval = sys.getswitchinterval()
+    share_the_cpu_with_http(llm.llm_engine)
+    assert sys.getswitchinterval() == 0.0005
+    sys.setswitchinterval(interval)
+    assert runner.small_step_threads == max(1, torch.get_num_threads() - 1)
+    runner.small_step_threads = 1
+    seen: list[tuple[int, int]] = []  # (tokens in the step, torch threads during it)
+    run = runner._run
+
+    def spy(batch, inputs):
+        seen.append((inputs.meta.num_tokens, torch.get_num_threads()))
+        return run(batch, inputs)
+
+    runner._run = spy
+    before = torch.get_num_threads()
+    llm.generate([[5, 6, 7, 8]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
+                 use_tqdm=False)
+    assert torch.get_num_threads() == before
+    assert seen[0] == (4, before) and all(s == (1, 1) for s in seen[1:]), seen

@@ -4,7 +4,9 @@ For each row count M (tokens in the step) it times one decoder layer's four proj
 (qkv 576->960, o 576->576, gate_up 576->3072, down 1536->576) and the LM head (576->49152)
 with: dense fp32, dense bf16, and torch's packed int4 weights (groups of 32, a scale and a
 zero each) with bf16 activations (with fp32 activations the kernel is scalar on x86, 8-100x
-slower than dense fp32 in a first run here, so it is left out). It prints microseconds per
+slower than dense fp32 in a first run here, so it is left out), and for the LM head (Q8_0 in
+the default model's file) "int8 pair": two int4 calls, the 8-bit weight split in 4-bit
+halves (`minivllm.layers.int4.split_int8`, INT8_AS_INT4_PAIR_MAX_ROWS). It prints microseconds per
 call and the speed-up over fp32, from which `minivllm.layers.int4.INT4_MAX_ROWS` (packed int4
 at or below it, dense bf16 above) is chosen for each CPU kind. Run it on each CPU kind:
 
@@ -48,6 +50,10 @@ def kernels(shapes: list[tuple[int, int]], rows: int):
         fns["fp32"].append(lambda x=x32, w=w: torch.nn.functional.linear(x, w))
         fns["bf16"].append(lambda x=x16, w=w16: torch.nn.functional.linear(x, w))
         fns["int4 bf16"].append(lambda x=x16, p=packed, s=sz16: INT4_MM(x, p, GROUP, s))
+        if n == SHAPES["lm_head"][0][0]:
+            fns.setdefault("int8 pair", []).append(
+                lambda x=x16, p=packed, s=sz16: INT4_MM(x, p, GROUP, s).float()
+                + INT4_MM(x, p, GROUP, s).float())
     return {name: (lambda fs=fs: [f() for f in fs]) for name, fs in fns.items()}
 
 

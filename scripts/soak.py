@@ -360,7 +360,10 @@ def soak_local(
 ) -> tuple[Report, Any]:
     """`soak` against a fresh in-process server; adds the log and bookkeeping checks.
     `fail_on_calls`: ModelRunner.run calls (counted from the start of the load) that raise.
-    Returns the report and the server's LLMEngine."""
+    Returns the report and the server's LLMEngine. The engine runs in float32 unless told
+    otherwise: streamed == reference holds where numerics do not depend on the batch's shape
+    (bf16 kernels and the compiled one-sequence step round differently from step to step)."""
+    engine_options.setdefault("dtype", "float32")
     with local_server(model_dir, **engine_options) as (url, server, errors):
         runner = server.engine.model_runner
 

@@ -115,27 +115,31 @@ class CompiledDecode:
 
     @torch.inference_mode()  # as the steps run: a different grad mode is another graph
     def warm_up(self, kv_caches: KVCaches, block_size: int) -> None:
-        """Compile the step's graph on a dummy step that writes only the first two KV blocks
-        (free at start-up: nothing has been scheduled yet)."""
+        """Compile the step's graph on a dummy step over the first two KV blocks (free at
+        start-up: nothing has been scheduled yet). A pool too small for that compiles on the
+        first real step instead."""
+        num_slots = kv_caches[0][0].shape[0] * block_size
+        context = min(2 * block_size, num_slots)
+        if context < 2:  # a context of one would be traced as a constant
+            return
         start = time.perf_counter()
         for _ in tqdm(range(1), desc="Compiling the decode step", unit="graph", disable=None):
-            self(*self._dummy_step(kv_caches, block_size))
+            self(*self._dummy_step(kv_caches, context))
         logger.info("compiled the decode step in %.1f s (Inductor cache: %s; "
                     "enforce_eager=True skips it)", time.perf_counter() - start,
                     os.environ["TORCHINDUCTOR_CACHE_DIR"])
 
     @staticmethod
-    def _dummy_step(kv_caches: KVCaches, block_size: int, num_seqs: int = 1) -> tuple:
+    def _dummy_step(kv_caches: KVCaches, context: int) -> tuple:
+        """One sequence decoding its token at position `context - 1`, over slots 0..context-1."""
         device = kv_caches[0][0].device
-        context = 2 * block_size  # every sequence reads blocks 0 and 1
-        key_positions = torch.arange(context, device=device)
-        last = torch.full((num_seqs,), context - 1, dtype=torch.int64, device=device)
+        key_positions = torch.arange(context, device=device)  # slot j holds position j
+        last = torch.tensor([context - 1], device=device)
         meta = DecodeMetadata(
             slot_mapping=last,
-            kv_index=key_positions.expand(num_seqs, context).contiguous(),
-            kv_valid=torch.ones(num_seqs, context, dtype=torch.bool, device=device),
+            kv_index=key_positions[None, :].clone(),  # [1, context]
+            kv_valid=torch.ones(1, context, dtype=torch.bool, device=device),
             key_positions=key_positions,
             query_positions=last,
         )
-        input_ids = torch.zeros(num_seqs, dtype=torch.int64, device=device)
-        return input_ids, last, kv_caches, meta
+        return torch.zeros(1, dtype=torch.int64, device=device), last, kv_caches, meta

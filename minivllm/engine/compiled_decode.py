@@ -16,7 +16,8 @@ SDPA's), so only the one-sequence step, where dispatch dominates, is compiled
 
 The context length is a dynamic dimension: one graph serves every length. `warm_up`
 compiles it at start-up, with a progress bar; Inductor's on-disk caches live under the
-minivllm cache (`<cache>/inductor`), so a second start-up reuses the compiled code.
+minivllm cache (`<cache>/inductor/<CPU capability>`), so a second start-up reuses the
+compiled code.
 
 Where: CPU, bf16 compute, one process, `enforce_eager=False` (see `compile_decode_step`).
 The fp32 path stays eager: it is the token-exact one, held to HF transformers.
@@ -62,6 +63,22 @@ def decode_metadata(meta: AttentionMetadata) -> DecodeMetadata:
     )
 
 
+def inductor_cache_dir() -> str:
+    """Where Inductor keeps its compiled code: `<minivllm cache>/inductor/<CPU capability>`,
+    unless the user chose a `TORCHINDUCTOR_CACHE_DIR` (torch sets that variable to its own
+    default the first time anything compiles, so that value does not count as a choice).
+
+    One cache per kernel kind: torch 2.13's Inductor caches, filled under the AVX-512 kernels
+    and read with `ATEN_CPU_CAPABILITY=avx2`, gave a graph that skipped its in-place KV write
+    (tests/models/test_compiled_decode.py caught it)."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    chosen = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if chosen and os.path.abspath(chosen) != os.path.abspath(default_cache_dir()):
+        return chosen
+    return str(cache_dir() / "inductor" / torch.backends.cpu.get_cpu_capability())
+
+
 def _keep_guards_on_values(entries: list[Any]) -> list[bool]:
     """Which of a graph's guards to check before each call: not those on a layer's weights
     or on the layer object itself (they never change once loaded, and dropping them lets
@@ -83,7 +100,7 @@ class CompiledDecode:
     `__call__` takes the eager step's inputs and returns the last hidden states."""
 
     def __init__(self, model: Any) -> None:
-        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir() / "inductor"))
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = inductor_cache_dir()
         # Without this, a context length that happens to equal a model dim (head_dim / 2 at
         # warm-up, say) is traced as that dim, and the graph holds for that length only.
         torch.fx.experimental._config.use_duck_shape = False

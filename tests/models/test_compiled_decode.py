@@ -117,3 +117,19 @@ def test_one_sequence_steps_run_on_the_servers_thread_share(tiny_llama_dir):
                  use_tqdm=False)
     assert torch.get_num_threads() == before
     assert seen[0] == (4, before) and all(s == (1, 1) for s in seen[1:]), seen
+
+
+def test_inductor_cache_is_per_cpu_kind_unless_the_user_chose_one(monkeypatch, tmp_path):
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    from minivllm.engine.compiled_decode import inductor_cache_dir
+
+    monkeypatch.setenv("MINIVLLM_CACHE", str(tmp_path / "cache"))
+    capability = torch.backends.cpu.get_cpu_capability()
+    ours = str(tmp_path / "cache" / "inductor" / capability)
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    assert inductor_cache_dir() == ours
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", default_cache_dir())  # torch's, not a choice
+    assert inductor_cache_dir() == ours
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
+    assert inductor_cache_dir() == str(tmp_path / "mine")

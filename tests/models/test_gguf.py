@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as QT
+from support.gguf_files import gguf_writer
 
 from minivllm.models import gguf as mgguf
 from minivllm.models import gguf_arch, paths
@@ -297,13 +298,7 @@ def _write_synthetic_gguf(
         model = Qwen3ForCausalLM(Qwen3Config(**common)).eval()
     cfg = model.config
 
-    writer = gguf.GGUFWriter(str(path), arch)
-    writer.add_block_count(cfg.num_hidden_layers)
-    writer.add_context_length(cfg.max_position_embeddings)
-    writer.add_embedding_length(cfg.hidden_size)
-    writer.add_feed_forward_length(cfg.intermediate_size)
-    writer.add_head_count(cfg.num_attention_heads)
-    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer = gguf_writer(path, arch, cfg)
     writer.add_key_length(cfg.head_dim)
     writer.add_value_length(cfg.head_dim)
     writer.add_rope_freq_base(50000.0)

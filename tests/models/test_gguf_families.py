@@ -20,6 +20,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
+from support.gguf_files import gguf_writer
 from support.model_fixtures import build_tokenizer, family_configs
 from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -36,13 +37,7 @@ def _write(path: Path, model: torch.nn.Module, arch: str, *, permute: bool = Fal
     """`model` as llama.cpp's converter writes architecture `arch`."""
     cfg = model.config
     head_dim = cfg.head_dim
-    writer = gguf.GGUFWriter(str(path), arch)
-    writer.add_block_count(cfg.num_hidden_layers)
-    writer.add_context_length(cfg.max_position_embeddings)
-    writer.add_embedding_length(cfg.hidden_size)
-    writer.add_feed_forward_length(cfg.intermediate_size)
-    writer.add_head_count(cfg.num_attention_heads)
-    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer = gguf_writer(path, arch, cfg)
     if head_dim_key:
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)

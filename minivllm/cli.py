@@ -9,7 +9,7 @@ import time
 from dataclasses import Field, fields
 from typing import Any
 
-from minivllm.config import EngineConfig
+from minivllm.config import EngineConfig, cli_flag
 
 DEMO_QUESTIONS = [
     "What is the capital of France?",
@@ -27,10 +27,10 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
     every subcommand that builds an engine."""
     g = parser.add_argument_group("engine")
     for f in engine_fields():
-        flag = "--" + f.name.replace("_", "-")
+        flag = cli_flag(f.name)
         kind = next((t for name, t in _TYPES.items() if name in str(f.type)), str)
         if kind is bool and f.default:  # the options that default to on: a --no-... switch
-            flag = "--no-" + f.name.removeprefix("enable_").replace("_", "-")
+            flag = cli_flag(f.name, negated=True)
             g.add_argument(flag, dest=f.name, action="store_false", default=None,
                            help=f"do not {f.metadata['help']}")
             continue

@@ -16,6 +16,14 @@ def _option(default: Any, help: str, choices: tuple[str, ...] | None = None,
     return field(default=default, metadata={"help": help, "choices": choices, "cli": cli})
 
 
+def cli_flag(name: str, negated: bool = False) -> str:
+    """The command-line flag of option `name`: `--max-num-seqs`, or for a switch that turns an
+    option off, `--no-prefix-caching` (`enable_` dropped)."""
+    if negated:
+        return "--no-" + name.removeprefix("enable_").replace("_", "-")
+    return "--" + name.replace("_", "-")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Every knob of one engine. Pure Python; no torch import here."""

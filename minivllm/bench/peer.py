@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -24,6 +23,8 @@ from typing import Any
 from minivllm.bench.common import machine
 from minivllm.bench.serve import SERVE_VOCAB_SIZE, run_level
 from minivllm.bench.workloads import Workload
+from minivllm.config import cli_flag
+from minivllm.distributed.parallel_state import free_loopback_port
 
 # (name, concurrency, requests, prompt lengths): the levels of issue 11's table
 LEVELS = [("c=1", 1, 4, (64, 64)), ("c=16", 16, 16, (32, 256))]
@@ -46,12 +47,6 @@ def find_llama_server(explicit: str | None) -> Path:
     if not os.access(path, os.X_OK):
         raise SystemExit(f"llama-server {path} is not an executable file")
     return path
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @contextmanager
@@ -107,10 +102,9 @@ def peer_commands(gguf: Path, llama_server: Path, options: dict[str, Any],
         if key == "model":
             continue
         if value is True or value is False:
-            ours.append(f"--{key.replace('_', '-')}" if value else
-                        f"--no-{key.removeprefix('enable_').replace('_', '-')}")
+            ours.append(cli_flag(key, negated=not value))
         else:
-            ours += [f"--{key.replace('_', '-')}", str(value)]
+            ours += [cli_flag(key), str(value)]
     slots = max(concurrency for _, concurrency, _, _ in LEVELS)
     threads = str(os.cpu_count() or 1)
     theirs = [str(llama_server), "-m", str(gguf), "--port", str(ports[1]), "-np", str(slots),
@@ -124,7 +118,7 @@ def cmd_compare_llama_cpp(args: argparse.Namespace, options: dict[str, Any]) -> 
     gguf = Path(options.get("model") or default_model_path()).expanduser()
     if gguf.suffix.lower() != ".gguf":
         raise SystemExit(f"--compare llama.cpp needs a .gguf model, got {gguf}")
-    ports = (free_port(), free_port())
+    ports = (free_loopback_port(), free_loopback_port())
     commands = peer_commands(gguf, find_llama_server(args.llama_server), options, ports)
     runs = {}
     for (name, command), port in zip(commands.items(), ports, strict=True):

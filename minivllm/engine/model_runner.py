@@ -316,15 +316,14 @@ class ModelRunner:
     def run(self, batch: ScheduledBatch) -> list[SampledToken]:
         """Execute the plan: write the new tokens' KV, and sample for the finished prompts."""
         inputs = prepare_inputs(batch, self.block_size, self.device)
+        if self.small_step_threads is None or inputs.meta.num_tokens != 1:
+            return self._run(batch, inputs)
         threads = torch.get_num_threads()
-        small = self.small_step_threads is not None and inputs.meta.num_tokens == 1
-        if small:
-            torch.set_num_threads(self.small_step_threads)
+        torch.set_num_threads(self.small_step_threads)
         try:
             return self._run(batch, inputs)
         finally:
-            if small:
-                torch.set_num_threads(threads)
+            torch.set_num_threads(threads)
 
     def _run(self, batch: ScheduledBatch, inputs: StepInputs) -> list[SampledToken]:
         forward = self.model

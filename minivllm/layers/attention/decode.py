@@ -12,6 +12,8 @@ from typing import NamedTuple
 
 import torch
 
+from minivllm.layers.activation import soft_cap
+
 
 class DecodeMetadata(NamedTuple):
     """The inputs of a decode-only step's attention, shared by every layer."""
@@ -50,7 +52,7 @@ def decode_attention(
     queries = q.view(num_seqs, num_kv_heads, group, head_dim).to(k_flat.dtype)  # [S, KVH, G, D]
     scores = torch.einsum("skgd,slkd->skgl", queries, keys) * scale  # [S, KVH, G, L]
     if softcap is not None:
-        scores = torch.tanh(scores / softcap) * softcap
+        scores = soft_cap(scores, softcap)
     visible = meta.kv_valid  # [S, L]
     if sliding_window is not None:
         earliest = meta.query_positions - (sliding_window - 1)  # [S]

@@ -9,6 +9,7 @@ its own new K/V directly.
 import torch
 import torch.nn.functional as F
 
+from minivllm.layers.activation import soft_cap
 from minivllm.layers.attention.metadata import AttentionMetadata
 
 
@@ -119,6 +120,6 @@ def attend(
     k = k.repeat_interleave(group, dim=-3)  # [B, H, K, D]
     v = v.repeat_interleave(group, dim=-3)  # [B, H, K, D]
     scores = torch.matmul(q, k.transpose(-1, -2)) * scale  # [B, H, Q, K]
-    scores = torch.tanh(scores / softcap) * softcap
+    scores = soft_cap(scores, softcap)
     scores = scores.masked_fill(~mask, float("-inf"))
     return torch.matmul(scores.softmax(-1, dtype=torch.float32).to(q.dtype), v)  # [B, H, Q, D]

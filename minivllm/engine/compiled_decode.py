@@ -28,6 +28,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -95,9 +96,63 @@ def _run_layer(layer: torch.nn.Module, *args: Any) -> tuple[torch.Tensor, torch.
     return layer(*args)
 
 
+class LayerGraph:
+    """One compiled graph of a decoder layer, callable without Dynamo.
+
+    Dynamo lifts everything the layer reads into graph inputs and names where each came
+    from, as a Python expression over the frame's locals `L` (`L['layer']...` for a layer's
+    weights, norms' eps and their sizes; `L['args'][i]...` for the step's tensors). The
+    layer's inputs are read once per layer; the step's, at each call.
+    """
+
+    def __init__(self, compiled: Callable[..., Any], graph: torch.fx.GraphModule) -> None:
+        self.compiled = compiled
+        self.layer_inputs: list[tuple[int, Callable, torch.dtype | None]] = []
+        self.step_inputs: list[tuple[int, Callable, torch.dtype | None]] = []
+        placeholders = [node for node in graph.graph.nodes if node.op == "placeholder"]
+        self.num_inputs = len(placeholders)
+        for i, node in enumerate(placeholders):
+            arg = node.meta["grapharg"]
+            source = arg.source.name  # e.g. "L['layer']._modules['mlp']...packed"
+            if not source.startswith(("L['layer']", "L['args']")):
+                raise NotImplementedError(f"a graph input from {source}")
+            read = eval(f"lambda L: {source}")  # noqa: S307 - Dynamo's own source expression
+            # Python floats (a norm's eps, say) reach the graph as 0-d tensors.
+            as_tensor = arg.example.dtype if arg.pass_arg_as_tensor else None
+            group = self.layer_inputs if source.startswith("L['layer']") else self.step_inputs
+            group.append((i, read, as_tensor))
+        self._bound: dict[int, list[Any]] = {}  # id(layer) -> its inputs, step slots empty
+
+    @staticmethod
+    def _value(read: Callable, frame: dict[str, Any], as_tensor: torch.dtype | None) -> Any:
+        value = read(frame)
+        return value if as_tensor is None else torch.tensor(value, dtype=as_tensor)
+
+    def __call__(self, layer: torch.nn.Module, *args: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        bound = self._bound.get(id(layer))
+        if bound is None:
+            bound = [None] * self.num_inputs
+            for i, read, as_tensor in self.layer_inputs:
+                bound[i] = self._value(read, {"layer": layer}, as_tensor)
+            self._bound[id(layer)] = bound
+        inputs = bound.copy()
+        frame = {"args": args}
+        for i, read, as_tensor in self.step_inputs:
+            inputs[i] = self._value(read, frame, as_tensor)
+        hidden, residual = self.compiled(*inputs)
+        return hidden, residual
+
+
 class CompiledDecode:
     """`model`'s forward with compiled layers for one-sequence decode steps (`applies`);
-    `__call__` takes the eager step's inputs and returns the last hidden states."""
+    `__call__` takes the eager step's inputs and returns the last hidden states.
+
+    Dynamo checks its guards and gathers a layer's weights on every call of a compiled
+    function, which at 30 layers cost more than the layers' fused kernels. So in each step
+    only the first layer of each kind goes through Dynamo (which checks that step's inputs
+    and names the graph it ran); the other layers of that kind call the same graph directly
+    (`LayerGraph`). Layers are of a kind when Dynamo ran them with the same graph the first
+    time it saw them: their guarded values are the same (Gemma 2 has two kinds)."""
 
     def __init__(self, model: Any) -> None:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = inductor_cache_dir()
@@ -106,8 +161,26 @@ class CompiledDecode:
         torch.fx.experimental._config.use_duck_shape = False
         self.decoder = model.model  # the LlamaModel: embedding, layers, final norm
         self._run_layer = torch.compile(
-            _run_layer, dynamic=True, options={"guard_filter_fn": _keep_guards_on_values}
+            _run_layer, dynamic=True, backend=self._compile_graph,
+            options={"guard_filter_fn": _keep_guards_on_values},
         )
+        self._ran: LayerGraph | None = None  # the graph Dynamo's last call ran
+        self._kind: dict[int, LayerGraph] = {}  # id(layer) -> the graph it first ran
+        self._this_step: dict[LayerGraph, LayerGraph] = {}  # kind -> graph checked this step
+
+    def _compile_graph(
+        self, graph: torch.fx.GraphModule, example_inputs: list[Any]
+    ) -> Callable[..., Any]:
+        """The Dynamo backend: Inductor's, noting which graph each call runs."""
+        from torch._inductor.compile_fx import compile_fx
+
+        layer_graph = LayerGraph(compile_fx(graph, example_inputs), graph)
+
+        def run(*inputs: Any) -> Any:
+            self._ran = layer_graph
+            return layer_graph.compiled(*inputs)
+
+        return run
 
     @staticmethod
     def applies(meta: AttentionMetadata) -> bool:
@@ -120,6 +193,7 @@ class CompiledDecode:
     ) -> torch.Tensor:
         if isinstance(meta, AttentionMetadata):
             meta = decode_metadata(meta)
+        self._this_step.clear()
         return self.decoder(input_ids, positions, kv_caches, meta, run_layer=self.run_layer)
 
     def run_layer(
@@ -128,7 +202,16 @@ class CompiledDecode:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if residual is None:  # the first layer: a zero residual (x + 0 == x) shares its graph
             residual = torch.zeros_like(hidden)
-        return self._run_layer(layer, hidden, residual, *args)
+        kind = self._kind.get(id(layer))
+        checked = self._this_step.get(kind) if kind is not None else None
+        if checked is not None:
+            return checked(layer, hidden, residual, *args)
+        self._ran = None
+        out = self._run_layer(layer, hidden, residual, *args)
+        if self._ran is not None:  # None: Dynamo fell back to eager, nothing to reuse
+            kind = self._kind.setdefault(id(layer), self._ran)
+            self._this_step[kind] = self._ran
+        return out
 
     @torch.inference_mode()  # as the steps run: a different grad mode is another graph
     def warm_up(self, kv_caches: KVCaches, block_size: int) -> None:

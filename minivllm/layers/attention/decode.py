@@ -2,7 +2,7 @@
 
 Every sequence brings one query. Its keys and values are gathered through a precomputed slot
 index, scored in the cache's dtype (fp32 on the CPU), masked and softmaxed, and the values
-summed: five small ops that Inductor fuses around the two batched matmuls, where the eager
+summed: a few small ops that Inductor fuses into a handful of loops, where the eager
 path (`sdpa.py`) pays a dispatch for each of a dozen ops per layer. `DecodeMetadata` carries
 tensors only, so `torch.compile` traces through it without a graph break; the eager engine
 never uses this path (see minivllm/engine/compiled_decode.py).
@@ -50,13 +50,16 @@ def decode_attention(
     keys = k_flat[meta.kv_index]  # [S, L, KVH, D]
     values = v_flat[meta.kv_index]  # [S, L, KVH, D]
     queries = q.view(num_seqs, num_kv_heads, group, head_dim).to(k_flat.dtype)  # [S, KVH, G, D]
-    scores = torch.einsum("skgd,slkd->skgl", queries, keys) * scale  # [S, KVH, G, L]
+    # Products summed, not einsum: Inductor fuses them with the gathers into two loops, where a
+    # batched matmul of [KVH] one-row matrices costs more in its call than in its maths.
+    scores = (queries[:, None] * keys[:, :, :, None, :]).sum(-1) * scale  # [S, L, KVH, G]
     if softcap is not None:
         scores = soft_cap(scores, softcap)
     visible = meta.kv_valid  # [S, L]
     if sliding_window is not None:
         earliest = meta.query_positions - (sliding_window - 1)  # [S]
         visible = visible & (meta.key_positions[None, :] >= earliest[:, None])
-    scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
-    out = torch.einsum("skgl,slkd->skgd", scores.softmax(-1), values)  # [S, KVH, G, D]
+    scores = scores.masked_fill(~visible[:, :, None, None], float("-inf"))
+    weights = scores.softmax(1)  # [S, L, KVH, G]: over each query's keys
+    out = (weights[..., None] * values[:, :, :, None, :]).sum(1)  # [S, KVH, G, D]
     return out.reshape(num_seqs, -1).to(q.dtype)  # [S, H*D]

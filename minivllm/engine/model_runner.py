@@ -26,6 +26,7 @@ from minivllm.engine.scheduler import SampledToken, ScheduledBatch
 from minivllm.engine.sequence import Sequence, blocks_for
 from minivllm.layers.attention import AttentionMetadata
 from minivllm.layers.int4 import PackedInt4Pair, int4_supported
+from minivllm.layers.onednn import prepack_model
 from minivllm.layers.quantization import check_quantization, quantize_model_int8
 from minivllm.layers.sampler import Sampler, SamplingBatch, gather_logprobs
 from minivllm.models.gguf_int4 import LM_HEAD_HIGH, LM_HEAD_LOW, read_int4_weights_cached
@@ -195,7 +196,9 @@ class ModelRunner:
         self._quantize(tp_size)
         lm_head = getattr(self.model, "lm_head", None)
         if lm_head is not None and hasattr(lm_head, "pack_for_cpu") and lm_head.pack_for_cpu():
-            logger.info("LM head: oneDNN-packed fp32 weight")
+            logger.info("LM head: oneDNN-packed %s weight", self.dtype)
+        if count := prepack_model(self.model):
+            logger.info("oneDNN-prepacked bf16 weights for %d linear layers", count)
         self.vocab_size: int = int(self.hf_config.vocab_size)
         self.num_layers = int(self.hf_config.num_hidden_layers)
         num_heads = int(self.hf_config.num_attention_heads)

@@ -13,6 +13,7 @@ from torch import nn
 
 from minivllm.distributed import parallel_state
 from minivllm.layers.int4 import PackedInt4Pair
+from minivllm.layers.onednn import OneDnnWeight, onednn_prepack_supported
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -73,7 +74,7 @@ class ParallelLMHead(VocabParallelEmbedding):
 
         # A oneDNN-packed copy of the weight for forward on the CPU (see pack_for_cpu), kept
         # in a tuple so that it is not registered as a submodule (no state_dict entry).
-        self._packed: tuple[nn.Module, ...] = ()
+        self._packed: tuple[nn.Module | OneDnnWeight, ...] = ()
         self.int8_pair: PackedInt4Pair | None = None  # a Q8_0 head as two int4 halves
 
     def set_int8_pair(self, pair: PackedInt4Pair) -> None:
@@ -88,15 +89,20 @@ class ParallelLMHead(VocabParallelEmbedding):
         self.weight = embedding.weight
 
     def pack_for_cpu(self) -> bool:
-        """Keep a oneDNN-packed copy of the (loaded) fp32 weight and use it in forward.
+        """Keep a oneDNN-packed copy of the (loaded) weight and use it in forward: fp32 as an
+        mkldnn linear, bf16 prepacked (`minivllm.layers.onednn`).
 
         The LM head is the one GEMM whose output is huge (49k columns for SmolLM2): at decode
         batch sizes oneDNN's packed weight runs it faster than MKL's plain GEMM, and so the
         whole decode step (`benchmarks/lm_head.py`; the figures are in docs/benchmarks.md,
-        "The LM head through oneDNN"). It costs one more copy of the weight. The results differ from
-        F.linear by float rounding only. False (nothing done) off the CPU or fp32.
+        "The LM head through oneDNN"). It costs one more copy of the weight. fp32 results
+        differ from F.linear by float rounding only, bf16 ones not at all. False (nothing
+        done) off the CPU or in other dtypes.
         """
         weight = self.weight
+        if onednn_prepack_supported(weight):
+            self._packed = (OneDnnWeight(weight),)
+            return True
         if (weight.device.type != "cpu" or weight.dtype != torch.float32
                 or not torch.backends.mkldnn.is_available()):
             return False
@@ -113,8 +119,11 @@ class ParallelLMHead(VocabParallelEmbedding):
         """
         if self.int8_pair is not None and self.int8_pair.fits(hidden):
             return self.int8_pair.matmul(hidden)  # [num_tokens, vocab_size] float32
-        if self._packed and hidden.dtype == torch.float32 and hidden.device.type == "cpu":
-            logits = self._packed[0](hidden.contiguous())  # [num_tokens, vocab_size / tp_size]
+        packed = self._packed[0] if self._packed else None
+        if isinstance(packed, OneDnnWeight) and hidden.dtype == torch.bfloat16:
+            logits = packed.matmul(hidden)  # [num_tokens, vocab_size / tp_size]
+        elif packed is not None and hidden.dtype == torch.float32 and hidden.device.type == "cpu":
+            logits = packed(hidden.contiguous())  # [num_tokens, vocab_size / tp_size]
         else:
             logits = F.linear(hidden, self.weight)  # [num_tokens, vocab_size / tp_size]
         if self.tp_size > 1:

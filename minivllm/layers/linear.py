@@ -23,6 +23,7 @@ from torch import nn
 from minivllm.distributed import parallel_state
 from minivllm.distributed.heads import shard_heads
 from minivllm.layers.int4 import Int4Weight, PackedInt4
+from minivllm.layers.onednn import OneDnnWeight, onednn_prepack_supported
 from minivllm.layers.quantization import int8_linear, pack_int8
 
 
@@ -90,6 +91,7 @@ class LinearBase(nn.Module):
             self.register_parameter("bias", None)
         self.int8_weight: Any = None  # prepacked int8 weight once quantize_int8() has run
         self.int4_weight: PackedInt4 | None = None  # packed int4 weight once set_int4() has run
+        self.onednn_weight: OneDnnWeight | None = None  # once prepack_for_cpu() has run
 
     @property
     def shard_ids(self) -> tuple[int | str | None, ...]:
@@ -127,13 +129,23 @@ class LinearBase(nn.Module):
                              f"of shape {tuple(self.weight.shape)}")
         self.int4_weight = PackedInt4(weight, self.weight.dtype)
 
+    def prepack_for_cpu(self) -> bool:
+        """Keep a oneDNN-prepacked copy of the loaded dense bf16 weight for the dense steps
+        (minivllm/layers/onednn.py); False (nothing done) where it does not apply."""
+        if self.int8_weight is not None or not onednn_prepack_supported(self.weight):
+            return False
+        self.onednn_weight = OneDnnWeight(self.weight)
+        return True
+
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """`x @ weight.T (+ bias)`: on the packed int4 weights for few rows when set, on the
-        int8 weights when quantized, else dense."""
+        int8 weights when quantized, else dense (oneDNN-prepacked when eager and packed)."""
         if self.int4_weight is not None and self.int4_weight.fits(x):
             out = self.int4_weight.matmul(x)
         elif self.int8_weight is not None:
             out = int8_linear(x, self.int8_weight)
+        elif self.onednn_weight is not None and not torch.compiler.is_compiling():
+            return self.onednn_weight.matmul(x, bias)
         else:
             return F.linear(x, self.weight, bias)
         return out if bias is None else out + bias

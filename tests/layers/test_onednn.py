@@ -1,0 +1,71 @@
+"""oneDNN-prepacked bf16 weights (minivllm/layers/onednn.py): the same results as F.linear,
+bit for bit, at every row count; only bf16 CPU weights are packed; the runner packs the dense
+layers and the LM head of a bf16 model and none of an fp32 one."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from minivllm.layers.embedding import ParallelLMHead
+from minivllm.layers.linear import ReplicatedLinear
+from minivllm.layers.onednn import OneDnnWeight, onednn_prepack_supported
+
+pytestmark = pytest.mark.skipif(
+    not onednn_prepack_supported(torch.zeros(1, dtype=torch.bfloat16)),
+    reason="no oneDNN bf16 prepacking in this torch build",
+)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 16, 37, 300])
+@pytest.mark.parametrize("bias", [False, True])
+def test_prepacked_matmul_equals_f_linear_bit_for_bit(rows, bias) -> None:
+    torch.manual_seed(rows)
+    weight = torch.randn(96, 64).bfloat16()
+    b = torch.randn(96).bfloat16() if bias else None
+    x = torch.randn(rows, 64).bfloat16()
+    got = OneDnnWeight(weight).matmul(x, b)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, 96)
+    assert torch.equal(got, F.linear(x, weight, b))
+
+
+def test_a_linear_layer_uses_its_prepacked_weight_and_keeps_its_answers() -> None:
+    torch.manual_seed(0)
+    layer = ReplicatedLinear(64, 48, bias=True)
+    layer.weight.data = torch.randn(48, 64).bfloat16()
+    layer.bias.data = torch.randn(48).bfloat16()
+    x = torch.randn(5, 64).bfloat16()
+    before = layer(x)
+    assert layer.prepack_for_cpu() and layer.onednn_weight is not None
+    assert torch.equal(layer(x), before)
+
+
+def test_only_bf16_cpu_weights_are_prepacked() -> None:
+    layer = ReplicatedLinear(64, 48, bias=False)  # fp32: the token-exact path keeps MKL
+    assert not layer.prepack_for_cpu() and layer.onednn_weight is None
+    with pytest.raises(ValueError, match="bf16"):
+        OneDnnWeight(torch.zeros(4, 4))
+
+
+def test_the_bf16_lm_head_prepacked_gives_the_same_logits() -> None:
+    torch.manual_seed(1)
+    head = ParallelLMHead(300, 64)
+    head.weight.data = torch.randn(300, 64).bfloat16()
+    hidden = torch.randn(7, 64).bfloat16()
+    before = head(hidden)
+    assert head.pack_for_cpu()
+    after = head(hidden)
+    assert after.dtype == torch.float32 and torch.equal(after, before)
+
+
+@pytest.mark.parametrize("dtype, packed", [("bfloat16", True), ("float32", False)])
+def test_the_runner_prepacks_the_dense_layers_of_a_bf16_model(dtype, packed, tiny_llama_dir):
+    from minivllm import LLM
+    from minivllm.layers.linear import LinearBase
+
+    llm = LLM(str(tiny_llama_dir), device="cpu", max_model_len=64, dtype=dtype,
+              enforce_eager=True)
+    layers = [m for m in llm.llm_engine.model_runner.model.modules()
+              if isinstance(m, LinearBase)]
+    assert layers and all((m.onednn_weight is not None) == packed for m in layers)

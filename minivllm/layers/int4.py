@@ -25,12 +25,14 @@ import torch
 
 GROUP_SIZE = 32
 # Row counts (tokens in the step) at or below which the packed int4 matmul runs, per kernel
-# kind torch dispatches to; above it the dense bf16 one. benchmarks/linear_kernels.py
-# (docs/benchmarks.md): int4 wins up to 8 rows with the AVX-512 kernels, up to 4 with AVX2.
-INT4_MAX_ROWS = {"AVX512": 8, "AVX2": 4}
+# kind torch dispatches to; above it the dense bf16 one, prepacked for oneDNN
+# (minivllm/layers/onednn.py). benchmarks/linear_kernels.py (docs/benchmarks.md): over the 30
+# layers' weights int4 wins up to 4 rows with either kind of kernel.
+INT4_MAX_ROWS = {"AVX512": 4, "AVX2": 4}
 # The same for an 8-bit weight run as two 4-bit halves (`split_int8`, the Q8_0 LM head): two
-# int4 calls beat one dense bf16 call up to 4 rows with the AVX-512 kernels, never with AVX2.
-INT8_AS_INT4_PAIR_MAX_ROWS = {"AVX512": 4, "AVX2": 0}
+# int4 calls beat the prepacked dense bf16 head at one row (a one-sequence decode step) with
+# the AVX-512 kernels, never with AVX2.
+INT8_AS_INT4_PAIR_MAX_ROWS = {"AVX512": 1, "AVX2": 0}
 
 
 @dataclass

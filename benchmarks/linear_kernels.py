@@ -54,7 +54,8 @@ def kernels(shapes: list[tuple[int, int]], rows: int):
         x16, w16, sz16 = x32.bfloat16(), w.bfloat16(), sz.bfloat16()
         fns["fp32"].append(lambda x=x32, w=w: torch.nn.functional.linear(x, w))
         fns["bf16"].append(lambda x=x16, w=w16: torch.nn.functional.linear(x, w))
-        fns["bf16 oneDNN"].append(lambda x=x16, w=OneDnnWeight(w16): w.matmul(x))
+        prepacked = OneDnnWeight(w16)
+        fns["bf16 oneDNN"].append(lambda x=x16, w=prepacked: w.matmul(x))
         fns["int4 bf16"].append(lambda x=x16, p=packed, s=sz16: INT4_MM(x, p, GROUP, s))
         if n == SHAPES["lm_head"][0][0]:
             fns.setdefault("int8 pair", []).append(

@@ -102,7 +102,9 @@ class LayerGraph:
     Dynamo lifts everything the layer reads into graph inputs and names where each came
     from, as a Python expression over the frame's locals `L` (`L['layer']...` for a layer's
     weights, norms' eps and their sizes; `L['args'][i]...` for the step's tensors). The
-    layer's inputs are read once per layer; the step's, at each call.
+    layer's inputs are read once per layer; the step's, at each call. A graph with an input
+    from anywhere else, or whose outputs are not the layer's two, is not `callable_directly`
+    (its layers keep going through Dynamo).
     """
 
     def __init__(self, compiled: Callable[..., Any], graph: torch.fx.GraphModule) -> None:
@@ -111,17 +113,20 @@ class LayerGraph:
         self.step_inputs: list[tuple[int, Callable, torch.dtype | None]] = []
         placeholders = [node for node in graph.graph.nodes if node.op == "placeholder"]
         self.num_inputs = len(placeholders)
+        self._bound: dict[int, list[Any]] = {}  # id(layer) -> its inputs, step slots empty
+        (outputs,) = graph.graph.output_node().args
+        self.callable_directly = isinstance(outputs, tuple | list) and len(outputs) == 2
         for i, node in enumerate(placeholders):
-            arg = node.meta["grapharg"]
-            source = arg.source.name  # e.g. "L['layer']._modules['mlp']...packed"
+            arg = node.meta.get("grapharg")
+            source = arg.source.name if arg is not None else ""  # "L['layer']._modules[...]..."
             if not source.startswith(("L['layer']", "L['args']")):
-                raise NotImplementedError(f"a graph input from {source}")
+                self.callable_directly = False
+                return
             read = eval(f"lambda L: {source}")  # noqa: S307 - Dynamo's own source expression
             # Python floats (a norm's eps, say) reach the graph as 0-d tensors.
             as_tensor = arg.example.dtype if arg.pass_arg_as_tensor else None
             group = self.layer_inputs if source.startswith("L['layer']") else self.step_inputs
             group.append((i, read, as_tensor))
-        self._bound: dict[int, list[Any]] = {}  # id(layer) -> its inputs, step slots empty
 
     @staticmethod
     def _value(read: Callable, frame: dict[str, Any], as_tensor: torch.dtype | None) -> Any:
@@ -208,7 +213,7 @@ class CompiledDecode:
             return checked(layer, hidden, residual, *args)
         self._ran = None
         out = self._run_layer(layer, hidden, residual, *args)
-        if self._ran is not None:  # None: Dynamo fell back to eager, nothing to reuse
+        if self._ran is not None and self._ran.callable_directly:  # None: Dynamo ran it eagerly
             kind = self._kind.setdefault(id(layer), self._ran)
             self._this_step[kind] = self._ran
         return out

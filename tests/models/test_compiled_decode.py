@@ -133,3 +133,38 @@ def test_inductor_cache_is_per_cpu_kind_unless_the_user_chose_one(monkeypatch, t
     assert inductor_cache_dir() == ours
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
     assert inductor_cache_dir() == str(tmp_path / "mine")
+
+
+@pytest.mark.parametrize("family, kinds", [("llama", 1), ("gemma2", 2)])
+def test_each_step_goes_through_dynamo_once_per_layer_kind(family, kinds, tiny_llama_dir,
+                                                           tiny_family_dirs) -> None:
+    """Dynamo's guard check runs on the first layer of each kind (Gemma 2 alternates sliding
+    and full attention: two); the other layers call that graph directly, with the answer the
+    all-Dynamo step gives."""
+    model_dir = tiny_llama_dir if family == "llama" else tiny_family_dirs["gemma2"]
+    model, config = load_model(model_dir, torch.bfloat16, "cpu")
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    compiled = CompiledDecode(model)
+    prompt = [(5 * i + 1) % config.vocab_size for i in range(11)]
+
+    def decode(direct: bool) -> tuple[torch.Tensor, int]:
+        caches = allocate_kv_caches(config.num_hidden_layers, 8, BLOCK,
+                                    config.num_key_value_heads, head_dim)
+        if not direct:
+            compiled._kind.clear()  # every layer is new again: each goes through Dynamo
+        calls = []
+        through_dynamo = compiled._run_layer
+        compiled._run_layer = lambda *a: calls.append(1) or through_dynamo(*a)
+        try:
+            with torch.inference_mode():
+                hidden = _hidden_after_prefill(model, caches, prompt, compiled)
+        finally:
+            compiled._run_layer = through_dynamo
+        return hidden, len(calls)
+
+    decode(direct=False)  # compiles, and learns each layer's kind
+    want, all_calls = decode(direct=False)
+    got, calls = decode(direct=True)
+    assert all_calls == config.num_hidden_layers
+    assert calls == kinds
+    assert torch.equal(got, want)

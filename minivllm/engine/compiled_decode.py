@@ -165,8 +165,10 @@ class CompiledDecode:
         # warm-up, say) is traced as that dim, and the graph holds for that length only.
         torch.fx.experimental._config.use_duck_shape = False
         self.decoder = model.model  # the LlamaModel: embedding, layers, final norm
+        # isolate_recompiles: this engine's graphs count against its own recompile limit, not
+        # against every engine's in the process (past 8 in all, Dynamo ran them eagerly).
         self._run_layer = torch.compile(
-            _run_layer, dynamic=True, backend=self._compile_graph,
+            _run_layer, dynamic=True, backend=self._compile_graph, isolate_recompiles=True,
             options={"guard_filter_fn": _keep_guards_on_values},
         )
         self._ran: LayerGraph | None = None  # the graph Dynamo's last call ran

@@ -168,3 +168,13 @@ def test_each_step_goes_through_dynamo_once_per_layer_kind(family, kinds, tiny_l
     assert all_calls == config.num_hidden_layers
     assert calls == kinds
     assert torch.equal(got, want)
+
+
+def test_many_engines_in_one_process_each_keep_their_compiled_step(tiny_llama_dir,
+                                                                   tiny_family_dirs) -> None:
+    """Every engine compiles its own graphs on the same function: past Dynamo's limit of 8
+    recompiles shared by all of them, later engines ran the layers eagerly (caught by the
+    full suite: the once-per-kind check saw every layer go through Dynamo)."""
+    for _ in range(10):
+        test_each_step_goes_through_dynamo_once_per_layer_kind(
+            "llama", 1, tiny_llama_dir, tiny_family_dirs)

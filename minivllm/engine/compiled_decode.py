@@ -14,6 +14,9 @@ default model, the compiled step was slower than the eager one from two sequence
 SDPA's), so only the one-sequence step, where dispatch dominates, is compiled
 (docs/benchmarks.md).
 
+Each step calls Dynamo (its guards, its gathering of a layer's weights) for the first layer of
+each kind only; the other layers call that layer's Inductor graph directly (`LayerGraph`).
+
 The context length is a dynamic dimension: one graph serves every length. `warm_up`
 compiles it at start-up, with a progress bar; Inductor's on-disk caches live under the
 minivllm cache (`<cache>/inductor/<CPU capability>`), so a second start-up reuses the

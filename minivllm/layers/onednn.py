@@ -4,8 +4,9 @@
 its blocked one inside every call. Reordered once at load (`torch.ops.mkldnn.
 _reorder_linear_weight`), the same matmul runs 1.2-2x faster at the row counts of decode steps
 of several sequences and short prefills, and as fast at 256 rows, with bit-identical results
-(the same kernel, fed a ready layout: `benchmarks/linear_kernels.py --prepacked`, figures in
-docs/benchmarks.md). The packed copy costs the weight's size once more in memory.
+(the same kernel, fed a ready layout: the "bf16 oneDNN" column of
+`benchmarks/linear_kernels.py`, figures in docs/benchmarks.md). The packed copy costs the
+weight's size once more in memory.
 
 Only bf16 is prepacked: for fp32 oneDNN's kernel rounds differently from MKL's, and the fp32
 path is the one held token-exact to HF transformers. Inside a `torch.compile`d graph the

@@ -22,12 +22,15 @@ PACK_ROWS_HINT = 16
 
 
 def onednn_prepack_supported(weight: torch.Tensor) -> bool:
-    """Whether `weight` can be prepacked here: bf16 on a CPU with oneDNN."""
+    """Whether `weight` can be prepacked here: bf16 on a CPU whose oneDNN has bf16 kernels
+    (AVX-512 BW/VL/DQ or AVX-NE-CONVERT; an AVX2-only CPU such as AMD Zen 3 has none, and
+    the reorder raises there, so its bf16 layers keep `F.linear`)."""
     return (
         weight.device.type == "cpu"
         and weight.dtype == torch.bfloat16
         and torch.backends.mkldnn.is_available()
         and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+        and torch.ops.mkldnn._is_mkldnn_bf16_supported()
     )
 
 

@@ -14,7 +14,7 @@ from minivllm.layers.onednn import OneDnnWeight, onednn_prepack_supported
 
 pytestmark = pytest.mark.skipif(
     not onednn_prepack_supported(torch.zeros(1, dtype=torch.bfloat16)),
-    reason="no oneDNN bf16 prepacking in this torch build",
+    reason="no oneDNN bf16 kernels on this CPU (AVX2 only) or in this torch build",
 )
 
 

@@ -37,9 +37,9 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from minivllm.cache import cache_dir
 from minivllm.layers.attention import AttentionMetadata
 from minivllm.layers.attention.decode import DecodeMetadata
-from minivllm.models.cache import cache_dir
 
 logger = logging.getLogger(__name__)
 
@@ -47,11 +47,15 @@ KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
 
 
 def compile_decode_step(
-    enforce_eager: bool, device: torch.device, dtype: torch.dtype, tp_size: int
+    enforce_eager: bool, device: torch.device, dtype: torch.dtype, tp_size: int,
+    weight_kernel: str | None = None,
 ) -> bool:
-    """Whether the decode step is compiled: on the CPU in bf16, single-process, unless
-    `enforce_eager` (vLLM's name) asks for eager steps."""
-    return not enforce_eager and device.type == "cpu" and dtype == torch.bfloat16 and tp_size == 1
+    """Whether the decode step is compiled: on the CPU, single-process, in bf16 or in fp32
+    with the weights run as stored by our qgemv kernel (an AVX2 CPU's default), unless
+    `enforce_eager` (vLLM's name) asks for eager steps. fp32 with dense weights is the
+    token-exact path and stays eager."""
+    precision = dtype == torch.bfloat16 or (dtype == torch.float32 and weight_kernel == "qgemv")
+    return not enforce_eager and device.type == "cpu" and tp_size == 1 and precision
 
 
 def decode_metadata(meta: AttentionMetadata) -> DecodeMetadata:

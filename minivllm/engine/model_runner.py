@@ -25,10 +25,10 @@ from minivllm.engine.compiled_decode import CompiledDecode, compile_decode_step
 from minivllm.engine.scheduler import SampledToken, ScheduledBatch
 from minivllm.engine.sequence import Sequence, blocks_for
 from minivllm.layers.attention import AttentionMetadata
-from minivllm.layers.int4 import PackedInt4Pair, int4_supported
 from minivllm.layers.onednn import prepack_model
 from minivllm.layers.quantization import check_quantization, quantize_model_int8
 from minivllm.layers.sampler import Sampler, SamplingBatch, gather_logprobs
+from minivllm.layers.stored_weights import pack_8bit_halves, stored_weight_kernel
 from minivllm.models.gguf_int4 import LM_HEAD_HIGH, LM_HEAD_LOW, read_int4_weights_cached
 from minivllm.models.loader import attach_int4, load_model, quantize_linear_int4
 
@@ -193,7 +193,8 @@ class ModelRunner:
         self.model, self.hf_config = load_model(
             model_dir, self.dtype, self.device, tp_rank=tp_rank, tp_size=tp_size
         )
-        self._quantize(tp_size)
+        # the kernel of the weights kept as stored: "int4", "qgemv" or None (dense)
+        self.weight_kernel = self._quantize(tp_size)
         lm_head = getattr(self.model, "lm_head", None)
         if lm_head is not None and hasattr(lm_head, "pack_for_cpu") and lm_head.pack_for_cpu():
             logger.info("LM head: oneDNN-packed %s weight", self.dtype)
@@ -226,7 +227,8 @@ class ModelRunner:
         # leaves a core to its HTTP thread (see minivllm/server/serve.py).
         self.small_step_threads: int | None = None
         self.compiled_decode: CompiledDecode | None = None
-        if compile_decode_step(config.enforce_eager, self.device, self.dtype, tp_size):
+        if compile_decode_step(config.enforce_eager, self.device, self.dtype, tp_size,
+                               self.weight_kernel):
             self.compiled_decode = CompiledDecode(self.model)
             self.compiled_decode.warm_up(self.kv_caches, self.block_size)
         logger.info(
@@ -235,34 +237,42 @@ class ModelRunner:
             self.num_kv_blocks * self._bytes_per_block() / 1e9, self.device, self.kv_dtype,
         )
 
-    def _quantize(self, tp_size: int) -> None:
+    def _quantize(self, tp_size: int) -> str | None:
         """Switch linear layers to the quantized kernels `config.quantization` asks for: by
-        default a GGUF's 4-bit tensors run as packed int4 where the kernel is fast (bf16 on
-        the CPU); "int4" quantizes the other linear layers too; "none" keeps them dense."""
+        default a GGUF's 4-bit tensors (and a Q8_0 LM head) run as stored where a kernel for
+        them is fast (`minivllm.layers.stored_weights`: torch's int4 in bf16 on the CPU, our
+        qgemv in fp32 on AVX2 CPUs, the latter not when `dtype="float32"` was asked for: that
+        is the token-exact dense path); "int4" quantizes the other linear layers too; "none"
+        keeps them dense. Returns the kernel of the weights kept as stored (None: dense)."""
         method = self.config.quantization
         if method == "int8":
             check_quantization(method, self.device, self.dtype)
             logger.info("int8 weights for %d linear layers", quantize_model_int8(self.model))
-            return
+            return None
         if method == "none" or (method is None and tp_size > 1):
-            return
-        if not int4_supported(self.device, self.dtype) or tp_size > 1:
+            return None
+        kernel = stored_weight_kernel(self.device, self.dtype)
+        if kernel == "qgemv" and method is None and self.config.dtype not in (None, "auto"):
+            kernel = None
+        if kernel is None or tp_size > 1:
             if method == "int4":
-                raise ValueError("quantization='int4' runs on the CPU with dtype bfloat16 and "
-                                 f"tensor_parallel_size=1 (got device {self.device.type}, "
-                                 f"dtype {self.dtype}, tensor_parallel_size {tp_size})")
-            return
+                raise ValueError("quantization='int4' runs on the CPU (bfloat16, or float32 on "
+                                 "an x86 CPU with AVX2) with tensor_parallel_size=1 (got "
+                                 f"device {self.device.type}, dtype {self.dtype}, "
+                                 f"tensor_parallel_size {tp_size})")
+            return None
         source = gguf_source(self.config.model)
         weights = read_int4_weights_cached(source) if source else {}
         if LM_HEAD_HIGH in weights and hasattr(self.model, "lm_head"):
-            self.model.lm_head.set_int8_pair(
-                PackedInt4Pair(weights.pop(LM_HEAD_HIGH), weights.pop(LM_HEAD_LOW)))
-            logger.info("LM head: its Q8_0 weight as two packed int4 halves for small steps")
+            self.model.lm_head.set_int8_head(pack_8bit_halves(
+                weights.pop(LM_HEAD_HIGH), weights.pop(LM_HEAD_LOW), self.dtype))
+            logger.info("LM head: its Q8_0 weight as stored for small steps (%s)", kernel)
         count = attach_int4(self.model, weights)
         if method == "int4":
             count += quantize_linear_int4(self.model)
-        logger.info("packed int4 weights for %d linear layers (%s)", count,
+        logger.info("4-bit weights for %d linear layers (%s kernel, %s)", count, kernel,
                     "from the GGUF's 4-bit blocks" if source else "quantized at load")
+        return kernel if count else None
 
     def _bytes_per_block(self) -> int:
         element = torch.tensor([], dtype=self.kv_dtype).element_size()

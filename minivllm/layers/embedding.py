@@ -14,6 +14,7 @@ from torch import nn
 from minivllm.distributed import parallel_state
 from minivllm.layers.int4 import PackedInt4Pair
 from minivllm.layers.onednn import OneDnnWeight, onednn_prepack_supported
+from minivllm.layers.qgemv import QGemvWeight
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -75,14 +76,15 @@ class ParallelLMHead(VocabParallelEmbedding):
         # A oneDNN-packed copy of the weight for forward on the CPU (see pack_for_cpu), kept
         # in a tuple so that it is not registered as a submodule (no state_dict entry).
         self._packed: tuple[nn.Module | OneDnnWeight, ...] = ()
-        self.int8_pair: PackedInt4Pair | None = None  # a Q8_0 head as two int4 halves
+        # a Q8_0 head for small steps: two packed int4 halves (bf16) or whole (fp32, qgemv)
+        self.int8_head: PackedInt4Pair | QGemvWeight | None = None
 
-    def set_int8_pair(self, pair: PackedInt4Pair) -> None:
-        """Run decode-sized bf16 steps on an 8-bit head split in two packed int4 halves
-        (`minivllm.layers.int4.split_int8`); larger steps keep the dense weight."""
+    def set_int8_head(self, head: PackedInt4Pair | QGemvWeight) -> None:
+        """Run decode-sized steps on an 8-bit head as stored (`minivllm.layers.
+        stored_weights.pack_8bit_halves`); larger steps keep the dense weight."""
         if self.tp_size != 1:
-            raise ValueError("an int4-pair LM head needs tensor_parallel_size=1")
-        self.int8_pair = pair
+            raise ValueError("an 8-bit LM head needs tensor_parallel_size=1")
+        self.int8_head = head
 
     def tie_to(self, embedding: VocabParallelEmbedding) -> None:
         """Share the embedding's weight (tie_word_embeddings): one tensor, loaded once."""
@@ -117,8 +119,8 @@ class ParallelLMHead(VocabParallelEmbedding):
         With tp_size > 1 only rank 0 (which samples) gets the full logits; the other ranks
         get their own `[num_tokens, vocab_size / tp_size]` slice.
         """
-        if self.int8_pair is not None and self.int8_pair.fits(hidden):
-            return self.int8_pair.matmul(hidden)  # [num_tokens, vocab_size] float32
+        if self.int8_head is not None and self.int8_head.fits(hidden):
+            return self.int8_head.matmul(hidden).float()  # [num_tokens, vocab_size] float32
         packed = self._packed[0] if self._packed else None
         if isinstance(packed, OneDnnWeight) and hidden.dtype == torch.bfloat16:
             logits = packed.matmul(hidden)  # [num_tokens, vocab_size / tp_size]

@@ -22,9 +22,10 @@ from torch import nn
 
 from minivllm.distributed import parallel_state
 from minivllm.distributed.heads import shard_heads
-from minivllm.layers.int4 import Int4Weight, PackedInt4
+from minivllm.layers.int4 import Int4Weight
 from minivllm.layers.onednn import OneDnnWeight, onednn_prepack_supported
 from minivllm.layers.quantization import int8_linear, pack_int8
+from minivllm.layers.stored_weights import SmallStepWeight, pack_4bit
 
 
 def _divide(numerator: int, denominator: int, what: str) -> int:
@@ -90,7 +91,8 @@ class LinearBase(nn.Module):
         else:
             self.register_parameter("bias", None)
         self.int8_weight: Any = None  # prepacked int8 weight once quantize_int8() has run
-        self.int4_weight: PackedInt4 | None = None  # packed int4 weight once set_int4() has run
+        # 4-bit weights for small steps, in their kernel's layout, once set_int4() has run
+        self.int4_weight: SmallStepWeight | None = None
         self.onednn_weight: OneDnnWeight | None = None  # once prepack_for_cpu() has run
 
     @property
@@ -119,15 +121,16 @@ class LinearBase(nn.Module):
         self.int8_weight = pack_int8(self.weight)
 
     def set_int4(self, weight: Int4Weight) -> None:
-        """Run decode-sized steps on packed int4 weights from now on, `weight` being the whole
-        (unsplit, shards stacked) `[out, in]` one; the dense weight stays for prefill-sized
-        steps (see minivllm/layers/int4.py). Single-process only."""
+        """Run decode-sized steps on 4-bit weights from now on, `weight` being the whole
+        (unsplit, shards stacked) `[out, in]` one, packed for the kernel of the layer's dtype
+        (`minivllm.layers.stored_weights`); the dense weight stays for prefill-sized steps.
+        Single-process only."""
         if self.tp_size != 1:
             raise ValueError("int4 weights are supported with tensor_parallel_size=1 only")
         if weight.shape != tuple(self.weight.shape):
             raise ValueError(f"int4 weight of shape {weight.shape} for a {type(self).__name__} "
                              f"of shape {tuple(self.weight.shape)}")
-        self.int4_weight = PackedInt4(weight, self.weight.dtype)
+        self.int4_weight = pack_4bit(weight, self.weight.dtype)
 
     def prepack_for_cpu(self) -> bool:
         """Keep a oneDNN-prepacked copy of the loaded dense bf16 weight for the dense steps
@@ -138,7 +141,7 @@ class LinearBase(nn.Module):
         return True
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """`x @ weight.T (+ bias)`: on the packed int4 weights for few rows when set, on the
+        """`x @ weight.T (+ bias)`: on the 4-bit weights for few rows when set, on the
         int8 weights when quantized, else dense (oneDNN-prepacked when eager and packed)."""
         if self.int4_weight is not None and self.int4_weight.fits(x):
             out = self.int4_weight.matmul(x)

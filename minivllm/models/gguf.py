@@ -32,7 +32,7 @@ import torch
 from gguf import GGMLQuantizationType, GGUFReader, ReaderTensor
 from gguf.quants import dequantize as _gguf_dequantize
 
-from minivllm.models.cache import cache_dir
+from minivllm.cache import cache_dir
 from minivllm.models.gguf_arch import (
     ARCHITECTURES,
     CONFIG_TENSORS,

@@ -1,0 +1,164 @@
+"""4- and 8-bit weights times fp32 activations on x86 CPUs with AVX2: our own kernel.
+
+torch's packed int4 kernel (`minivllm.layers.int4`) is vectorised for bf16 activations only,
+and on a CPU without native bf16 (AVX2 only: AMD Zen 3, Intel before Cooper Lake) the model
+computes in fp32, where the only torch kernels left read a dense fp32 copy of every weight: 32
+bits a weight for a GGUF that stores 4.5. `csrc/qgemv.cpp` multiplies fp32 activations by the
+weights as llama.cpp stores them (groups of 32, `w = q * scale + min`; 4-bit codes two to a
+byte as in Q4_0/Q4_1, or 8-bit as in Q8_0), unpacking them in registers: the products and
+sums stay fp32 and the activations are not rounded, so the results equal a dense fp32 matmul
+over the dequantized weights up to the order of the sums. It is built once per torch
+version and CPU kind with the C++ compiler torch.compile already needs, into the minivllm
+cache, and registered as the torch operator `minivllm::qgemv` (so compiled graphs call it
+too).
+
+The kernel is for few rows (decode steps); from `QGEMV_MAX_ROWS` rows up the dense fp32
+matmul (MKL) is as fast, so a layer keeps its dense weight for those steps and picks per call
+(`QGemvWeight.fits`), as the int4 layers do.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+from minivllm.cache import cache_dir
+from minivllm.layers.int4 import GROUP_SIZE, Int4Weight
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("csrc") / "qgemv.cpp"
+# Rows (tokens in the step) up to which the kernel beats the dense fp32 matmul over the same
+# layer on an AVX2-only CPU (`benchmarks/linear_kernels.py`, docs/benchmarks.md).
+QGEMV_MAX_ROWS = 8
+FLAGS = ["-O3", "-mavx2", "-mfma", "-std=c++20", "-shared", "-fPIC", "-w"]
+
+
+class KernelBuildError(RuntimeError):
+    """The C++ kernel could not be compiled or loaded here."""
+
+
+def _cpu_has_avx2() -> bool:
+    return platform.machine().lower() in ("x86_64", "amd64") and (
+        torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+    )
+
+
+def _library_path() -> Path:
+    """Where the built kernel lives: one per source text, torch version and flags."""
+    key = hashlib.sha256(
+        SOURCE.read_bytes() + torch.__version__.encode() + " ".join(FLAGS).encode()
+    ).hexdigest()[:16]
+    return cache_dir() / "kernels" / f"qgemv-{key}.so"
+
+
+def _build(target: Path) -> None:
+    """Compile `SOURCE` against the installed torch into `target` (atomically)."""
+    from torch.utils import cpp_extension
+
+    compiler = os.environ.get("CXX", "g++")
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        built = Path(tmp) / target.name
+        command = [
+            compiler, *FLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+            *(f"-I{path}" for path in cpp_extension.include_paths()),
+            str(SOURCE), "-o", str(built),
+            *(f"-L{path}" for path in cpp_extension.library_paths()),
+            "-lc10", "-ltorch_cpu",
+        ]
+        logger.info("building the qgemv kernel (once per torch version): %s", target)
+        try:
+            result = subprocess.run(command, capture_output=True, text=True, check=False)
+        except OSError as error:
+            raise KernelBuildError(f"no C++ compiler {compiler!r}: {error}") from error
+        if result.returncode != 0:
+            raise KernelBuildError(f"{compiler} failed on {SOURCE.name}:\n{result.stderr[-2000:]}")
+        os.replace(built, target)
+
+
+@functools.cache
+def qgemv_available() -> bool:
+    """Whether `minivllm::qgemv` runs here (building and loading it the first time); the
+    answer and the reason for a no are logged once."""
+    if not _cpu_has_avx2():
+        logger.info("qgemv kernel: not used (needs an x86 CPU with AVX2; torch runs %s kernels "
+                    "on %s)", torch.backends.cpu.get_cpu_capability(), platform.machine())
+        return False
+    path = _library_path()
+    try:
+        if not path.is_file():
+            _build(path)
+        torch.ops.load_library(str(path))
+    except (KernelBuildError, OSError, RuntimeError) as error:
+        logger.warning("qgemv kernel: not used, dense fp32 weights instead (%s)", error)
+        return False
+    _register_fake()
+    logger.info("qgemv kernel: 4/8-bit weights with fp32 activations (AVX2), up to %d rows",
+                QGEMV_MAX_ROWS)
+    return True
+
+
+def _register_fake() -> None:
+    """The operator's output shape for torch.compile's tracing."""
+    if getattr(sys.modules[__name__], "_fake_registered", False):
+        return
+
+    @torch.library.register_fake("minivllm::qgemv")
+    def _(x, codes, scales, mins, bits):  # noqa: ANN001, ANN202 - torch's fake-op signature
+        return x.new_empty(x.shape[0], codes.shape[0])
+
+    globals()["_fake_registered"] = True
+
+
+class QGemvWeight:
+    """A `[out, in]` weight in the kernel's layout, ready for `matmul` (fp32 activations)."""
+
+    def __init__(self, codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,
+                 bits: int) -> None:
+        out, width = codes.shape
+        if bits not in (4, 8) or scales.shape != (out, width * 8 // bits // GROUP_SIZE):
+            raise ValueError(f"qgemv: {bits}-bit codes {tuple(codes.shape)} do not match "
+                             f"scales {tuple(scales.shape)}")
+        self.bits = bits
+        self.out_features = out
+        self.codes = codes.contiguous()  # [out, in * bits / 8] bytes
+        self.scales = scales.float().contiguous()  # [out, in / 32]
+        self.mins = torch.empty(0) if mins is None else mins.float().contiguous()
+        self.max_rows = QGEMV_MAX_ROWS
+
+    @staticmethod
+    def from_int4(weight: Int4Weight) -> QGemvWeight:
+        """Codes two to a byte per group of 32 (low nibble: input i, high: input 16 + i), and
+        `w = (q - 8) * s + z` rewritten as `q * s + (z - 8 s)`."""
+        out, size = weight.shape
+        codes = weight.codes.view(out, size // GROUP_SIZE, 2, GROUP_SIZE // 2)  # [out, g, 2, 16]
+        packed = (codes[:, :, 0] | (codes[:, :, 1] << 4)).reshape(out, size // 2)  # [out, in/2]
+        return QGemvWeight(packed, weight.scales, weight.zeros - 8 * weight.scales, 4)
+
+    @staticmethod
+    def from_int8_halves(high: Int4Weight, low: Int4Weight) -> QGemvWeight:
+        """The 8-bit weight that `int4.split_int8` split in two halves, whole again: codes
+        `q = 16 (h - 8) + l` (int8), scales those of the low half."""
+        q = 16 * (high.codes.to(torch.int16) - 8) + low.codes.to(torch.int16)  # [out, in]
+        return QGemvWeight(q.to(torch.int8), low.scales, None, 8)
+
+    def fits(self, x: torch.Tensor) -> bool:
+        """The dispatch: this kernel for fp32 steps of up to `max_rows` rows of `x`."""
+        return x.dtype == torch.float32 and x.numel() // x.shape[-1] <= self.max_rows
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """`x @ W.T`: `[..., in]` fp32 -> `[..., out]` fp32."""
+        rows = x.reshape(-1, x.shape[-1])  # [N, in]
+        out = torch.ops.minivllm.qgemv(rows, self.codes, self.scales, self.mins, self.bits)
+        return out.view(*x.shape[:-1], self.out_features)  # [..., out]

@@ -1,0 +1,44 @@
+"""Which kernel runs a checkpoint's 4- and 8-bit weights as stored, one dispatch for all.
+
+- `"int4"`: torch's packed int4 kernel with bf16 activations (`minivllm.layers.int4`), where
+  the model computes in bf16 on the CPU (CPUs with native bf16, by default).
+- `"qgemv"`: our AVX2 kernel with fp32 activations (`minivllm.layers.qgemv`), where the model
+  computes in fp32 on an x86 CPU (AVX2-only CPUs, by default).
+- None: dense weights (CUDA, other CPUs, or the kernel could not be built).
+
+Each packs the weights for steps of few rows; larger steps use the layer's dense weight.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from minivllm.layers.int4 import Int4Weight, PackedInt4, PackedInt4Pair, int4_supported
+from minivllm.layers.qgemv import QGemvWeight, qgemv_available
+
+SmallStepWeight = PackedInt4 | PackedInt4Pair | QGemvWeight
+
+
+def stored_weight_kernel(device: torch.device, dtype: torch.dtype) -> str | None:
+    """The kernel for weights kept as stored on `device` computing in `dtype` (see above)."""
+    if int4_supported(device, dtype):
+        return "int4"
+    if device.type == "cpu" and dtype == torch.float32 and qgemv_available():
+        return "qgemv"
+    return None
+
+
+def pack_4bit(weight: Int4Weight, dtype: torch.dtype) -> PackedInt4 | QGemvWeight:
+    """A 4-bit weight in the layout of the kernel that runs `dtype` activations."""
+    if dtype == torch.float32:
+        return QGemvWeight.from_int4(weight)
+    return PackedInt4(weight, dtype)
+
+
+def pack_8bit_halves(high: Int4Weight, low: Int4Weight,
+                     dtype: torch.dtype) -> PackedInt4Pair | QGemvWeight:
+    """An 8-bit weight given as `int4.split_int8`'s two halves (a Q8_0 LM head), for `dtype`
+    activations: whole again for our kernel, two packed int4 halves for torch's."""
+    if dtype == torch.float32:
+        return QGemvWeight.from_int8_halves(high, low)
+    return PackedInt4Pair(high, low)

@@ -1,0 +1,112 @@
+"""Our AVX2 kernel for stored 4- and 8-bit weights with fp32 activations (`minivllm::qgemv`):
+equal to the dense fp32 matmul of the dequantized weights, in any row count, thread count and
+shape it accepts; bad shapes refused with a message; traced by torch.compile; and the linear
+layer's and LM head's dispatch by dtype and row count."""
+
+from __future__ import annotations
+
+import platform
+
+import pytest
+import torch
+
+from minivllm.layers.embedding import ParallelLMHead
+from minivllm.layers.int4 import GROUP_SIZE, quantize_int4, split_int8
+from minivllm.layers.linear import MergedColumnParallelLinear
+from minivllm.layers.qgemv import QGEMV_MAX_ROWS, QGemvWeight, qgemv_available
+from minivllm.layers.stored_weights import pack_8bit_halves, stored_weight_kernel
+
+x86 = platform.machine().lower() in ("x86_64", "amd64")
+pytestmark = pytest.mark.skipif(not x86, reason="the qgemv kernel is for x86 CPUs (AVX2)")
+
+
+def test_the_kernel_builds_and_loads_on_every_x86_cpu_this_project_runs_on():
+    """AVX2 and AVX-512 CPUs both run it (a build failure would silently fall back to dense
+    fp32 weights, 3-4x slower at decode on AVX2-only CPUs)."""
+    assert qgemv_available()
+    assert stored_weight_kernel(torch.device("cpu"), torch.float32) == "qgemv"
+
+
+def _int4_weight(out: int, size: int, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    return quantize_int4(torch.randn(out, size, generator=gen) * 0.05)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("rows", [1, 2, 4, 5, 8])
+@pytest.mark.parametrize("shape", [(96, 64), (37, 288), (1000, 576)])
+def test_4bit_matmul_equals_the_fp32_matmul_of_the_dequantized_weight(threads, rows, shape):
+    """Codes two to a byte (Q4_0/Q4_1's order), `w = (q - 8) s + z`; row tiles of 4 and an
+    odd number of outputs split over threads."""
+    q = _int4_weight(*shape, seed=rows)
+    x = torch.randn(rows, shape[1], generator=torch.Generator().manual_seed(1))
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = QGemvWeight.from_int4(q).matmul(x)
+    finally:
+        torch.set_num_threads(before)
+    want = (x.double() @ q.dequantize().double().t()).float()
+    assert got.dtype == torch.float32 and got.shape == (rows, shape[0])
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 6])
+def test_8bit_matmul_equals_the_fp32_matmul_of_the_q8_0_weight(rows):
+    """The Q8_0 head: `int4.split_int8`'s halves made whole again, `w = q * s`, q in -128..127
+    (both extremes included)."""
+    gen = torch.Generator().manual_seed(rows)
+    codes = torch.randint(-128, 128, (300, 128), generator=gen, dtype=torch.int8)
+    codes[0, :2] = torch.tensor([-128, 127], dtype=torch.int8)
+    scales = torch.rand(300, 128 // GROUP_SIZE, generator=gen) * 0.01
+    head = pack_8bit_halves(*split_int8(codes, scales), torch.float32)
+    dense = codes.float() * scales.repeat_interleave(GROUP_SIZE, dim=1)  # [300, 128]
+    x = torch.randn(rows, 128, generator=gen)
+    torch.testing.assert_close(head.matmul(x), (x.double() @ dense.double().t()).float(),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_bad_shapes_are_refused_with_a_message():
+    q = QGemvWeight.from_int4(_int4_weight(8, 64, seed=0))
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        torch.ops.minivllm.qgemv(torch.randn(1, 48), q.codes, q.scales, q.mins, 4)
+    with pytest.raises(RuntimeError, match="codes must be"):
+        torch.ops.minivllm.qgemv(torch.randn(1, 96), q.codes, q.scales, q.mins, 4)
+    with pytest.raises(RuntimeError, match="float32"):
+        torch.ops.minivllm.qgemv(torch.randn(1, 64).double(), q.codes, q.scales, q.mins, 4)
+    with pytest.raises(ValueError, match="do not match"):
+        QGemvWeight(q.codes, q.scales[:, :1], None, 4)
+
+
+def test_torch_compile_traces_the_operator():
+    """The compiled decode step calls it inside its graph: the fake kernel gives the shape."""
+    q = QGemvWeight.from_int4(_int4_weight(64, 96, seed=2))
+    x = torch.randn(1, 96)
+    compiled = torch.compile(lambda t: q.matmul(torch.relu(t)) * 2, backend="inductor",
+                             fullgraph=True)
+    torch.testing.assert_close(compiled(x), q.matmul(torch.relu(x)) * 2)
+
+
+def test_linear_layer_uses_the_kernel_for_few_fp32_rows_and_dense_for_many():
+    """The dense weight differs on purpose from the 4-bit one, to tell the paths apart."""
+    torch.manual_seed(0)
+    layer = MergedColumnParallelLinear(64, [32, 32])
+    layer.weight.data.normal_()
+    q = _int4_weight(64, 64, seed=3)
+    layer.set_int4(q)
+    assert isinstance(layer.int4_weight, QGemvWeight)
+    few, many = torch.randn(QGEMV_MAX_ROWS, 64), torch.randn(QGEMV_MAX_ROWS + 1, 64)
+    torch.testing.assert_close(layer(few), few @ q.dequantize().t(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(layer(many), many @ layer.weight.t())
+
+
+def test_lm_head_runs_its_q8_0_weight_for_small_fp32_steps():
+    gen = torch.Generator().manual_seed(4)
+    codes = torch.randint(-128, 128, (50, 64), generator=gen, dtype=torch.int8)
+    scales = torch.rand(50, 2, generator=gen) * 0.01
+    head = ParallelLMHead(50, 64)
+    head.weight.data.zero_()  # the dense weight: logits of zero tell which path ran
+    head.set_int8_head(pack_8bit_halves(*split_int8(codes, scales), torch.float32))
+    hidden = torch.randn(1, 64, generator=gen)
+    assert head(hidden).abs().sum() > 0
+    assert head(torch.randn(QGEMV_MAX_ROWS + 1, 64)).abs().sum() == 0

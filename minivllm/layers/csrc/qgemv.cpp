@@ -57,11 +57,13 @@ inline void dot_rows(const float* x, int64_t k, const uint8_t* q, const float* s
                      int64_t ldy) {
   constexpr int64_t kBytes = Bits * kGroup / 8;
   __m256 acc[Rows];
+#pragma GCC unroll 8
   for (int r = 0; r < Rows; ++r) acc[r] = _mm256_setzero_ps();
   __m256 w[4];
   for (int64_t g = 0; g < groups; ++g) {
     unpack<Bits>(q + g * kBytes, w);
     const __m256 s = _mm256_broadcast_ss(scale + g);
+#pragma GCC unroll 8  // unrolled, the accumulators live in registers, not on the stack
     for (int r = 0; r < Rows; ++r) {
       const float* xg = x + r * k + g * kGroup;
       __m256 t = _mm256_mul_ps(w[0], _mm256_loadu_ps(xg));
@@ -71,14 +73,25 @@ inline void dot_rows(const float* x, int64_t k, const uint8_t* q, const float* s
       acc[r] = _mm256_fmadd_ps(t, s, acc[r]);
     }
   }
-  for (int r = 0; r < Rows; ++r) {
-    float total = hsum(acc[r]);
-    if (min != nullptr) {  // sum_g min[g] * (sum of the group's activations)
-      const float* xs = xsum + r * groups;
-      for (int64_t g = 0; g < groups; ++g) total += min[g] * xs[g];
+  if (min != nullptr) {  // + sum_g min[g] * (the sum of group g's activations), 8 groups a go
+    int64_t g = 0;
+    for (; g + 8 <= groups; g += 8) {
+      const __m256 m = _mm256_loadu_ps(min + g);
+#pragma GCC unroll 8
+      for (int r = 0; r < Rows; ++r) {
+        acc[r] = _mm256_fmadd_ps(m, _mm256_loadu_ps(xsum + r * groups + g), acc[r]);
+      }
     }
-    y[r * ldy] = total;
+    for (; g < groups; ++g) {
+      const __m256 m = _mm256_set_ps(0, 0, 0, 0, 0, 0, 0, min[g]);
+#pragma GCC unroll 8
+      for (int r = 0; r < Rows; ++r) {
+        acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(xsum[r * groups + g]), acc[r]);
+      }
+    }
   }
+#pragma GCC unroll 8
+  for (int r = 0; r < Rows; ++r) y[r * ldy] = hsum(acc[r]);
 }
 
 // Outputs [begin, end) for rows [r0, r0 + Rows).

@@ -7,9 +7,12 @@ with: dense fp32, dense bf16 (`F.linear`, and prepacked for oneDNN as the engine
 zero each) with bf16 activations (with fp32 activations the kernel is scalar on x86, 8-100x
 slower than dense fp32 in a first run here, so it is left out), and for the LM head (Q8_0 in
 the default model's file) "int8 pair": two int4 calls, the 8-bit weight split in 4-bit
-halves (`minivllm.layers.int4.split_int8`, INT8_AS_INT4_PAIR_MAX_ROWS). It prints microseconds per
-call and the speed-up over fp32, from which `minivllm.layers.int4.INT4_MAX_ROWS` (packed int4
-at or below it, dense bf16 above) is chosen for each CPU kind. The layer's shapes are timed
+halves (`minivllm.layers.int4.split_int8`, INT8_AS_INT4_PAIR_MAX_ROWS); and our qgemv kernel
+(`minivllm.layers.qgemv`: fp32 activations, 4-bit weights, or the Q8_0 head's 8-bit ones), the
+fp32 path of AVX2-only CPUs. It prints microseconds per call and the speed-up over fp32, from
+which `minivllm.layers.int4.INT4_MAX_ROWS` (packed int4 at or below it, dense bf16 above) is
+chosen for each CPU kind, and `minivllm.layers.qgemv.QGEMV_MAX_ROWS`. Columns a CPU cannot run
+(oneDNN bf16 on an AVX2-only CPU) are left out. The layer's shapes are timed
 over `--layers` distinct copies (default 30, SmolLM2's depth) so that their weights stream from
 memory as in the model, not from cache. Run it on each CPU kind:
 
@@ -24,7 +27,9 @@ import time
 
 import torch
 
-from minivllm.layers.onednn import OneDnnWeight
+from minivllm.layers.int4 import quantize_int4, split_int8
+from minivllm.layers.onednn import OneDnnWeight, onednn_prepack_supported
+from minivllm.layers.qgemv import QGemvWeight, qgemv_available
 
 SHAPES = {"layer": [(960, 576), (576, 576), (3072, 576), (576, 1536)], "lm_head": [(49152, 576)]}
 GROUP = 32
@@ -44,7 +49,8 @@ def timed(fn, repeats: int) -> float:
 
 def kernels(shapes: list[tuple[int, int]], rows: int):
     """`{name: callable}` running every shape once per call."""
-    fns: dict[str, list] = {"fp32": [], "bf16": [], "bf16 oneDNN": [], "int4 bf16": []}
+    fns: dict[str, list] = {"fp32": [], "bf16": [], "bf16 oneDNN": [], "int4 bf16": [],
+                            "qgemv fp32": []}
     for n, k in shapes:
         w = torch.randn(n, k) * 0.02
         q = torch.randint(0, 16, (n, k), dtype=torch.int32)
@@ -54,14 +60,22 @@ def kernels(shapes: list[tuple[int, int]], rows: int):
         x16, w16, sz16 = x32.bfloat16(), w.bfloat16(), sz.bfloat16()
         fns["fp32"].append(lambda x=x32, w=w: torch.nn.functional.linear(x, w))
         fns["bf16"].append(lambda x=x16, w=w16: torch.nn.functional.linear(x, w))
-        prepacked = OneDnnWeight(w16)
-        fns["bf16 oneDNN"].append(lambda x=x16, w=prepacked: w.matmul(x))
+        if onednn_prepack_supported(w16):
+            prepacked = OneDnnWeight(w16)
+            fns["bf16 oneDNN"].append(lambda x=x16, w=prepacked: w.matmul(x))
         fns["int4 bf16"].append(lambda x=x16, p=packed, s=sz16: INT4_MM(x, p, GROUP, s))
+        if qgemv_available():
+            if n == SHAPES["lm_head"][0][0]:  # the Q8_0 head: 8-bit codes
+                codes = torch.randint(-128, 128, (n, k), dtype=torch.int8)
+                qw = QGemvWeight.from_int8_halves(*split_int8(codes, sz[..., 0].t().float()))
+            else:
+                qw = QGemvWeight.from_int4(quantize_int4(w))
+            fns["qgemv fp32"].append(lambda x=x32, w=qw: w.matmul(x))
         if n == SHAPES["lm_head"][0][0]:
             fns.setdefault("int8 pair", []).append(
                 lambda x=x16, p=packed, s=sz16: INT4_MM(x, p, GROUP, s).float()
                 + INT4_MM(x, p, GROUP, s).float())
-    return {name: (lambda fs=fs: [f() for f in fs]) for name, fs in fns.items()}
+    return {name: (lambda fs=fs: [f() for f in fs]) for name, fs in fns.items() if fs}
 
 
 def main() -> None:

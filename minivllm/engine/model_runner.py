@@ -264,9 +264,11 @@ class ModelRunner:
         source = gguf_source(self.config.model)
         weights = read_int4_weights_cached(source) if source else {}
         if LM_HEAD_HIGH in weights and hasattr(self.model, "lm_head"):
-            self.model.lm_head.set_int8_head(pack_8bit_halves(
-                weights.pop(LM_HEAD_HIGH), weights.pop(LM_HEAD_LOW), self.dtype))
-            logger.info("LM head: its Q8_0 weight as stored for small steps (%s)", kernel)
+            head = pack_8bit_halves(weights.pop(LM_HEAD_HIGH), weights.pop(LM_HEAD_LOW),
+                                    self.dtype)
+            if head is not None:
+                self.model.lm_head.set_int8_head(head)
+                logger.info("LM head: its Q8_0 weight as stored for small steps (%s)", kernel)
         count = attach_int4(self.model, weights)
         if method == "int4":
             count += quantize_linear_int4(self.model)

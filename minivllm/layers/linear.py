@@ -120,10 +120,11 @@ class LinearBase(nn.Module):
         """Compute with int8 weights from now on (CPU; see minivllm/layers/quantization.py)."""
         self.int8_weight = pack_int8(self.weight)
 
-    def set_int4(self, weight: Int4Weight) -> None:
+    def set_int4(self, weight: Int4Weight) -> bool:
         """Run decode-sized steps on 4-bit weights from now on, `weight` being the whole
         (unsplit, shards stacked) `[out, in]` one, packed for the kernel of the layer's dtype
         (`minivllm.layers.stored_weights`); the dense weight stays for prefill-sized steps.
+        False where that kernel does not take the layer's shape (it stays dense).
         Single-process only."""
         if self.tp_size != 1:
             raise ValueError("int4 weights are supported with tensor_parallel_size=1 only")
@@ -131,6 +132,7 @@ class LinearBase(nn.Module):
             raise ValueError(f"int4 weight of shape {weight.shape} for a {type(self).__name__} "
                              f"of shape {tuple(self.weight.shape)}")
         self.int4_weight = pack_4bit(weight, self.weight.dtype)
+        return self.int4_weight is not None
 
     def prepack_for_cpu(self) -> bool:
         """Keep a oneDNN-prepacked copy of the loaded dense bf16 weight for the dense steps

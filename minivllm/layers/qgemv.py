@@ -5,12 +5,15 @@ and on a CPU without native bf16 (AVX2 only: AMD Zen 3, Intel before Cooper Lake
 computes in fp32, where the only torch kernels left read a dense fp32 copy of every weight: 32
 bits a weight for a GGUF that stores 4.5. `csrc/qgemv.cpp` multiplies fp32 activations by the
 weights as llama.cpp stores them (groups of 32, `w = q * scale + min`; 4-bit codes two to a
-byte as in Q4_0/Q4_1, or 8-bit as in Q8_0), unpacking them in registers: the products and
-sums stay fp32 and the activations are not rounded, so the results equal a dense fp32 matmul
-over the dequantized weights up to the order of the sums. It is built once per torch
-version and CPU kind with the C++ compiler torch.compile already needs, into the minivllm
-cache, and registered as the torch operator `minivllm::qgemv` (so compiled graphs call it
-too).
+byte as in Q4_0/Q4_1, or 8-bit as in Q8_0), with integer dot products over the activations
+quantized per group of 32 to two 8-bit halves, about 15 bits (one 8-bit code, llama.cpp's Q8
+activations, cost the default model 2.7% perplexity against HF fp32; the min term takes the
+exact fp32 sums), so the only rounding beyond fp32's is the activations' to those 15 bits
+(`quantize_activations` is the reference). The weights are stored in blocks of 4 output
+columns interleaved group by group (`QGemvWeight` packs them), read in one stream, with fp16
+scales and mins as GGUF stores them. It is built once per torch version and source text with
+the C++ compiler torch.compile already needs, into the minivllm cache, and registered as the
+torch operator `minivllm::qgemv` (so compiled graphs call it too).
 
 The kernel is for few rows (decode steps); from `QGEMV_MAX_ROWS` rows up the dense fp32
 matmul (MKL) is as fast, so a layer keeps its dense weight for those steps and picks per call
@@ -39,8 +42,9 @@ logger = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("csrc") / "qgemv.cpp"
 # Rows (tokens in the step) up to which the kernel beats the dense fp32 matmul over the same
 # layer on an AVX2-only CPU (`benchmarks/linear_kernels.py`, docs/benchmarks.md).
-QGEMV_MAX_ROWS = 8
-FLAGS = ["-O3", "-mavx2", "-mfma", "-std=c++20", "-shared", "-fPIC", "-w"]
+QGEMV_MAX_ROWS = 16
+FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-std=c++20", "-shared",
+         "-fPIC", "-w"]
 
 
 class KernelBuildError(RuntimeError):
@@ -121,21 +125,57 @@ def _register_fake() -> None:
     globals()["_fake_registered"] = True
 
 
+COLUMNS = 4  # output columns whose groups the kernel stores interleaved
+
+
+def quantize_activations(x: torch.Tensor) -> torch.Tensor:
+    """The kernel's view of fp32 activations `[..., K]`: each group of 32 as two 8-bit codes,
+    `x ~ step * (256 hi + lo)`: `hi = round(x / d)` with `d = max|x| / 127`, and `lo` the
+    rest rounded in steps of `d / 256` (what its integer dot products multiply)."""
+    groups = x.reshape(*x.shape[:-1], -1, GROUP_SIZE)  # [..., K / 32, 32]
+    amax = groups.abs().amax(dim=-1, keepdim=True)  # [..., K / 32, 1]
+    inverse = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    d = amax / 127.0
+    hi = (groups * inverse).round().clamp(-127, 127)
+    lo = ((groups - hi * d) * (256.0 * inverse)).round().clamp(-127, 127)
+    return ((d / 256.0) * (256.0 * hi + lo)).reshape(x.shape)
+
+
+def _interleave(t: torch.Tensor) -> torch.Tensor:
+    """`[N, groups, ...]` -> the same bytes in blocks of COLUMNS outputs, group by group:
+    `[N / 4, groups, 4, ...]`, flattened back to `[N, -1]`."""
+    n, groups = t.shape[:2]
+    blocks = t.reshape(n // COLUMNS, COLUMNS, groups, -1).transpose(1, 2)  # [N/4, g, 4, ...]
+    return blocks.contiguous().reshape(n, -1)
+
+
 class QGemvWeight:
-    """A `[out, in]` weight in the kernel's layout, ready for `matmul` (fp32 activations)."""
+    """A `[out, in]` weight in the kernel's layout, ready for `matmul` (fp32 activations).
+    `codes` `[out, in * bits / 8]` bytes and `scales`, `mins` `[out, in / 32]` are given in
+    plain row order and interleaved here."""
 
     def __init__(self, codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,
                  bits: int) -> None:
         out, width = codes.shape
-        if bits not in (4, 8) or scales.shape != (out, width * 8 // bits // GROUP_SIZE):
+        groups = width * 8 // bits // GROUP_SIZE
+        if bits not in (4, 8) or scales.shape != (out, groups):
             raise ValueError(f"qgemv: {bits}-bit codes {tuple(codes.shape)} do not match "
                              f"scales {tuple(scales.shape)}")
+        if out % COLUMNS:
+            raise ValueError(f"qgemv: the output size ({out}) must be a multiple of {COLUMNS}")
         self.bits = bits
         self.out_features = out
-        self.codes = codes.contiguous()  # [out, in * bits / 8] bytes
-        self.scales = scales.float().contiguous()  # [out, in / 32]
-        self.mins = torch.empty(0) if mins is None else mins.float().contiguous()
+        self.codes = _interleave(codes.reshape(out, groups, -1))  # [out, in * bits / 8]
+        # fp16, as GGUF stores them (Q4_K's products of two scales round to 11 bits)
+        self.scales = _interleave(scales.half()[..., None])  # [out, in / 32]
+        self.mins = (torch.empty(0, dtype=torch.half) if mins is None
+                     else _interleave(mins.half()[..., None]))
         self.max_rows = QGEMV_MAX_ROWS
+
+    @staticmethod
+    def supports(weight: Int4Weight) -> bool:
+        """Whether a weight of this shape fits the kernel (outputs in blocks of 4)."""
+        return weight.shape[0] % COLUMNS == 0
 
     @staticmethod
     def from_int4(weight: Int4Weight) -> QGemvWeight:

@@ -28,17 +28,19 @@ def stored_weight_kernel(device: torch.device, dtype: torch.dtype) -> str | None
     return None
 
 
-def pack_4bit(weight: Int4Weight, dtype: torch.dtype) -> PackedInt4 | QGemvWeight:
-    """A 4-bit weight in the layout of the kernel that runs `dtype` activations."""
+def pack_4bit(weight: Int4Weight, dtype: torch.dtype) -> PackedInt4 | QGemvWeight | None:
+    """A 4-bit weight in the layout of the kernel that runs `dtype` activations; None where
+    that kernel does not take its shape (the layer stays dense)."""
     if dtype == torch.float32:
-        return QGemvWeight.from_int4(weight)
+        return QGemvWeight.from_int4(weight) if QGemvWeight.supports(weight) else None
     return PackedInt4(weight, dtype)
 
 
 def pack_8bit_halves(high: Int4Weight, low: Int4Weight,
-                     dtype: torch.dtype) -> PackedInt4Pair | QGemvWeight:
+                     dtype: torch.dtype) -> PackedInt4Pair | QGemvWeight | None:
     """An 8-bit weight given as `int4.split_int8`'s two halves (a Q8_0 LM head), for `dtype`
-    activations: whole again for our kernel, two packed int4 halves for torch's."""
+    activations: whole again for our kernel, two packed int4 halves for torch's; None where
+    the kernel does not take its shape."""
     if dtype == torch.float32:
-        return QGemvWeight.from_int8_halves(high, low)
+        return QGemvWeight.from_int8_halves(high, low) if QGemvWeight.supports(low) else None
     return PackedInt4Pair(high, low)

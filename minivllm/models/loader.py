@@ -172,8 +172,7 @@ def attach_int4(model: nn.Module, weights: dict[str, Int4Weight]) -> int:
     for module_name, parts in shards.items():
         module = model.get_submodule(module_name)
         if isinstance(module, LinearBase) and set(parts) == set(module.shard_ids):
-            module.set_int4(Int4Weight.cat([parts[i] for i in module.shard_ids]))
-            count += 1
+            count += module.set_int4(Int4Weight.cat([parts[i] for i in module.shard_ids]))
     return count
 
 
@@ -181,9 +180,7 @@ def quantize_linear_int4(model: nn.Module) -> int:
     """Quantize every linear layer still without int4 weights from its dense weight
     (`quantization="int4"` on an HF checkpoint). Returns how many layers."""
     layers = [m for m in model.modules() if isinstance(m, LinearBase) and m.int4_weight is None]
-    for layer in layers:
-        layer.set_int4(quantize_int4(layer.weight))
-    return len(layers)
+    return sum(layer.set_int4(quantize_int4(layer.weight)) for layer in layers)
 
 
 @contextmanager

@@ -1,7 +1,9 @@
 """Our AVX2 kernel for stored 4- and 8-bit weights with fp32 activations (`minivllm::qgemv`):
-equal to the dense fp32 matmul of the dequantized weights, in any row count, thread count and
-shape it accepts; bad shapes refused with a message; traced by torch.compile; and the linear
-layer's and LM head's dispatch by dtype and row count."""
+equal to the fp32 matmul of the dequantized weights over the activations rounded to 8 bits per
+group of 32 (`quantize_activations`, as llama.cpp's Q8 activations), in any row count, thread
+count and shape it accepts, and within that rounding of the exact fp32 matmul; bad shapes
+refused with a message; traced by torch.compile; and the linear layer's and LM head's dispatch
+by dtype and row count."""
 
 from __future__ import annotations
 
@@ -13,7 +15,12 @@ import torch
 from minivllm.layers.embedding import ParallelLMHead
 from minivllm.layers.int4 import GROUP_SIZE, quantize_int4, split_int8
 from minivllm.layers.linear import MergedColumnParallelLinear
-from minivllm.layers.qgemv import QGEMV_MAX_ROWS, QGemvWeight, qgemv_available
+from minivllm.layers.qgemv import (
+    QGEMV_MAX_ROWS,
+    QGemvWeight,
+    qgemv_available,
+    quantize_activations,
+)
 from minivllm.layers.stored_weights import pack_8bit_halves, stored_weight_kernel
 
 x86 = platform.machine().lower() in ("x86_64", "amd64")
@@ -28,27 +35,55 @@ def test_the_kernel_builds_and_loads_on_every_x86_cpu_this_project_runs_on():
 
 
 def _int4_weight(out: int, size: int, seed: int):
+    """Random 4-bit weights whose scales and mins are fp16 values, as a GGUF's are."""
     gen = torch.Generator().manual_seed(seed)
-    return quantize_int4(torch.randn(out, size, generator=gen) * 0.05)
+    q = quantize_int4(torch.randn(out, size, generator=gen) * 0.05)
+    scales = q.scales.half().float()
+    return type(q)(q.codes, scales, (q.zeros - 8 * scales).half().float() + 8 * scales)
+
+
+def _reference(x: torch.Tensor, dense: torch.Tensor, mins: torch.Tensor | None) -> torch.Tensor:
+    """What the kernel computes, in float64: `w = q * s + min`; the `q * s` part over the
+    activations rounded to 8 bits per group, the min part over the exact ones."""
+    xq = quantize_activations(x).double()
+    if mins is None:
+        return (xq @ dense.double().t()).float()
+    full_mins = mins.double().repeat_interleave(GROUP_SIZE, dim=1)  # [out, in]
+    return (xq @ (dense.double() - full_mins).t() + x.double() @ full_mins.t()).float()
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize("rows", [1, 2, 4, 5, 8])
-@pytest.mark.parametrize("shape", [(96, 64), (37, 288), (1000, 576)])
-def test_4bit_matmul_equals_the_fp32_matmul_of_the_dequantized_weight(threads, rows, shape):
-    """Codes two to a byte (Q4_0/Q4_1's order), `w = (q - 8) s + z`; row tiles of 4 and an
-    odd number of outputs split over threads."""
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 7, 8, 13, 16])
+@pytest.mark.parametrize("shape", [(96, 64), (36, 288), (1000, 576)])
+def test_4bit_matmul_equals_the_matmul_over_8_bit_activations(threads, rows, shape):
+    """Codes two to a byte (Q4_0/Q4_1's order), `w = (q - 8) s + z`; outputs in blocks of 4
+    split over threads, row tiles of 8/4/2/1, the one-row path's four columns at once."""
     q = _int4_weight(*shape, seed=rows)
     x = torch.randn(rows, shape[1], generator=torch.Generator().manual_seed(1))
+    x[0, :32] = 0.0  # a group of zeros: no scale to divide by
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         got = QGemvWeight.from_int4(q).matmul(x)
     finally:
         torch.set_num_threads(before)
-    want = (x.double() @ q.dequantize().double().t()).float()
+    want = _reference(x, q.dequantize(), q.zeros - 8 * q.scales)
     assert got.dtype == torch.float32 and got.shape == (rows, shape[0])
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    exact = x @ q.dequantize().t()
+    assert (got - exact).norm() / exact.norm() < 1e-4  # 15-bit activations
+
+
+def test_activations_keep_about_15_bits_per_group():
+    """Two 8-bit codes: errors within a 256th of the one-code step (d = max|x| / 127), half
+    of one for nearly every value; zeros stay zeros."""
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(5))
+    xq = quantize_activations(x)
+    d = x.view(3, 2, 32).abs().amax(-1, keepdim=True) / 127  # [3, 2, 1]
+    err = (xq - x).view(3, 2, 32).abs()
+    assert (err <= d / 256 + 1e-7).all()
+    assert (err <= d / 512 + 1e-7).float().mean() > 0.95
+    assert torch.equal(quantize_activations(torch.zeros(1, 32)), torch.zeros(1, 32))
 
 
 @pytest.mark.parametrize("rows", [1, 3, 6])
@@ -59,11 +94,12 @@ def test_8bit_matmul_equals_the_fp32_matmul_of_the_q8_0_weight(rows):
     codes = torch.randint(-128, 128, (300, 128), generator=gen, dtype=torch.int8)
     codes[0, :2] = torch.tensor([-128, 127], dtype=torch.int8)
     scales = torch.rand(300, 128 // GROUP_SIZE, generator=gen) * 0.01
+    scales = scales.half().float()  # fp16, as Q8_0 stores them
     head = pack_8bit_halves(*split_int8(codes, scales), torch.float32)
     dense = codes.float() * scales.repeat_interleave(GROUP_SIZE, dim=1)  # [300, 128]
     x = torch.randn(rows, 128, generator=gen)
-    torch.testing.assert_close(head.matmul(x), (x.double() @ dense.double().t()).float(),
-                               rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(head.matmul(x), _reference(x, dense, None), rtol=1e-5,
+                               atol=1e-5)
 
 
 def test_bad_shapes_are_refused_with_a_message():
@@ -74,8 +110,12 @@ def test_bad_shapes_are_refused_with_a_message():
         torch.ops.minivllm.qgemv(torch.randn(1, 96), q.codes, q.scales, q.mins, 4)
     with pytest.raises(RuntimeError, match="float32"):
         torch.ops.minivllm.qgemv(torch.randn(1, 64).double(), q.codes, q.scales, q.mins, 4)
+    with pytest.raises(RuntimeError, match="multiple of 4"):
+        torch.ops.minivllm.qgemv(torch.randn(1, 64), q.codes[:6], q.scales[:6], q.mins[:6], 4)
     with pytest.raises(ValueError, match="do not match"):
         QGemvWeight(q.codes, q.scales[:, :1], None, 4)
+    with pytest.raises(ValueError, match="multiple of 4"):
+        QGemvWeight.from_int4(_int4_weight(6, 64, seed=0))
 
 
 def test_torch_compile_traces_the_operator():
@@ -96,15 +136,17 @@ def test_linear_layer_uses_the_kernel_for_few_fp32_rows_and_dense_for_many():
     layer.set_int4(q)
     assert isinstance(layer.int4_weight, QGemvWeight)
     few, many = torch.randn(QGEMV_MAX_ROWS, 64), torch.randn(QGEMV_MAX_ROWS + 1, 64)
-    torch.testing.assert_close(layer(few), few @ q.dequantize().t(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(layer(few), _reference(few, q.dequantize(),
+                                                      q.zeros - 8 * q.scales),
+                               rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(layer(many), many @ layer.weight.t())
 
 
 def test_lm_head_runs_its_q8_0_weight_for_small_fp32_steps():
     gen = torch.Generator().manual_seed(4)
-    codes = torch.randint(-128, 128, (50, 64), generator=gen, dtype=torch.int8)
-    scales = torch.rand(50, 2, generator=gen) * 0.01
-    head = ParallelLMHead(50, 64)
+    codes = torch.randint(-128, 128, (52, 64), generator=gen, dtype=torch.int8)
+    scales = torch.rand(52, 2, generator=gen) * 0.01
+    head = ParallelLMHead(52, 64)
     head.weight.data.zero_()  # the dense weight: logits of zero tell which path ran
     head.set_int8_head(pack_8bit_halves(*split_int8(codes, scales), torch.float32))
     hidden = torch.randn(1, 64, generator=gen)

@@ -1,24 +1,36 @@
-// Quantized weights times fp32 activations for few rows (decode steps) on x86 CPUs with AVX2.
+// Quantized weights times activations for few rows (decode steps) on x86 CPUs with AVX2.
 //
 // y[m, n] = sum_k x[m, k] * w[n, k] with w stored as llama.cpp stores it: groups of 32 inputs,
-// one fp32 scale and one fp32 min per group and output, `w = q * scale + min`, q either
+// one fp16 scale and one fp16 min per group and output, `w = q * scale + min`, q either
 //   bits 4: 16 bytes a group, the low nibble of byte i is q[i], the high nibble q[16 + i]
 //           (GGUF's Q4_0/Q4_1 layout), codes 0..15;
 //   bits 8: 32 signed bytes a group (GGUF's Q8_0), codes -128..127.
-// The weights are unpacked to fp32 in registers and never written out, so a step reads 4.5
-// (or 8.5) bits per weight instead of 32; the products and sums are fp32, the activations are
-// not rounded. Output rows are split over torch's own thread pool (at::parallel_for).
+// Outputs come in blocks of kCols = 4 whose groups are interleaved: block b holds, for each
+// group g, the four columns' codes one after the other ([N / 4, groups, 4, group bytes]), and
+// scales and mins likewise ([N / 4, groups, 4]), so that a one-row step reads the weights in
+// one sequential stream. (The tensors keep the shapes [N, K * bits / 8] and [N, K / 32].)
+//
+// The fp32 activations are quantized per row and group of 32 to two 8-bit halves (a code and
+// the code of what it left, 256 times finer: about 15 bits; see QuantizedRows), so that a
+// group's dot product is integer (`maddubs`: 32 byte products in one instruction, summed
+// exactly in int32), twice, and scaled once: `scale * step * sum(q * (256 hi + lo))`. The min
+// term uses the exact fp32 sum of the group's activations: `min * sum(x)`. So a step reads 5
+// (or 8.5) bits per weight instead of 32, and the only rounding beyond fp32's is the
+// activations' to 15 bits per group.
+// Blocks of output columns are split over torch's own thread pool (at::parallel_for).
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
 #include <immintrin.h>
 
+#include <cmath>
 #include <vector>
 
 namespace {
 
 constexpr int64_t kGroup = 32;
+constexpr int kCols = 4;  // output columns whose weights are stored interleaved, group by group
 
 inline float hsum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -27,81 +39,174 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-// The 32 codes of one group as four vectors of 8 floats, in input order.
+// Four fp16 values as fp32.
+inline __m128 half4(const uint16_t* p) {
+  return _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+}
+
+inline __m256i load_bytes(const void* p) {
+  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+}
+
+// Activations quantized per row and group of 32 as two 8-bit halves: `x = step * (256 * hi +
+// lo)`, step = max|x| / 127 / 256, hi = round(x / (256 step)) in -127..127 and lo the rounded
+// rest in -127..127: about 15 bits per group, where one 8-bit code alone costs the default
+// model 2.7% perplexity. codes: [rows, groups, 2, 32] (hi then lo); steps and exact sums:
+// [rows, groups].
+struct QuantizedRows {
+  std::vector<int8_t> codes;
+  std::vector<float> steps;
+  std::vector<float> sums;
+};
+
+inline int8_t to_code(float v) {
+  return static_cast<int8_t>(std::max(-127.0f, std::min(127.0f, std::nearbyint(v))));
+}
+
+QuantizedRows quantize_rows(const float* x, int64_t rows, int64_t k) {
+  const int64_t groups = rows * (k / kGroup);
+  QuantizedRows out{std::vector<int8_t>(2 * rows * k), std::vector<float>(groups),
+                    std::vector<float>(groups)};
+  for (int64_t i = 0; i < groups; ++i) {  // group i: row i / (k / 32), contiguous in x
+    const float* xg = x + i * kGroup;
+    int8_t* hi = out.codes.data() + 2 * i * kGroup;
+    int8_t* lo = hi + kGroup;
+    float amax = 0.0f, total = 0.0f;
+    for (int64_t j = 0; j < kGroup; ++j) {
+      amax = std::max(amax, std::fabs(xg[j]));
+      total += xg[j];
+    }
+    const float inverse = amax > 0.0f ? 127.0f / amax : 0.0f, d = amax / 127.0f;
+    for (int64_t j = 0; j < kGroup; ++j) {
+      hi[j] = to_code(xg[j] * inverse);
+      const float rest = xg[j] - static_cast<float>(hi[j]) * d;  // |rest| <= d / 2
+      lo[j] = to_code(rest * (256.0f * inverse));
+    }
+    out.steps[i] = d / 256.0f;
+    out.sums[i] = total;
+  }
+  return out;
+}
+
+// One group's 32 weight codes as unsigned bytes, in input order, and the activations' signs
+// adjusted to match (`maddubs` multiplies unsigned by signed bytes): 4-bit codes are 0..15
+// already; an 8-bit code's magnitude is taken and its sign moved onto the activation.
 template <int Bits>
-inline void unpack(const uint8_t* q, __m256* w) {
+inline __m256i weight_bytes(const uint8_t* q) {
   if constexpr (Bits == 4) {
     const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
-    const __m128i mask = _mm_set1_epi8(0x0F);
-    const __m128i lo = _mm_and_si128(bytes, mask);                     // q[0..15]
-    const __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), mask);  // q[16..31]
-    w[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
-    w[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
-    w[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
-    w[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
+    const __m256i both = _mm256_set_m128i(_mm_srli_epi16(bytes, 4), bytes);  // [lo | hi]
+    return _mm256_and_si256(both, _mm256_set1_epi8(0x0F));
   } else {
-    const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));       // q[0..15]
-    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16));  // q[16..31]
-    w[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(a));
-    w[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(a, 8)));
-    w[2] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
-    w[3] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8)));
+    return load_bytes(q);
   }
 }
 
-// Output n for `Rows` activation rows starting at x: y[r * ldy] for each row r. `Rows` is a
-// compile-time constant so that the accumulators stay in registers.
+// Eight int32 partial sums of a group's 32 products `q * (256 hi + lo)` (exact: at most
+// 32 * 128 * 127 * 257 < 2^31), the activation halves at `x`.
+template <int Bits>
+inline __m256i group_dot(__m256i w, const int8_t* x) {
+  __m256i hi = load_bytes(x), lo = load_bytes(x + kGroup);
+  if constexpr (Bits == 8) {
+    hi = _mm256_sign_epi8(hi, w);
+    lo = _mm256_sign_epi8(lo, w);
+    w = _mm256_abs_epi8(w);  // -128 becomes 0x80, read as 128 unsigned
+  }
+  const __m256i ones = _mm256_set1_epi16(1);
+  // [16] int16 pairs, |pair| <= 2 * 128 * 127: no saturation; then [8] int32
+  const __m256i dot_hi = _mm256_madd_epi16(_mm256_maddubs_epi16(w, hi), ones);
+  const __m256i dot_lo = _mm256_madd_epi16(_mm256_maddubs_epi16(w, lo), ones);
+  return _mm256_add_epi32(_mm256_slli_epi32(dot_hi, 8), dot_lo);
+}
+
+// Output column `c` of the block of kCols columns at q / scale / min, for `Rows` activation
+// rows: y[r * ldy] for each row r. `Rows` is a compile-time constant so that the accumulators
+// stay in registers.
 template <int Bits, int Rows>
-inline void dot_rows(const float* x, int64_t k, const uint8_t* q, const float* scale,
-                     const float* min, const float* xsum, int64_t groups, float* y,
+inline void dot_rows(const QuantizedRows& xq, int64_t row0, int64_t k, const uint8_t* q,
+                     const uint16_t* scale, const uint16_t* min, int64_t groups, int c, float* y,
                      int64_t ldy) {
   constexpr int64_t kBytes = Bits * kGroup / 8;
+  const int8_t* codes = xq.codes.data() + 2 * row0 * k;
+  const float* xd = xq.steps.data() + row0 * groups;
+  const float* xs = xq.sums.data() + row0 * groups;
   __m256 acc[Rows];
+  float min_term[Rows];
 #pragma GCC unroll 8
-  for (int r = 0; r < Rows; ++r) acc[r] = _mm256_setzero_ps();
-  __m256 w[4];
+  for (int r = 0; r < Rows; ++r) {
+    acc[r] = _mm256_setzero_ps();
+    min_term[r] = 0.0f;
+  }
   for (int64_t g = 0; g < groups; ++g) {
-    unpack<Bits>(q + g * kBytes, w);
-    const __m256 s = _mm256_broadcast_ss(scale + g);
+    const __m256i w = weight_bytes<Bits>(q + (g * kCols + c) * kBytes);
+    const float s = _cvtsh_ss(scale[g * kCols + c]);
+    const float m = min != nullptr ? _cvtsh_ss(min[g * kCols + c]) : 0.0f;
 #pragma GCC unroll 8  // unrolled, the accumulators live in registers, not on the stack
     for (int r = 0; r < Rows; ++r) {
-      const float* xg = x + r * k + g * kGroup;
-      __m256 t = _mm256_mul_ps(w[0], _mm256_loadu_ps(xg));
-      t = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(xg + 8), t);
-      t = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(xg + 16), t);
-      t = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xg + 24), t);
-      acc[r] = _mm256_fmadd_ps(t, s, acc[r]);
-    }
-  }
-  if (min != nullptr) {  // + sum_g min[g] * (the sum of group g's activations), 8 groups a go
-    int64_t g = 0;
-    for (; g + 8 <= groups; g += 8) {
-      const __m256 m = _mm256_loadu_ps(min + g);
-#pragma GCC unroll 8
-      for (int r = 0; r < Rows; ++r) {
-        acc[r] = _mm256_fmadd_ps(m, _mm256_loadu_ps(xsum + r * groups + g), acc[r]);
-      }
-    }
-    for (; g < groups; ++g) {
-      const __m256 m = _mm256_set_ps(0, 0, 0, 0, 0, 0, 0, min[g]);
-#pragma GCC unroll 8
-      for (int r = 0; r < Rows; ++r) {
-        acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(xsum[r * groups + g]), acc[r]);
-      }
+      const __m256i dot = group_dot<Bits>(w, codes + 2 * (r * k + g * kGroup));
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(s * xd[r * groups + g]),
+                               acc[r]);
+      min_term[r] += m * xs[r * groups + g];  // min * (the exact sum of the group's inputs)
     }
   }
 #pragma GCC unroll 8
-  for (int r = 0; r < Rows; ++r) y[r * ldy] = hsum(acc[r]);
+  for (int r = 0; r < Rows; ++r) y[r * ldy] = hsum(acc[r]) + min_term[r];
 }
 
-// Outputs [begin, end) for rows [r0, r0 + Rows).
+// The kCols (4) columns of one block for one activation row (a one-sequence decode step):
+// the columns share the row's loads, their weights are read in one sequential stream, and
+// their sums are reduced together and stored at once.
+template <int Bits>
+inline void dot_block(const QuantizedRows& xq, int64_t row0, int64_t k, const uint8_t* q,
+                      const uint16_t* scale, const uint16_t* min, int64_t groups, float* y) {
+  constexpr int64_t kBytes = Bits * kGroup / 8;
+  const int8_t* codes = xq.codes.data() + 2 * row0 * k;
+  const float* xd = xq.steps.data() + row0 * groups;
+  const float* xs = xq.sums.data() + row0 * groups;
+  __m256 acc[kCols];
+#pragma GCC unroll 4
+  for (int c = 0; c < kCols; ++c) acc[c] = _mm256_setzero_ps();
+  __m128 min_term = _mm_setzero_ps();  // [4 columns]
+  for (int64_t g = 0; g < groups; ++g) {
+    const int8_t* x = codes + 2 * g * kGroup;
+    // the four columns' scales times the activations' scale: [4]
+    alignas(16) float s[kCols];
+    _mm_store_ps(s, _mm_mul_ps(half4(scale + g * kCols), _mm_set1_ps(xd[g])));
+#pragma GCC unroll 4
+    for (int c = 0; c < kCols; ++c) {
+      const __m256i w = weight_bytes<Bits>(q + (g * kCols + c) * kBytes);
+      acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(group_dot<Bits>(w, x)), _mm256_set1_ps(s[c]),
+                               acc[c]);
+    }
+    if (min != nullptr) {
+      min_term = _mm_fmadd_ps(half4(min + g * kCols), _mm_set1_ps(xs[g]), min_term);
+    }
+  }
+  // [a0..a7], [b0..b7], [c..], [d..] -> [sum a, sum b, sum c, sum d]
+  const __m256 ab = _mm256_hadd_ps(acc[0], acc[1]), cd = _mm256_hadd_ps(acc[2], acc[3]);
+  const __m256 abcd = _mm256_hadd_ps(ab, cd);
+  const __m128 sums = _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));
+  _mm_storeu_ps(y, _mm_add_ps(sums, min_term));
+}
+
+// The blocks [begin, end) for the rows [row0, row0 + Rows).
 template <int Bits, int Rows>
-void tile(const float* x, int64_t k, const uint8_t* q, int64_t bytes_per_row, const float* scale,
-          const float* min, const float* xsum, int64_t groups, float* y, int64_t n_out,
+void tile(const QuantizedRows& xq, int64_t row0, int64_t k, const uint8_t* q,
+          const uint16_t* scale, const uint16_t* min, int64_t groups, float* y, int64_t n_out,
           int64_t begin, int64_t end) {
-  for (int64_t n = begin; n < end; ++n) {
-    dot_rows<Bits, Rows>(x, k, q + n * bytes_per_row, scale + n * groups,
-                         min ? min + n * groups : nullptr, xsum, groups, y + n, n_out);
+  const int64_t block_bytes = kCols * k * Bits / 8, block_groups = kCols * groups;
+  for (int64_t b = begin; b < end; ++b) {
+    const uint8_t* qb = q + b * block_bytes;
+    const uint16_t* sb = scale + b * block_groups;
+    const uint16_t* mb = min ? min + b * block_groups : nullptr;
+    float* yb = y + row0 * n_out + b * kCols;
+    if constexpr (Rows == 1) {
+      dot_block<Bits>(xq, row0, k, qb, sb, mb, groups, yb);
+    } else {
+      for (int c = 0; c < kCols; ++c) {
+        dot_rows<Bits, Rows>(xq, row0, k, qb, sb, mb, groups, c, yb + c, n_out);
+      }
+    }
   }
 }
 
@@ -109,39 +214,30 @@ template <int Bits>
 void qgemv_impl(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
                 const at::Tensor& mins, at::Tensor& y) {
   const int64_t m_rows = x.size(0), k = x.size(1), n_out = codes.size(0);
-  const int64_t groups = k / kGroup, bytes_per_row = codes.size(1);
-  const float* xp = x.data_ptr<float>();
+  const int64_t groups = k / kGroup;
+  const QuantizedRows xq = quantize_rows(x.data_ptr<float>(), m_rows, k);
   const uint8_t* qp = static_cast<const uint8_t*>(codes.data_ptr());
-  const float* sp = scales.data_ptr<float>();
-  const float* mp = mins.numel() ? mins.data_ptr<float>() : nullptr;
-  // Each group's sum of activations, for the min term: [m_rows, groups].
-  std::vector<float> xsum(mp ? m_rows * groups : 0);
-  for (int64_t i = 0; i < static_cast<int64_t>(xsum.size()); ++i) {
-    const float* xg = xp + i * kGroup;  // row i / groups, group i % groups: contiguous
-    float total = 0.0f;
-    for (int64_t j = 0; j < kGroup; ++j) total += xg[j];
-    xsum[i] = total;
-  }
+  const auto* sp = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
+  const auto* mp =
+      mins.numel() ? reinterpret_cast<const uint16_t*>(mins.data_ptr<at::Half>()) : nullptr;
   float* yp = y.data_ptr<float>();
-  // Enough outputs per task that a task streams tens of kilobytes of weights.
-  const int64_t grain = std::max<int64_t>(16, 32768 / std::max<int64_t>(bytes_per_row, 1));
-  at::parallel_for(0, n_out, grain, [&](int64_t begin, int64_t end) {
+  // Enough blocks per task that a task streams tens of kilobytes of weights.
+  const int64_t block_bytes = kCols * k * Bits / 8;
+  const int64_t grain = std::max<int64_t>(4, 32768 / block_bytes);
+  at::parallel_for(0, n_out / kCols, grain, [&](int64_t begin, int64_t end) {
     for (int64_t r0 = 0; r0 < m_rows;) {
-      const float* xr = xp + r0 * k;
-      const float* xs = mp ? xsum.data() + r0 * groups : nullptr;
-      float* yr = yp + r0 * n_out;
       const int64_t left = m_rows - r0;
       if (left >= 8) {
-        tile<Bits, 8>(xr, k, qp, bytes_per_row, sp, mp, xs, groups, yr, n_out, begin, end);
+        tile<Bits, 8>(xq, r0, k, qp, sp, mp, groups, yp, n_out, begin, end);
         r0 += 8;
       } else if (left >= 4) {
-        tile<Bits, 4>(xr, k, qp, bytes_per_row, sp, mp, xs, groups, yr, n_out, begin, end);
+        tile<Bits, 4>(xq, r0, k, qp, sp, mp, groups, yp, n_out, begin, end);
         r0 += 4;
       } else if (left >= 2) {
-        tile<Bits, 2>(xr, k, qp, bytes_per_row, sp, mp, xs, groups, yr, n_out, begin, end);
+        tile<Bits, 2>(xq, r0, k, qp, sp, mp, groups, yp, n_out, begin, end);
         r0 += 2;
       } else {
-        tile<Bits, 1>(xr, k, qp, bytes_per_row, sp, mp, xs, groups, yr, n_out, begin, end);
+        tile<Bits, 1>(xq, r0, k, qp, sp, mp, groups, yp, n_out, begin, end);
         r0 += 1;
       }
     }
@@ -154,14 +250,15 @@ at::Tensor qgemv(const at::Tensor& x, const at::Tensor& codes, const at::Tensor&
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "qgemv: x must be [M, K] float32");
   const int64_t k = x.size(1), n_out = codes.size(0);
   TORCH_CHECK(k % kGroup == 0, "qgemv: K (", k, ") must be a multiple of ", kGroup);
+  TORCH_CHECK(n_out % kCols == 0, "qgemv: N (", n_out, ") must be a multiple of ", kCols);
   TORCH_CHECK(codes.dim() == 2 && codes.size(1) == k * bits / 8 && codes.is_contiguous() &&
                   codes.element_size() == 1,
               "qgemv: codes must be [N, K * bits / 8] bytes, contiguous");
   TORCH_CHECK(scales.sizes() == at::IntArrayRef({n_out, k / kGroup}) &&
-                  scales.scalar_type() == at::kFloat && scales.is_contiguous(),
-              "qgemv: scales must be [N, K / 32] float32, contiguous");
+                  scales.scalar_type() == at::kHalf && scales.is_contiguous(),
+              "qgemv: scales must be [N, K / 32] float16, contiguous");
   TORCH_CHECK(mins.numel() == 0 || (mins.sizes() == scales.sizes() &&
-                                    mins.scalar_type() == at::kFloat && mins.is_contiguous()),
+                                    mins.scalar_type() == at::kHalf && mins.is_contiguous()),
               "qgemv: mins must be empty or shaped as scales");
   const at::Tensor xc = x.contiguous();
   at::Tensor y = at::empty({x.size(0), n_out}, x.options());

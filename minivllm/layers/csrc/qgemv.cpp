@@ -59,31 +59,46 @@ struct QuantizedRows {
   std::vector<float> sums;
 };
 
-inline int8_t to_code(float v) {
-  return static_cast<int8_t>(std::max(-127.0f, std::min(127.0f, std::nearbyint(v))));
+// 32 floats, already integers in -127..127, as 32 int8 in order.
+inline __m256i to_bytes(const __m256* v) {
+  const __m256i ab = _mm256_packs_epi32(_mm256_cvtps_epi32(v[0]), _mm256_cvtps_epi32(v[1]));
+  const __m256i cd = _mm256_packs_epi32(_mm256_cvtps_epi32(v[2]), _mm256_cvtps_epi32(v[3]));
+  // packs works within 128-bit lanes: [a0-3 b0-3 c0-3 d0-3 | a4-7 b4-7 c4-7 d4-7]
+  const __m256i mixed = _mm256_packs_epi16(ab, cd);
+  return _mm256_permutevar8x32_epi32(mixed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+
+inline __m256 round_code(__m256 v) {  // nearest integer (ties to even), clamped to +-127
+  const __m256 r = _mm256_round_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  return _mm256_max_ps(_mm256_set1_ps(-127.0f), _mm256_min_ps(_mm256_set1_ps(127.0f), r));
 }
 
 QuantizedRows quantize_rows(const float* x, int64_t rows, int64_t k) {
   const int64_t groups = rows * (k / kGroup);
   QuantizedRows out{std::vector<int8_t>(2 * rows * k), std::vector<float>(groups),
                     std::vector<float>(groups)};
+  const __m256 sign = _mm256_set1_ps(-0.0f);
   for (int64_t i = 0; i < groups; ++i) {  // group i: row i / (k / 32), contiguous in x
-    const float* xg = x + i * kGroup;
-    int8_t* hi = out.codes.data() + 2 * i * kGroup;
-    int8_t* lo = hi + kGroup;
-    float amax = 0.0f, total = 0.0f;
-    for (int64_t j = 0; j < kGroup; ++j) {
-      amax = std::max(amax, std::fabs(xg[j]));
-      total += xg[j];
-    }
+    __m256 v[4];
+    for (int j = 0; j < 4; ++j) v[j] = _mm256_loadu_ps(x + i * kGroup + 8 * j);
+    const __m256 absmax = _mm256_max_ps(
+        _mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
+        _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(absmax), _mm256_extractf128_ps(absmax, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    const float amax = _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
     const float inverse = amax > 0.0f ? 127.0f / amax : 0.0f, d = amax / 127.0f;
-    for (int64_t j = 0; j < kGroup; ++j) {
-      hi[j] = to_code(xg[j] * inverse);
-      const float rest = xg[j] - static_cast<float>(hi[j]) * d;  // |rest| <= d / 2
-      lo[j] = to_code(rest * (256.0f * inverse));
+    __m256 hi[4], lo[4];
+    for (int j = 0; j < 4; ++j) {
+      hi[j] = round_code(_mm256_mul_ps(v[j], _mm256_set1_ps(inverse)));
+      const __m256 rest = _mm256_sub_ps(v[j], _mm256_mul_ps(hi[j], _mm256_set1_ps(d)));
+      lo[j] = round_code(_mm256_mul_ps(rest, _mm256_set1_ps(256.0f * inverse)));
     }
+    int8_t* codes = out.codes.data() + 2 * i * kGroup;
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(codes), to_bytes(hi));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(codes + kGroup), to_bytes(lo));
     out.steps[i] = d / 256.0f;
-    out.sums[i] = total;
+    out.sums[i] = hsum(_mm256_add_ps(_mm256_add_ps(v[0], v[1]), _mm256_add_ps(v[2], v[3])));
   }
   return out;
 }

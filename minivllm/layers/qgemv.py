@@ -5,10 +5,10 @@ and on a CPU without native bf16 (AVX2 only: AMD Zen 3, Intel before Cooper Lake
 computes in fp32, where the only torch kernels left read a dense fp32 copy of every weight: 32
 bits a weight for a GGUF that stores 4.5. `csrc/qgemv.cpp` multiplies fp32 activations by the
 weights as llama.cpp stores them (groups of 32, `w = q * scale + min`; 4-bit codes two to a
-byte as in Q4_0/Q4_1, or 8-bit as in Q8_0), with integer dot products over the activations
-quantized per group of 32 to two 8-bit halves, about 15 bits (one 8-bit code, llama.cpp's Q8
+byte as in Q4_0/Q4_1, or 8-bit as in Q8_0), with integer dot products (`vpmaddwd`) over the
+activations quantized per group of 32 to 16-bit integers (8-bit ones, llama.cpp's Q8
 activations, cost the default model 2.7% perplexity against HF fp32; the min term takes the
-exact fp32 sums), so the only rounding beyond fp32's is the activations' to those 15 bits
+exact fp32 sums), so the only rounding beyond fp32's is the activations' to 16 bits
 (`quantize_activations` is the reference). The weights are stored in blocks of 4 output
 columns interleaved group by group (`QGemvWeight` packs them), read in one stream, with fp16
 scales and mins as GGUF stores them. It is built once per torch version and source text with
@@ -129,16 +129,13 @@ COLUMNS = 4  # output columns whose groups the kernel stores interleaved
 
 
 def quantize_activations(x: torch.Tensor) -> torch.Tensor:
-    """The kernel's view of fp32 activations `[..., K]`: each group of 32 as two 8-bit codes,
-    `x ~ step * (256 hi + lo)`: `hi = round(x / d)` with `d = max|x| / 127`, and `lo` the
-    rest rounded in steps of `d / 256` (what its integer dot products multiply)."""
+    """The kernel's view of fp32 activations `[..., K]`: each group of 32 rounded to 16-bit
+    integers, `step * round(x / step)` with `step = max|x| / 32767` (what its integer dot
+    products multiply)."""
     groups = x.reshape(*x.shape[:-1], -1, GROUP_SIZE)  # [..., K / 32, 32]
     amax = groups.abs().amax(dim=-1, keepdim=True)  # [..., K / 32, 1]
-    inverse = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
-    d = amax / 127.0
-    hi = (groups * inverse).round().clamp(-127, 127)
-    lo = ((groups - hi * d) * (256.0 * inverse)).round().clamp(-127, 127)
-    return ((d / 256.0) * (256.0 * hi + lo)).reshape(x.shape)
+    inverse = torch.where(amax > 0, 32767.0 / amax, torch.zeros_like(amax))
+    return ((groups * inverse).round() * (amax / 32767.0)).reshape(x.shape)
 
 
 def _interleave(t: torch.Tensor) -> torch.Tensor:

@@ -10,13 +10,13 @@
 // scales and mins likewise ([N / 4, groups, 4]), so that a one-row step reads the weights in
 // one sequential stream. (The tensors keep the shapes [N, K * bits / 8] and [N, K / 32].)
 //
-// The fp32 activations are quantized per row and group of 32 to two 8-bit halves (a code and
-// the code of what it left, 256 times finer: about 15 bits; see QuantizedRows), so that a
-// group's dot product is integer (`maddubs`: 32 byte products in one instruction, summed
-// exactly in int32), twice, and scaled once: `scale * step * sum(q * (256 hi + lo))`. The min
-// term uses the exact fp32 sum of the group's activations: `min * sum(x)`. So a step reads 5
-// (or 8.5) bits per weight instead of 32, and the only rounding beyond fp32's is the
-// activations' to 15 bits per group.
+// The fp32 activations are quantized per row and group of 32 to 16-bit integers, `x = step *
+// xq` with step = max|x| / 32767 (one 8-bit code per group, llama.cpp's Q8 activations, cost
+// the default model 2.7% perplexity), and the weight codes widened to 16 bits in registers, so
+// that a group's dot product is integer (`vpmaddwd`: 16 products a instruction, summed exactly
+// in int32) and scaled once: `scale * step * sum(q * xq)`. The min term uses the exact fp32 sum
+// of the group's activations: `min * sum(x)`. So a step reads 5 (or 8.5) bits per weight
+// instead of 32, and the only rounding beyond fp32's is the activations' to 16 bits per group.
 // Blocks of output columns are split over torch's own thread pool (at::parallel_for).
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
@@ -48,34 +48,24 @@ inline __m256i load_bytes(const void* p) {
   return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
 }
 
-// Activations quantized per row and group of 32 as two 8-bit halves: `x = step * (256 * hi +
-// lo)`, step = max|x| / 127 / 256, hi = round(x / (256 step)) in -127..127 and lo the rounded
-// rest in -127..127: about 15 bits per group, where one 8-bit code alone costs the default
-// model 2.7% perplexity. codes: [rows, groups, 2, 32] (hi then lo); steps and exact sums:
+// Activations quantized per row and group of 32: codes [rows, k] int16, steps and exact sums
 // [rows, groups].
 struct QuantizedRows {
-  std::vector<int8_t> codes;
+  std::vector<int16_t> codes;
   std::vector<float> steps;
   std::vector<float> sums;
 };
 
-// 32 floats, already integers in -127..127, as 32 int8 in order.
-inline __m256i to_bytes(const __m256* v) {
-  const __m256i ab = _mm256_packs_epi32(_mm256_cvtps_epi32(v[0]), _mm256_cvtps_epi32(v[1]));
-  const __m256i cd = _mm256_packs_epi32(_mm256_cvtps_epi32(v[2]), _mm256_cvtps_epi32(v[3]));
-  // packs works within 128-bit lanes: [a0-3 b0-3 c0-3 d0-3 | a4-7 b4-7 c4-7 d4-7]
-  const __m256i mixed = _mm256_packs_epi16(ab, cd);
-  return _mm256_permutevar8x32_epi32(mixed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-}
-
-inline __m256 round_code(__m256 v) {  // nearest integer (ties to even), clamped to +-127
-  const __m256 r = _mm256_round_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  return _mm256_max_ps(_mm256_set1_ps(-127.0f), _mm256_min_ps(_mm256_set1_ps(127.0f), r));
+// 16 floats, already integers in -32767..32767, as 16 int16 in order.
+inline __m256i to_int16(__m256 a, __m256 b) {
+  // packs works within 128-bit lanes: [a0-3 b0-3 | a4-7 b4-7]
+  const __m256i mixed = _mm256_packs_epi32(_mm256_cvtps_epi32(a), _mm256_cvtps_epi32(b));
+  return _mm256_permute4x64_epi64(mixed, 0xD8);  // [a0-3 a4-7 | b0-3 b4-7]
 }
 
 QuantizedRows quantize_rows(const float* x, int64_t rows, int64_t k) {
   const int64_t groups = rows * (k / kGroup);
-  QuantizedRows out{std::vector<int8_t>(2 * rows * k), std::vector<float>(groups),
+  QuantizedRows out{std::vector<int16_t>(rows * k), std::vector<float>(groups),
                     std::vector<float>(groups)};
   const __m256 sign = _mm256_set1_ps(-0.0f);
   for (int64_t i = 0; i < groups; ++i) {  // group i: row i / (k / 32), contiguous in x
@@ -87,51 +77,44 @@ QuantizedRows quantize_rows(const float* x, int64_t rows, int64_t k) {
     __m128 m = _mm_max_ps(_mm256_castps256_ps128(absmax), _mm256_extractf128_ps(absmax, 1));
     m = _mm_max_ps(m, _mm_movehl_ps(m, m));
     const float amax = _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
-    const float inverse = amax > 0.0f ? 127.0f / amax : 0.0f, d = amax / 127.0f;
-    __m256 hi[4], lo[4];
-    for (int j = 0; j < 4; ++j) {
-      hi[j] = round_code(_mm256_mul_ps(v[j], _mm256_set1_ps(inverse)));
-      const __m256 rest = _mm256_sub_ps(v[j], _mm256_mul_ps(hi[j], _mm256_set1_ps(d)));
-      lo[j] = round_code(_mm256_mul_ps(rest, _mm256_set1_ps(256.0f * inverse)));
+    const __m256 inverse = _mm256_set1_ps(amax > 0.0f ? 32767.0f / amax : 0.0f);
+    __m256 q[4];
+    for (int j = 0; j < 4; ++j) {  // nearest integer, ties to even: |q| <= 32767
+      q[j] = _mm256_round_ps(_mm256_mul_ps(v[j], inverse),
+                             _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     }
-    int8_t* codes = out.codes.data() + 2 * i * kGroup;
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(codes), to_bytes(hi));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(codes + kGroup), to_bytes(lo));
-    out.steps[i] = d / 256.0f;
+    int16_t* codes = out.codes.data() + i * kGroup;
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(codes), to_int16(q[0], q[1]));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(codes + 16), to_int16(q[2], q[3]));
+    out.steps[i] = amax / 32767.0f;
     out.sums[i] = hsum(_mm256_add_ps(_mm256_add_ps(v[0], v[1]), _mm256_add_ps(v[2], v[3])));
   }
   return out;
 }
 
-// One group's 32 weight codes as unsigned bytes, in input order, and the activations' signs
-// adjusted to match (`maddubs` multiplies unsigned by signed bytes): 4-bit codes are 0..15
-// already; an 8-bit code's magnitude is taken and its sign moved onto the activation.
+// One group's 32 weight codes widened to int16, in input order: [0..15], [16..31].
+struct Widened {
+  __m256i first, second;
+};
+
 template <int Bits>
-inline __m256i weight_bytes(const uint8_t* q) {
+inline Widened widen(const uint8_t* q) {
   if constexpr (Bits == 4) {
     const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
-    const __m256i both = _mm256_set_m128i(_mm_srli_epi16(bytes, 4), bytes);  // [lo | hi]
-    return _mm256_and_si256(both, _mm256_set1_epi8(0x0F));
+    const __m128i mask = _mm_set1_epi8(0x0F);
+    return {_mm256_cvtepu8_epi16(_mm_and_si128(bytes, mask)),                      // q[0..15]
+            _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(bytes, 4), mask))};  // q[16..31]
   } else {
-    return load_bytes(q);
+    return {_mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q))),
+            _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16)))};
   }
 }
 
-// Eight int32 partial sums of a group's 32 products `q * (256 hi + lo)` (exact: at most
-// 32 * 128 * 127 * 257 < 2^31), the activation halves at `x`.
-template <int Bits>
-inline __m256i group_dot(__m256i w, const int8_t* x) {
-  __m256i hi = load_bytes(x), lo = load_bytes(x + kGroup);
-  if constexpr (Bits == 8) {
-    hi = _mm256_sign_epi8(hi, w);
-    lo = _mm256_sign_epi8(lo, w);
-    w = _mm256_abs_epi8(w);  // -128 becomes 0x80, read as 128 unsigned
-  }
-  const __m256i ones = _mm256_set1_epi16(1);
-  // [16] int16 pairs, |pair| <= 2 * 128 * 127: no saturation; then [8] int32
-  const __m256i dot_hi = _mm256_madd_epi16(_mm256_maddubs_epi16(w, hi), ones);
-  const __m256i dot_lo = _mm256_madd_epi16(_mm256_maddubs_epi16(w, lo), ones);
-  return _mm256_add_epi32(_mm256_slli_epi32(dot_hi, 8), dot_lo);
+// Eight int32 partial sums of a group's 32 products `q * xq` (exact: |sum| <= 32 * 128 * 32767),
+// the activation codes at `x`.
+inline __m256i group_dot(const Widened& w, const int16_t* x) {
+  return _mm256_add_epi32(_mm256_madd_epi16(w.first, load_bytes(x)),
+                          _mm256_madd_epi16(w.second, load_bytes(x + 16)));
 }
 
 // Output column `c` of the block of kCols columns at q / scale / min, for `Rows` activation
@@ -142,7 +125,7 @@ inline void dot_rows(const QuantizedRows& xq, int64_t row0, int64_t k, const uin
                      const uint16_t* scale, const uint16_t* min, int64_t groups, int c, float* y,
                      int64_t ldy) {
   constexpr int64_t kBytes = Bits * kGroup / 8;
-  const int8_t* codes = xq.codes.data() + 2 * row0 * k;
+  const int16_t* codes = xq.codes.data() + row0 * k;
   const float* xd = xq.steps.data() + row0 * groups;
   const float* xs = xq.sums.data() + row0 * groups;
   __m256 acc[Rows];
@@ -153,12 +136,12 @@ inline void dot_rows(const QuantizedRows& xq, int64_t row0, int64_t k, const uin
     min_term[r] = 0.0f;
   }
   for (int64_t g = 0; g < groups; ++g) {
-    const __m256i w = weight_bytes<Bits>(q + (g * kCols + c) * kBytes);
+    const Widened w = widen<Bits>(q + (g * kCols + c) * kBytes);
     const float s = _cvtsh_ss(scale[g * kCols + c]);
     const float m = min != nullptr ? _cvtsh_ss(min[g * kCols + c]) : 0.0f;
 #pragma GCC unroll 8  // unrolled, the accumulators live in registers, not on the stack
     for (int r = 0; r < Rows; ++r) {
-      const __m256i dot = group_dot<Bits>(w, codes + 2 * (r * k + g * kGroup));
+      const __m256i dot = group_dot(w, codes + r * k + g * kGroup);
       acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(s * xd[r * groups + g]),
                                acc[r]);
       min_term[r] += m * xs[r * groups + g];  // min * (the exact sum of the group's inputs)
@@ -175,7 +158,7 @@ template <int Bits>
 inline void dot_block(const QuantizedRows& xq, int64_t row0, int64_t k, const uint8_t* q,
                       const uint16_t* scale, const uint16_t* min, int64_t groups, float* y) {
   constexpr int64_t kBytes = Bits * kGroup / 8;
-  const int8_t* codes = xq.codes.data() + 2 * row0 * k;
+  const int16_t* codes = xq.codes.data() + row0 * k;
   const float* xd = xq.steps.data() + row0 * groups;
   const float* xs = xq.sums.data() + row0 * groups;
   __m256 acc[kCols];
@@ -183,14 +166,14 @@ inline void dot_block(const QuantizedRows& xq, int64_t row0, int64_t k, const ui
   for (int c = 0; c < kCols; ++c) acc[c] = _mm256_setzero_ps();
   __m128 min_term = _mm_setzero_ps();  // [4 columns]
   for (int64_t g = 0; g < groups; ++g) {
-    const int8_t* x = codes + 2 * g * kGroup;
+    const int16_t* x = codes + g * kGroup;
     // the four columns' scales times the activations' scale: [4]
     alignas(16) float s[kCols];
     _mm_store_ps(s, _mm_mul_ps(half4(scale + g * kCols), _mm_set1_ps(xd[g])));
 #pragma GCC unroll 4
     for (int c = 0; c < kCols; ++c) {
-      const __m256i w = weight_bytes<Bits>(q + (g * kCols + c) * kBytes);
-      acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(group_dot<Bits>(w, x)), _mm256_set1_ps(s[c]),
+      const Widened w = widen<Bits>(q + (g * kCols + c) * kBytes);
+      acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(group_dot(w, x)), _mm256_set1_ps(s[c]),
                                acc[c]);
     }
     if (min != nullptr) {

@@ -49,11 +49,15 @@ inline __m256i load_bytes(const void* p) {
 }
 
 // Activations quantized per row and group of 32: codes [rows, k] int16, steps and exact sums
-// [rows, groups].
+// [rows, groups], and the two again group-major ([groups, stride], stride = rows + 8, zeros
+// past the last row) so that the 8 rows of a tile are one load.
 struct QuantizedRows {
   std::vector<int16_t> codes;
   std::vector<float> steps;
   std::vector<float> sums;
+  int64_t stride = 0;
+  std::vector<float> steps_t;
+  std::vector<float> sums_t;
 };
 
 // 16 floats, already integers in -32767..32767, as 16 int16 in order.
@@ -89,6 +93,18 @@ QuantizedRows quantize_rows(const float* x, int64_t rows, int64_t k) {
     out.steps[i] = amax / 32767.0f;
     out.sums[i] = hsum(_mm256_add_ps(_mm256_add_ps(v[0], v[1]), _mm256_add_ps(v[2], v[3])));
   }
+  if (rows > 1) {
+    const int64_t per_row = k / kGroup;
+    out.stride = rows + 8;
+    out.steps_t.assign(per_row * out.stride, 0.0f);
+    out.sums_t.assign(per_row * out.stride, 0.0f);
+    for (int64_t r = 0; r < rows; ++r) {
+      for (int64_t g = 0; g < per_row; ++g) {
+        out.steps_t[g * out.stride + r] = out.steps[r * per_row + g];
+        out.sums_t[g * out.stride + r] = out.sums[r * per_row + g];
+      }
+    }
+  }
   return out;
 }
 
@@ -117,38 +133,42 @@ inline __m256i group_dot(const Widened& w, const int16_t* x) {
                           _mm256_madd_epi16(w.second, load_bytes(x + 16)));
 }
 
-// Output column `c` of the block of kCols columns at q / scale / min, for `Rows` activation
-// rows: y[r * ldy] for each row r. `Rows` is a compile-time constant so that the accumulators
-// stay in registers.
+// Output column `c` of the block of kCols columns at q / scale / min, for `Rows` (2..8)
+// activation rows: y[r * ldy] for each row r. `Rows` is a compile-time constant so that the
+// accumulators stay in registers; the rows' scales and sums of a group are one vector.
 template <int Bits, int Rows>
 inline void dot_rows(const QuantizedRows& xq, int64_t row0, int64_t k, const uint8_t* q,
                      const uint16_t* scale, const uint16_t* min, int64_t groups, int c, float* y,
                      int64_t ldy) {
   constexpr int64_t kBytes = Bits * kGroup / 8;
   const int16_t* codes = xq.codes.data() + row0 * k;
-  const float* xd = xq.steps.data() + row0 * groups;
-  const float* xs = xq.sums.data() + row0 * groups;
+  const float* steps = xq.steps_t.data() + row0;  // + g * stride: the tile's rows
+  const float* sums = xq.sums_t.data() + row0;
   __m256 acc[Rows];
-  float min_term[Rows];
 #pragma GCC unroll 8
-  for (int r = 0; r < Rows; ++r) {
-    acc[r] = _mm256_setzero_ps();
-    min_term[r] = 0.0f;
-  }
+  for (int r = 0; r < Rows; ++r) acc[r] = _mm256_setzero_ps();
+  __m256 min_term = _mm256_setzero_ps();  // [8 rows]
+  alignas(32) float combined[8];
   for (int64_t g = 0; g < groups; ++g) {
     const Widened w = widen<Bits>(q + (g * kCols + c) * kBytes);
-    const float s = _cvtsh_ss(scale[g * kCols + c]);
-    const float m = min != nullptr ? _cvtsh_ss(min[g * kCols + c]) : 0.0f;
+    // the weight's scale times each row's step: [8 rows]
+    _mm256_store_ps(combined, _mm256_mul_ps(_mm256_set1_ps(_cvtsh_ss(scale[g * kCols + c])),
+                                            _mm256_loadu_ps(steps + g * xq.stride)));
 #pragma GCC unroll 8  // unrolled, the accumulators live in registers, not on the stack
     for (int r = 0; r < Rows; ++r) {
       const __m256i dot = group_dot(w, codes + r * k + g * kGroup);
-      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(s * xd[r * groups + g]),
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_broadcast_ss(combined + r),
                                acc[r]);
-      min_term[r] += m * xs[r * groups + g];  // min * (the exact sum of the group's inputs)
+    }
+    if (min != nullptr) {  // min * (the exact sum of the group's inputs), for the 8 rows
+      min_term = _mm256_fmadd_ps(_mm256_set1_ps(_cvtsh_ss(min[g * kCols + c])),
+                                 _mm256_loadu_ps(sums + g * xq.stride), min_term);
     }
   }
+  alignas(32) float mins_of_rows[8];
+  _mm256_store_ps(mins_of_rows, min_term);
 #pragma GCC unroll 8
-  for (int r = 0; r < Rows; ++r) y[r * ldy] = hsum(acc[r]) + min_term[r];
+  for (int r = 0; r < Rows; ++r) y[r * ldy] = hsum(acc[r]) + mins_of_rows[r];
 }
 
 // The kCols (4) columns of one block for one activation row (a one-sequence decode step):

@@ -17,7 +17,9 @@ from minivllm.layers.int4 import GROUP_SIZE, quantize_int4, split_int8
 from minivllm.layers.linear import MergedColumnParallelLinear
 from minivllm.layers.qgemv import (
     QGEMV_MAX_ROWS,
+    KernelBuildError,
     QGemvWeight,
+    _build,
     qgemv_available,
     quantize_activations,
 )
@@ -32,6 +34,16 @@ def test_the_kernel_builds_and_loads_on_every_x86_cpu_this_project_runs_on():
     fp32 weights, 3-4x slower at decode on AVX2-only CPUs)."""
     assert qgemv_available()
     assert stored_weight_kernel(torch.device("cpu"), torch.float32) == "qgemv"
+
+
+@pytest.mark.parametrize("compiler, message", [("/nonexistent/g++", "no C\\+\\+ compiler"),
+                                               ("false", "failed")])
+def test_a_build_that_cannot_run_says_why(compiler, message, tmp_path, monkeypatch):
+    """`qgemv_available` logs this and keeps dense weights (no crash, no half-written file)."""
+    monkeypatch.setenv("CXX", compiler)
+    with pytest.raises(KernelBuildError, match=message):
+        _build(tmp_path / "qgemv.so")
+    assert list(tmp_path.iterdir()) == []
 
 
 def _int4_weight(out: int, size: int, seed: int):

@@ -2,8 +2,9 @@
 
 Its attention (`decode_attention`) is checked against the eager paged SDPA in fp32, with a
 sliding window and a soft-cap; the compiled step against the eager model in bf16, on tiny
-Llama and Gemma 2 checkpoints (the latter with windows and soft-caps that bite); and the
-runner's choice of when to compile.
+Llama and Gemma 2 checkpoints (the latter with windows and soft-caps that bite), and in fp32
+with 4-bit weights through the qgemv operator (an AVX2 CPU's default path); and the runner's
+choice of when to compile.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ from support.model_fixtures import allocate_kv_caches, make_attention_metadata
 
 from minivllm.engine.compiled_decode import CompiledDecode, decode_metadata
 from minivllm.layers.attention import Attention
-from minivllm.models.loader import load_model
+from minivllm.layers.qgemv import QGemvWeight, qgemv_available
+from minivllm.models.loader import load_model, quantize_linear_int4
 
 BLOCK = 4
 
@@ -74,12 +76,37 @@ def test_the_compiled_step_matches_the_eager_one(family, tiny_llama_dir, tiny_fa
             assert (got - want).norm() / want.norm() < 2e-2, length
 
 
+@pytest.mark.skipif(not qgemv_available(), reason="the qgemv kernel is for x86 CPUs (AVX2)")
+def test_the_compiled_fp32_step_with_qgemv_weights_matches_the_eager_one(tiny_llama_dir):
+    """fp32 activations, every linear layer's 4-bit weights through `minivllm::qgemv` inside
+    the Inductor graph: the same hidden states as the eager step, to float rounding."""
+    model, config = load_model(tiny_llama_dir, torch.float32, "cpu")
+    assert quantize_linear_int4(model) > 0
+    assert isinstance(model.model.layers[0].mlp.down_proj.int4_weight, QGemvWeight)
+
+    def caches():
+        return allocate_kv_caches(config.num_hidden_layers, 8, BLOCK, config.num_key_value_heads,
+                                  config.head_dim)
+
+    compiled = CompiledDecode(model)
+    with torch.inference_mode():
+        for length in (3, 14):
+            prompt = [(5 * i + 1) % config.vocab_size for i in range(length)]
+            want = _hidden_after_prefill(model, caches(), prompt, None)
+            got = _hidden_after_prefill(model, caches(), prompt, compiled)
+            # Fused kernels round ~1e-7 apart from the eager ops; where that moves an
+            # activation across a 16-bit rounding step the kernel's input changes by that
+            # step: 1.1-1.8e-4 here (dense fp32 weights: 2-4e-7). A wrong graph is O(1) off.
+            assert (got - want).norm() / want.norm() < 1e-3, length
+
+
 @pytest.mark.parametrize("options, compiled", [
     ({"dtype": "bfloat16"}, True),
     ({"dtype": "bfloat16", "enforce_eager": True}, False),
     ({"dtype": "float32"}, False),  # the token-exact path stays eager
+    ({"dtype": "float32", "quantization": "int4"}, qgemv_available()),  # fp32 + qgemv
 ])
-def test_the_runner_compiles_the_bf16_cpu_decode_step_only(options, compiled, tiny_llama_dir):
+def test_the_runner_compiles_bf16_and_qgemv_decode_steps_only(options, compiled, tiny_llama_dir):
     from minivllm import LLM, SamplingParams
 
     llm = LLM(str(tiny_llama_dir), device="cpu", max_model_len=64, **options)

@@ -28,7 +28,6 @@ import logging
 import os
 import platform
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
@@ -114,15 +113,12 @@ def qgemv_available() -> bool:
 
 
 def _register_fake() -> None:
-    """The operator's output shape for torch.compile's tracing."""
-    if getattr(sys.modules[__name__], "_fake_registered", False):
-        return
+    """The operator's output shape for torch.compile's tracing (once: `qgemv_available` is
+    cached)."""
 
     @torch.library.register_fake("minivllm::qgemv")
     def _(x, codes, scales, mins, bits):  # noqa: ANN001, ANN202 - torch's fake-op signature
         return x.new_empty(x.shape[0], codes.shape[0])
-
-    globals()["_fake_registered"] = True
 
 
 COLUMNS = 4  # output columns whose groups the kernel stores interleaved

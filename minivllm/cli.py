@@ -135,6 +135,9 @@ def add_serve_parser(sub: Any) -> None:
                    help="seconds in-flight requests get to finish on SIGTERM/Ctrl-C")
     p.add_argument("--lab", action="store_true",
                    help="record the engine between steps and show it live at /lab")
+    p.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
+                   help="step the engine in a process of its own (default; --lab steps it "
+                        "on a thread of the HTTP process)")
     p.add_argument("--chat-template", default=None,
                    help="a Jinja chat template (a file, or the template itself) for the model's")
     p.add_argument("--chat-template-kwargs", default=None, metavar="JSON",

@@ -31,6 +31,7 @@ from minivllm.engine.llm_engine import LLMEngine
 from minivllm.server import responses
 from minivllm.server.chat import create_chat_completion
 from minivllm.server.completions import create_completion
+from minivllm.server.engine_process import EngineProcess
 from minivllm.server.errors import APIError, install_error_handlers
 from minivllm.server.middleware import BodySizeLimitMiddleware
 from minivllm.server.serving import ChatOptions, OpenAIServer, json_response
@@ -41,7 +42,7 @@ DEFAULT_MAX_WAITING_REQUESTS = 1024
 
 
 def create_app(
-    engine: LLMEngine,
+    engine: LLMEngine | EngineProcess,
     served_model_name: str | None = None,
     api_key: str | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
@@ -50,8 +51,9 @@ def create_app(
     chat: ChatOptions | None = None,
     allowed_origins: list[str] | None = None,
 ) -> FastAPI:
-    """An OpenAI-compatible app serving `engine`. Its engine thread starts with the app's
-    lifespan and stops with it; `app.state.server` is the OpenAIServer (tests read it).
+    """An OpenAI-compatible app serving `engine` (an LLMEngine, stepped by a thread of this
+    process, or an EngineProcess). Its engine loop starts with the app's lifespan and stops
+    with it; `app.state.server` is the OpenAIServer (tests read it).
     `lab`: record the engine between steps and serve the live lab page at /lab (without it
     nothing is recorded and /lab is 404). `chat`: the server's chat template, template kwargs
     and reasoning parser. `allowed_origins`: the browser origins CORS lets in (["*"]: any).
@@ -61,6 +63,9 @@ def create_app(
     if lab:
         from minivllm.lab.live import LiveRecorder
 
+        if isinstance(engine, EngineProcess):
+            raise ValueError("the live lab records an engine of this process: "
+                             "serve it without an engine process")
         recorder = LiveRecorder(engine.scheduler.block_manager.num_blocks, engine.config)
     server = OpenAIServer(engine, name, api_key, max_waiting_requests, recorder, chat)
 
@@ -140,7 +145,7 @@ def _version() -> str:
         return "0+unknown"
 
 
-def _default_name(engine: LLMEngine) -> str:
+def _default_name(engine: LLMEngine | EngineProcess) -> str:
     model = engine.config.model
     if model is None:
         return "SmolLM2-135M-Instruct"

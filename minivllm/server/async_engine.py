@@ -31,6 +31,7 @@ from minivllm.server.engine_loop import (
     AbortAll,
     Add,
     Command,
+    EngineDeadError,
     EngineLoop,
     QueueFullError,
     ShuttingDownError,
@@ -38,8 +39,8 @@ from minivllm.server.engine_loop import (
     ThreadCommands,
 )
 
-__all__ = ["AsyncLLMEngine", "QueueFullError", "RequestStream", "ShuttingDownError",
-           "StepRecorder"]
+__all__ = ["AsyncLLMEngine", "EngineDeadError", "QueueFullError", "RequestStream",
+           "ShuttingDownError", "StepRecorder"]
 
 logger = logging.getLogger(__name__)
 
@@ -217,7 +218,7 @@ class AsyncLLMEngine:
         if not self._accepting:
             raise ShuttingDownError("the server is shutting down; retry on another instance")
         if not self.is_running:
-            raise RuntimeError("the engine loop is not running")
+            raise EngineDeadError("the engine loop is not running")
         return await add_and_wait(self._commands.send, request_id, choices)
 
     # ---- the engine thread ------------------------------------------------------------

@@ -43,6 +43,10 @@ class ShuttingDownError(Exception):
     """The server is shutting down and takes no new requests (HTTP 503)."""
 
 
+class EngineDeadError(Exception):
+    """The engine loop is not running: it was stopped, or its process died (HTTP 503)."""
+
+
 @dataclass
 class Add:
     """Add a request's choices, all or none; `done` gets None or the exception."""

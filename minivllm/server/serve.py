@@ -25,6 +25,7 @@ import uvicorn
 
 from minivllm.engine.llm_engine import LLMEngine
 from minivllm.server.app import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_WAITING_REQUESTS, create_app
+from minivllm.server.engine_process import EngineProcess
 from minivllm.server.serving import ChatOptions
 
 logger = logging.getLogger("minivllm.server")
@@ -89,6 +90,7 @@ def serve(args: argparse.Namespace, engine_options: dict[str, Any]) -> int:
         lab=bool(getattr(args, "lab", False)),
         chat=chat_options(args),
         allowed_origins=getattr(args, "allowed_origins", None),
+        engine_process=getattr(args, "engine_process", True),
     )
     return 0
 
@@ -144,15 +146,22 @@ def run_server(
     lab: bool = False,
     chat: ChatOptions | None = None,
     allowed_origins: list[str] | None = None,
+    engine_process: bool = True,
 ) -> None:
     """Build an engine from `engine_options` (LLMEngine.from_options) and serve it until
     SIGINT or SIGTERM. In-flight requests get `graceful_shutdown_s` to finish; the rest end
-    with an error (event or status). `lab` adds the live Engine Lab page at /lab."""
+    with an error (event or status). `lab` adds the live Engine Lab page at /lab.
+    `engine_process`: the engine loop in a process of its own (EngineProcess), except with
+    `lab`, whose recorder watches an engine of this process; else a thread of this one."""
     if not logging.getLogger().handlers:
         logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logger.setLevel(logging.INFO)  # one line per finished request
-    engine = LLMEngine.from_options(**engine_options)
-    share_the_cpu_with_http(engine)
+    engine: LLMEngine | EngineProcess
+    if engine_process and not lab:
+        engine = EngineProcess(engine_options)
+    else:
+        engine = LLMEngine.from_options(**engine_options)
+        share_the_cpu_with_http(engine)
     app = create_app(
         engine,
         served_model_name=served_model_name,

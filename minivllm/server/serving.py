@@ -25,12 +25,14 @@ from minivllm.sampling_params import SamplingParams
 from minivllm.server import protocol, responses
 from minivllm.server.async_engine import (
     AsyncLLMEngine,
+    EngineDeadError,
     QueueFullError,
     RequestStream,
     ShuttingDownError,
     StepRecorder,
 )
 from minivllm.server.constraints import Constraint
+from minivllm.server.engine_process import EngineProcess
 from minivllm.server.errors import APIError, bad_request, bad_value, raise_if_failed
 from minivllm.server.errors import validation_error as _validation_error
 from minivllm.server.logprobs import LogprobFormatter
@@ -64,7 +66,7 @@ class OpenAIServer:
 
     def __init__(
         self,
-        engine: LLMEngine,
+        engine: LLMEngine | EngineProcess,
         served_model_name: str,
         api_key: str | None,
         max_waiting_requests: int | None,
@@ -81,12 +83,20 @@ class OpenAIServer:
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.config.max_model_len
         self.metrics = ServerMetrics(lambda: self.async_engine.stats)
-        self.async_engine = AsyncLLMEngine(
-            engine,
-            max_waiting_requests=max_waiting_requests,
-            on_output=self.metrics.on_output,
-            recorder=recorder,
-        )
+        self.async_engine: AsyncLLMEngine | EngineProcess
+        if isinstance(engine, EngineProcess):  # it drives itself: only the hooks are ours
+            engine.on_output = self.metrics.on_output
+            engine.max_waiting_requests = max_waiting_requests
+            self.async_engine = engine
+            self.vocab_size = engine.vocab_size
+        else:
+            self.async_engine = AsyncLLMEngine(
+                engine,
+                max_waiting_requests=max_waiting_requests,
+                on_output=self.metrics.on_output,
+                recorder=recorder,
+            )
+            self.vocab_size = engine.model_runner.vocab_size
         self.logprobs = LogprobFormatter(self.tokenizer)
         # The model's sampling defaults (generation_config.json) for fields a request leaves
         # unset; a request's own value wins.
@@ -228,6 +238,10 @@ class OpenAIServer:
         except ShuttingDownError as exc:
             raise APIError(
                 503, str(exc), type="service_unavailable", code="shutting_down"
+            ) from None
+        except EngineDeadError as exc:
+            raise APIError(
+                503, str(exc), type="service_unavailable", code="engine_dead"
             ) from None
         except (ValueError, TypeError) as exc:
             raise bad_value(exc) from None

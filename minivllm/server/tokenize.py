@@ -41,7 +41,7 @@ def _chat_tokens(server: OpenAIServer, req: protocol.TokenizeRequest) -> list[in
 
 async def detokenize(server: OpenAIServer, request: Request) -> Response:
     req = await server.parse(request, protocol.DetokenizeRequest)
-    vocab = server.engine.model_runner.vocab_size
+    vocab = server.vocab_size
     bad = [t for t in req.tokens if not 0 <= t < vocab]
     if bad:
         raise bad_request(f"token id {bad[0]} is outside the vocabulary [0, {vocab})",

@@ -24,6 +24,7 @@ from support.server_helpers import scrape_metrics, wait_idle
 from minivllm import SamplingParams
 from minivllm.engine.llm_engine import LLMEngine
 from minivllm.server import ServerThread, create_app
+from minivllm.server.engine_process import EngineProcess
 from minivllm.server.serving import OpenAIServer
 
 API_KEY = "test-key"
@@ -42,7 +43,7 @@ class Live:
     client: openai.OpenAI
 
     @property
-    def engine(self) -> LLMEngine:
+    def engine(self) -> LLMEngine | EngineProcess:
         return self.server.engine
 
     def metrics(self) -> dict[str, float]:
@@ -53,7 +54,7 @@ class Live:
         return wait_idle(self.base_url, timeout)
 
 
-def _serve(engine: LLMEngine, name: str) -> Iterator[Live]:
+def _serve(engine: LLMEngine | EngineProcess, name: str) -> Iterator[Live]:
     app = create_app(engine, name, api_key=API_KEY, max_body_bytes=MAX_BODY_BYTES)
     with ServerThread(app) as thread:
         client = openai.OpenAI(
@@ -64,9 +65,11 @@ def _serve(engine: LLMEngine, name: str) -> Iterator[Live]:
     assert not app.state.server.async_engine.is_running, "the engine thread outlived the app"
 
 
-@pytest.fixture(scope="session")
-def tiny_server(tiny_llama_long_dir: Path) -> Iterator[Live]:
-    engine = LLMEngine.from_options(
+@pytest.fixture(scope="session", params=["thread", "process"])
+def tiny_server(request: pytest.FixtureRequest, tiny_llama_long_dir: Path) -> Iterator[Live]:
+    """The server with its engine on a thread of the test process (the lab's way), then in a
+    process of its own (`minivllm serve`'s way): every test below runs against both."""
+    options = dict(
         model=str(tiny_llama_long_dir),
         max_model_len=MAX_MODEL_LEN,
         num_kv_blocks=512,
@@ -75,6 +78,10 @@ def tiny_server(tiny_llama_long_dir: Path) -> Iterator[Live]:
         device="cpu",
         dtype="float32",
     )
+    if request.param == "process":
+        engine: LLMEngine | EngineProcess = EngineProcess(options)
+    else:
+        engine = LLMEngine.from_options(**options)
     yield from _serve(engine, MODEL)
 
 
@@ -545,6 +552,9 @@ def test_runner_fault_ends_only_its_batch(
     """A ModelRunner exception ends the failed batch's requests (non-streamed: 500 with a
     JSON body; streamed: an error event), and the server goes on serving."""
     engine = tiny_server.engine
+    if isinstance(engine, EngineProcess):
+        pytest.skip("faults are injected into an engine of this process; the engine process's "
+                    "own failure is tests/server/test_engine_process.py's")
     poison = engine.tokenizer.encode("Paged attention", add_special_tokens=True)
     faulty = FaultyRunner(engine.model_runner, fail_when=lambda s: s.prompt_token_ids == poison)
     monkeypatch.setattr(engine, "model_runner", faulty)

@@ -1,0 +1,481 @@
+"""EngineProcess: the engine loop in a process of its own; the HTTP side stays in this one.
+
+Why (vLLM V1 splits its engine core off the same way): on the CPU an engine thread in the
+HTTP process shares the GIL and the cores with uvicorn, and a step's torch threads stall in
+their barriers whenever the HTTP thread holds the GIL or a core they wait on. In a process of
+its own the engine loses only the CPU time the HTTP side really uses (docs/benchmarks.md).
+
+The contract is AsyncLLMEngine's (same asyncio side, same add/abort/shutdown semantics), plus:
+- The engine process is a fresh interpreter (no torch threads or locks inherited; started
+  with `subprocess`, so no multiprocessing helper process outlives the server). It reads
+  `EngineStart`, builds the engine and answers `EngineReady` with what the HTTP side needs
+  (config, tokenizer, sampling defaults, vocabulary size), or `EngineFailed`.
+- Messages are the dataclasses below, pickled over one socket pair (`multiprocessing.Pipe`'s
+  `Connection`). To the engine: AddRequest, AbortRequest, AbortAllRequests, StopAccepting,
+  SetWaitingLimit, Shutdown. From it: RequestAdded (None or the add's exception) and
+  StepOutputs (one per step: the outputs, then the stats).
+- The engine process ignores SIGINT and SIGTERM (a Ctrl-C reaches the whole process group):
+  this process decides when it stops, and it stops by itself when this one goes away.
+- If it dies, every request in flight ends with finish_reason "error" and `is_running` turns
+  false (/health answers 503).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import multiprocessing
+import pickle
+import signal
+import subprocess
+import sys
+import threading
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from typing import Any
+
+from minivllm.config import EngineConfig
+from minivllm.engine.requests import Choice
+from minivllm.outputs import RequestOutput
+from minivllm.server.async_engine import OutputHook, RequestStream, Stream, add_and_wait
+from minivllm.server.engine_loop import (
+    Abort,
+    AbortAll,
+    Add,
+    Command,
+    EngineDeadError,
+    EngineLoop,
+    QueueFullError,
+    ShuttingDownError,
+    final_output,
+)
+
+logger = logging.getLogger(__name__)
+
+
+# ---- messages to the engine process -------------------------------------------------------
+
+
+@dataclass
+class EngineStart:
+    engine_options: dict[str, Any]
+    max_waiting_requests: int | None
+    small_step_threads: int | None
+
+
+@dataclass
+class AddRequest:
+    request_id: str
+    choices: list[Choice]
+
+
+@dataclass
+class AbortRequest:
+    request_id: str
+
+
+@dataclass
+class AbortAllRequests:
+    pass
+
+
+@dataclass
+class StopAccepting:
+    pass
+
+
+@dataclass
+class SetWaitingLimit:
+    limit: int | None
+
+
+@dataclass
+class Shutdown:
+    pass
+
+
+# ---- messages from it ---------------------------------------------------------------------
+
+
+@dataclass
+class EngineReady:
+    config: EngineConfig
+    tokenizer: Any
+    default_sampling_params: dict[str, Any]
+    vocab_size: int
+
+
+@dataclass
+class EngineFailed:
+    error: str
+
+
+@dataclass
+class RequestAdded:
+    request_id: str
+    error: Exception | None  # why the add was refused (raised again on this side)
+
+
+@dataclass
+class StepOutputs:
+    outputs: list[tuple[str, int, RequestOutput, int]]  # (request_id, index, output, new tokens)
+    stats: dict[str, float]
+    num_steps: int
+    num_loop_errors: int
+
+
+# ---- the engine process -------------------------------------------------------------------
+
+
+class _PipeCommands:
+    """The engine loop's commands, read from the pipe; the others set the loop's state."""
+
+    def __init__(self, conn: Connection, sink: _PipeSink) -> None:
+        self._conn = conn
+        self._sink = sink
+        self.loop: EngineLoop | None = None
+        self.stopped = False
+
+    def take(self) -> list[Command]:
+        commands: list[Command] = []
+        while not self.stopped and self._conn.poll():
+            try:
+                message = self._conn.recv()
+            except (EOFError, OSError):  # the HTTP process went away
+                self.stopped = True
+                break
+            command = self._command(message)
+            if command is not None:
+                commands.append(command)
+        return commands
+
+    def wait(self) -> None:
+        if not self.stopped:
+            self._conn.poll(None)
+
+    def _command(self, message: object) -> Command | None:
+        assert self.loop is not None
+        if isinstance(message, AddRequest):
+            done: concurrent.futures.Future[None] = concurrent.futures.Future()
+            request_id = message.request_id
+            done.add_done_callback(
+                lambda f: self._sink.send(RequestAdded(request_id, _portable(f.exception())))
+            )
+            return Add(request_id, message.choices, request_id, done)
+        if isinstance(message, AbortRequest):
+            return Abort(message.request_id)
+        if isinstance(message, AbortAllRequests):
+            return AbortAll()
+        if isinstance(message, StopAccepting):
+            self.loop.accepting = False
+        elif isinstance(message, SetWaitingLimit):
+            self.loop.max_waiting_requests = message.limit
+        elif isinstance(message, Shutdown):
+            self.stopped = True
+        else:
+            logger.error("unknown message to the engine process: %r", message)
+        return None
+
+
+class _PipeSink:
+    """Outputs batched per step and sent with the stats as one StepOutputs."""
+
+    def __init__(self, conn: Connection) -> None:
+        self._conn = conn
+        self._batch: list[tuple[str, int, RequestOutput, int]] = []
+        self._sent_stats: dict[str, float] | None = None
+        self.loop: EngineLoop | None = None
+
+    def deliver(self, target: str, index: int, output: RequestOutput, num_new: int) -> None:
+        self._batch.append((target, index, output, num_new))
+
+    def flush(self) -> None:
+        loop = self.loop
+        assert loop is not None
+        if not self._batch and loop.stats == self._sent_stats:
+            return
+        batch, self._batch = self._batch, []
+        self._sent_stats = loop.stats
+        self.send(StepOutputs(batch, loop.stats, loop.num_steps, loop.num_loop_errors))
+
+    def send(self, message: object) -> None:
+        try:
+            self._conn.send(message)
+        except (BrokenPipeError, EOFError, OSError):  # the HTTP process went away
+            pass
+
+
+def _portable(exc: BaseException | None) -> Exception | None:
+    """`exc` if it pickles, else the nearest class the HTTP side maps to a status."""
+    if exc is None:
+        return None
+    try:
+        pickle.loads(pickle.dumps(exc))
+        return exc  # type: ignore[return-value]
+    except Exception:
+        for kind in (QueueFullError, ShuttingDownError, ValueError, TypeError):
+            if isinstance(exc, kind):
+                return kind(str(exc))
+        return RuntimeError(f"{type(exc).__name__}: {exc}")
+
+
+def engine_main(fd: int) -> None:
+    """The engine process, on its end of the socket pair: read EngineStart, build the engine,
+    answer EngineReady, run the loop until Shutdown (or until the HTTP process goes away);
+    requests still in flight end with "abort"."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if not logging.getLogger().handlers:
+        logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from minivllm.engine.llm_engine import LLMEngine
+
+    conn = Connection(fd)
+    try:
+        start = conn.recv()
+    except EOFError:  # the HTTP process gave up before sending it
+        return
+    assert isinstance(start, EngineStart), start
+    try:
+        engine = LLMEngine.from_options(**start.engine_options)
+    except Exception as exc:
+        conn.send(EngineFailed(f"{type(exc).__name__}: {exc}"))
+        return
+    if start.small_step_threads is not None:
+        engine.model_runner.small_step_threads = start.small_step_threads
+    sink = _PipeSink(conn)
+    commands = _PipeCommands(conn, sink)
+    loop = EngineLoop(engine, commands, sink, start.max_waiting_requests)
+    sink.loop = commands.loop = loop
+    conn.send(EngineReady(engine.config, engine.tokenizer, dict(engine.default_sampling_params),
+                          engine.model_runner.vocab_size))
+    try:
+        while not commands.stopped:
+            loop.run_once()
+        loop.end_all(None)
+        sink.flush()
+    finally:
+        engine.close()
+        conn.close()
+
+
+# ---- the HTTP side ------------------------------------------------------------------------
+
+
+@dataclass
+class _Pending:
+    """A request on this side: its stream and the choices still running."""
+
+    stream: Stream
+    unfinished: set[int] = field(default_factory=set)
+
+
+class EngineProcess:
+    """An engine in a process of its own, driven like AsyncLLMEngine; it also stands in for
+    the LLMEngine where the server reads the model's facts (config, tokenizer, ...)."""
+
+    def __init__(
+        self,
+        engine_options: dict[str, Any],
+        max_waiting_requests: int | None = None,
+        small_step_threads: int | None = None,
+    ) -> None:
+        self.recorder = None  # the live lab records an engine of this process only
+        self.on_output: OutputHook | None = None
+        self.stats: dict[str, float] = {}
+        self.num_steps = 0
+        self.num_loop_errors = 0
+        self._max_waiting_requests = max_waiting_requests
+        self._send_lock = threading.Lock()
+        self._lock = threading.Lock()  # guards _requests and _adds
+        self._requests: dict[str, _Pending] = {}
+        self._adds: dict[str, concurrent.futures.Future[None]] = {}
+        self._accepting = True
+        self._reader: threading.Thread | None = None
+        self._conn, child_conn = multiprocessing.Pipe()  # a socket pair
+        fd = child_conn.fileno()
+        code = f"from minivllm.server.engine_process import engine_main; engine_main({fd})"
+        self._process = subprocess.Popen([sys.executable, "-c", code], pass_fds=[fd])
+        child_conn.close()
+        try:
+            self._send(EngineStart(engine_options, max_waiting_requests, small_step_threads))
+            ready = self._wait_ready()
+        except BaseException:
+            self.close()
+            raise
+        self.config = ready.config
+        self.tokenizer = ready.tokenizer
+        self.default_sampling_params = ready.default_sampling_params
+        self.vocab_size = ready.vocab_size
+
+    def _wait_ready(self) -> EngineReady:
+        try:
+            message = self._conn.recv()
+        except (EOFError, OSError):
+            code = self._join(5)
+            raise RuntimeError(
+                f"the engine process exited while starting (exit code {code})"
+            ) from None
+        if isinstance(message, EngineFailed):
+            self._join(10)
+            raise RuntimeError(f"the engine could not start: {message.error}")
+        assert isinstance(message, EngineReady), message
+        return message
+
+    # ---- lifecycle --------------------------------------------------------------------
+
+    def start(self) -> None:
+        if self._reader is not None:
+            return
+        self._reader = threading.Thread(target=self._read, name="minivllm-engine-io",
+                                        daemon=True)
+        self._reader.start()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop the engine process; requests still in flight end with finish_reason "abort"."""
+        self._send(Shutdown(), quiet=True)
+        self._join(timeout)
+        if self._reader is not None:
+            self._reader.join(timeout)
+        self.close()
+
+    def close(self) -> None:
+        """Make sure the engine process is gone (it is killed if it has not stopped)."""
+        if self._process.poll() is None:
+            self._process.kill()
+            self._process.wait()
+
+    def _join(self, timeout: float) -> int | None:
+        """Wait up to `timeout` s for the engine process to end; its exit code, or None."""
+        try:
+            return self._process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            return None
+
+    def stop_accepting(self) -> None:
+        """Refuse new requests from now on (ShuttingDownError); those in flight go on."""
+        self._accepting = False
+        self._send(StopAccepting(), quiet=True)
+
+    def abort_all(self) -> None:
+        """End every in-flight request now with finish_reason "abort"; safe from any thread."""
+        self._send(AbortAllRequests(), quiet=True)
+
+    @property
+    def is_running(self) -> bool:
+        return (self._reader is not None and self._reader.is_alive()
+                and self._process.poll() is None)
+
+    @property
+    def max_waiting_requests(self) -> int | None:
+        return self._max_waiting_requests
+
+    @max_waiting_requests.setter
+    def max_waiting_requests(self, limit: int | None) -> None:
+        self._max_waiting_requests = limit
+        self._send(SetWaitingLimit(limit))
+
+    # ---- the asyncio side -------------------------------------------------------------
+
+    async def add_request(self, request_id: str, choices: list[Choice]) -> RequestStream:
+        """As AsyncLLMEngine.add_request."""
+        if not self._accepting:
+            raise ShuttingDownError("the server is shutting down; retry on another instance")
+        if not self.is_running:
+            raise EngineDeadError("the engine loop is not running")
+        return await add_and_wait(self._command, request_id, choices)
+
+    def _command(self, command: Command) -> None:
+        if isinstance(command, Add):
+            with self._lock:
+                self._requests[command.request_id] = _Pending(
+                    command.target, set(range(len(command.choices)))
+                )
+                self._adds[command.request_id] = command.done
+            try:
+                self._send(AddRequest(command.request_id, command.choices))
+            except Exception as exc:
+                with self._lock:
+                    self._requests.pop(command.request_id, None)
+                    self._adds.pop(command.request_id, None)
+                _resolve(command.done, exc)
+        elif isinstance(command, Abort):
+            with self._lock:
+                self._requests.pop(command.request_id, None)
+            self._send(AbortRequest(command.request_id), quiet=True)
+        else:
+            self._send(AbortAllRequests(), quiet=True)
+
+    def _send(self, message: object, quiet: bool = False) -> None:
+        try:
+            with self._send_lock:
+                self._conn.send(message)
+        except (BrokenPipeError, EOFError, OSError):
+            if not quiet:
+                raise EngineDeadError("the engine process is not running") from None
+
+    # ---- the reader thread ------------------------------------------------------------
+
+    def _read(self) -> None:
+        while True:
+            try:
+                message = self._conn.recv()
+            except (EOFError, OSError):
+                break
+            try:
+                self._receive(message)
+            except Exception:
+                logger.exception("a message from the engine process failed: %r", message)
+        self._end_all()
+
+    def _receive(self, message: object) -> None:
+        if isinstance(message, RequestAdded):
+            with self._lock:
+                done = self._adds.pop(message.request_id, None)
+                if message.error is not None:
+                    self._requests.pop(message.request_id, None)
+            if done is not None:
+                _resolve(done, message.error)
+            return
+        assert isinstance(message, StepOutputs), message
+        self.stats = message.stats
+        self.num_steps = message.num_steps
+        self.num_loop_errors = message.num_loop_errors
+        for request_id, index, output, num_new in message.outputs:
+            with self._lock:
+                pending = self._requests.get(request_id)
+                if pending is not None and output.finished:
+                    pending.unfinished.discard(index)
+                    if not pending.unfinished:
+                        del self._requests[request_id]
+            if pending is None:
+                continue  # aborted here in the meantime
+            if self.on_output is not None:
+                try:
+                    self.on_output(output, num_new)
+                except Exception:
+                    logger.exception("output hook failed")
+            pending.stream.put(index, output)
+
+    def _end_all(self) -> None:
+        """The engine process is gone: what still waits on it ends with an error."""
+        code = self._join(5)
+        exc = EngineDeadError(f"the engine process exited (exit code {code})")
+        with self._lock:
+            requests, self._requests = self._requests, {}
+            adds, self._adds = self._adds, {}
+        for done in adds.values():
+            _resolve(done, exc)
+        if requests:
+            logger.error("%s with %d requests in flight", exc, len(requests))
+        for request_id, pending in requests.items():
+            for index in sorted(pending.unfinished):
+                pending.stream.put(index, final_output(f"{request_id}/{index}", exc))
+
+
+def _resolve(done: concurrent.futures.Future[None], error: Exception | None) -> None:
+    if not done.set_running_or_notify_cancel():
+        return  # the caller stopped waiting
+    if error is None:
+        done.set_result(None)
+    else:
+        done.set_exception(error)

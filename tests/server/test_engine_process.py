@@ -1,0 +1,132 @@
+"""The engine in a process of its own (`minivllm.server.engine_process`): what only a second
+process can do wrong. (The endpoints run against it in test_server.py; `minivllm serve`'s
+shutdown, which uses it by default, in test_reliability_shutdown.py.)"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from minivllm.engine.llm_engine import LLMEngine
+from minivllm.sampling_params import SamplingParams
+from minivllm.server import ServerThread, create_app
+from minivllm.server.engine_process import EngineProcess
+
+
+def _options(model_dir: Path) -> dict:
+    return dict(model=str(model_dir), max_model_len=2048, num_kv_blocks=256, block_size=16,
+                device="cpu", dtype="float32")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def _wait_gone(pid: int, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while _alive(pid):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+@pytest.fixture
+def live(tiny_llama_long_dir: Path) -> Iterator[tuple[str, EngineProcess]]:
+    engine = EngineProcess(_options(tiny_llama_long_dir))
+    app = create_app(engine, "tiny")
+    with ServerThread(app) as thread:
+        yield thread.base_url, engine
+    assert not engine.is_running
+    assert engine._process.poll() is not None, "the engine process outlived the server"
+
+
+def test_outputs_equal_the_engine_run_in_this_process(tiny_llama_long_dir: Path) -> None:
+    """Greedy fp32 completions through the engine process are the texts an LLMEngine of this
+    process generates for the same prompts (n=2 choices and a batch of prompts included)."""
+    prompts = [[1, 5, 9, 2], [7, 7, 3], [4, 8, 15, 16, 23]]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    local = LLMEngine.from_options(**_options(tiny_llama_long_dir))
+    for i, prompt in enumerate(prompts):
+        local.add_request(prompt, params, request_id=str(i))
+    finals = {}
+    while local.has_unfinished_requests():
+        finals.update((o.request_id, o.outputs[0].text) for o in local.step() if o.finished)
+    want = [finals[str(i)] for i in range(len(prompts))]
+
+    engine = EngineProcess(_options(tiny_llama_long_dir))
+    with ServerThread(create_app(engine, "tiny")) as thread:
+        body = {"model": "tiny", "prompt": prompts, "max_tokens": 12, "temperature": 0,
+                "ignore_eos": True, "n": 2}
+        r = httpx.post(f"{thread.base_url}/v1/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    choices = sorted(r.json()["choices"], key=lambda c: c["index"])
+    assert [c["text"] for c in choices] == [text for text in want for _ in range(2)]
+    assert all(c["finish_reason"] == "length" for c in choices)
+
+
+def test_a_dead_engine_process_ends_requests_with_an_error(live) -> None:
+    """The engine process killed mid-stream: the stream ends with an error event and [DONE]
+    (no hang), /health turns 503, and a new request gets a 503 with an OpenAI error body."""
+    base, engine = live
+    body = {"model": "tiny", "prompt": "The quick brown fox", "max_tokens": 2000,
+            "ignore_eos": True, "stream": True}
+    events = []
+    with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=30) as r:
+        for line in r.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            data = line[len("data: "):]
+            events.append(data if data == "[DONE]" else json.loads(data))
+            if len(events) == 3:
+                os.kill(engine._process.pid, signal.SIGKILL)
+    assert events[-1] == "[DONE]"
+    error = next(e for e in events if isinstance(e, dict) and "error" in e)
+    assert "engine process exited" in error["error"]["message"]
+    assert httpx.get(f"{base}/health", timeout=5).status_code == 503
+    r = httpx.post(f"{base}/v1/completions", json={"model": "tiny", "prompt": "x"}, timeout=10)
+    assert r.status_code == 503 and r.json()["error"]["code"] == "engine_dead"
+
+
+def test_an_engine_that_cannot_start_says_why(tmp_path: Path) -> None:
+    """A model that does not load: the constructor raises with the engine's own message, and
+    no engine process is left behind."""
+    with pytest.raises(RuntimeError, match="could not start.*no-such-model"):
+        EngineProcess({"model": str(tmp_path / "no-such-model"), "device": "cpu"})
+
+
+def test_the_engine_process_stops_when_the_server_dies(tiny_llama_long_dir: Path) -> None:
+    """An HTTP process killed outright (SIGKILL: no shutdown ran) leaves no engine process
+    behind: it sees its end of the pipe close and exits."""
+    script = textwrap.dedent(f"""
+        import sys, time
+        from minivllm.server.engine_process import EngineProcess
+        engine = EngineProcess({_options(tiny_llama_long_dir)!r})
+        engine.start()
+        print(engine._process.pid, flush=True)
+        time.sleep(120)
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        engine_pid = int(proc.stdout.readline())
+        assert _alive(engine_pid)
+        proc.kill()
+        proc.wait()
+        assert _wait_gone(engine_pid, 20), "the engine process outlived its server"
+    finally:
+        if proc.poll() is None:
+            proc.kill()

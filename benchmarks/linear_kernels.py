@@ -27,9 +27,10 @@ import time
 
 import torch
 
+from minivllm.layers.cpu_kernels import cpu_kernels_available
 from minivllm.layers.int4 import quantize_int4, split_int8
 from minivllm.layers.onednn import OneDnnWeight, onednn_prepack_supported
-from minivllm.layers.qgemv import QGemvWeight, qgemv_available
+from minivllm.layers.qgemv import QGemvWeight
 
 SHAPES = {"layer": [(960, 576), (576, 576), (3072, 576), (576, 1536)], "lm_head": [(49152, 576)]}
 GROUP = 32
@@ -64,7 +65,7 @@ def kernels(shapes: list[tuple[int, int]], rows: int):
             prepacked = OneDnnWeight(w16)
             fns["bf16 oneDNN"].append(lambda x=x16, w=prepacked: w.matmul(x))
         fns["int4 bf16"].append(lambda x=x16, p=packed, s=sz16: INT4_MM(x, p, GROUP, s))
-        if qgemv_available():
+        if cpu_kernels_available():
             if n == SHAPES["lm_head"][0][0]:  # the Q8_0 head: 8-bit codes
                 codes = torch.randint(-128, 128, (n, k), dtype=torch.int8)
                 qw = QGemvWeight.from_int8_halves(*split_int8(codes, sz[..., 0].t().float()))

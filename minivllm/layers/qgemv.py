@@ -11,9 +11,8 @@ activations, cost the default model 2.7% perplexity against HF fp32; the min ter
 exact fp32 sums), so the only rounding beyond fp32's is the activations' to 16 bits
 (`quantize_activations` is the reference). The weights are stored in blocks of 4 output
 columns interleaved group by group (`QGemvWeight` packs them), read in one stream, with fp16
-scales and mins as GGUF stores them. It is built once per torch version and source text with
-the C++ compiler torch.compile already needs, into the minivllm cache, and registered as the
-torch operator `minivllm::qgemv` (so compiled graphs call it too).
+scales and mins as GGUF stores them. It is the torch operator `minivllm::qgemv`, built and
+loaded by `minivllm.layers.cpu_kernels` (so compiled graphs call it too).
 
 The kernel is for few rows (decode steps); from `QGEMV_MAX_ROWS` rows up the dense fp32
 matmul (MKL) is as fast, so a layer keeps its dense weight for those steps and picks per call
@@ -22,103 +21,13 @@ matmul (MKL) is as fast, so a layer keeps its dense weight for those steps and p
 
 from __future__ import annotations
 
-import functools
-import hashlib
-import logging
-import os
-import platform
-import subprocess
-import tempfile
-from pathlib import Path
-
 import torch
 
-from minivllm.cache import cache_dir
 from minivllm.layers.int4 import GROUP_SIZE, Int4Weight
 
-logger = logging.getLogger(__name__)
-
-SOURCE = Path(__file__).with_name("csrc") / "qgemv.cpp"
 # Rows (tokens in the step) up to which the kernel beats the dense fp32 matmul over the same
 # layer on an AVX2-only CPU (`benchmarks/linear_kernels.py`, docs/benchmarks.md).
 QGEMV_MAX_ROWS = 16
-FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-std=c++20", "-shared",
-         "-fPIC", "-w"]
-
-
-class KernelBuildError(RuntimeError):
-    """The C++ kernel could not be compiled or loaded here."""
-
-
-def _cpu_has_avx2() -> bool:
-    return platform.machine().lower() in ("x86_64", "amd64") and (
-        torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
-    )
-
-
-def _library_path() -> Path:
-    """Where the built kernel lives: one per source text, torch version and flags."""
-    key = hashlib.sha256(
-        SOURCE.read_bytes() + torch.__version__.encode() + " ".join(FLAGS).encode()
-    ).hexdigest()[:16]
-    return cache_dir() / "kernels" / f"qgemv-{key}.so"
-
-
-def _build(target: Path) -> None:
-    """Compile `SOURCE` against the installed torch into `target` (atomically)."""
-    from torch.utils import cpp_extension
-
-    compiler = os.environ.get("CXX", "g++")
-    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        built = Path(tmp) / target.name
-        command = [
-            compiler, *FLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
-            *(f"-I{path}" for path in cpp_extension.include_paths()),
-            str(SOURCE), "-o", str(built),
-            *(f"-L{path}" for path in cpp_extension.library_paths()),
-            "-lc10", "-ltorch_cpu",
-        ]
-        logger.info("building the qgemv kernel (once per torch version): %s", target)
-        try:
-            result = subprocess.run(command, capture_output=True, text=True, check=False)
-        except OSError as error:
-            raise KernelBuildError(f"no C++ compiler {compiler!r}: {error}") from error
-        if result.returncode != 0:
-            raise KernelBuildError(f"{compiler} failed on {SOURCE.name}:\n{result.stderr[-2000:]}")
-        os.replace(built, target)
-
-
-@functools.cache
-def qgemv_available() -> bool:
-    """Whether `minivllm::qgemv` runs here (building and loading it the first time); the
-    answer and the reason for a no are logged once."""
-    if not _cpu_has_avx2():
-        logger.info("qgemv kernel: not used (needs an x86 CPU with AVX2; torch runs %s kernels "
-                    "on %s)", torch.backends.cpu.get_cpu_capability(), platform.machine())
-        return False
-    path = _library_path()
-    try:
-        if not path.is_file():
-            _build(path)
-        torch.ops.load_library(str(path))
-    except (KernelBuildError, OSError, RuntimeError) as error:
-        logger.warning("qgemv kernel: not used, dense fp32 weights instead (%s)", error)
-        return False
-    _register_fake()
-    logger.info("qgemv kernel: 4/8-bit weights with fp32 activations (AVX2), up to %d rows",
-                QGEMV_MAX_ROWS)
-    return True
-
-
-def _register_fake() -> None:
-    """The operator's output shape for torch.compile's tracing (once: `qgemv_available` is
-    cached)."""
-
-    @torch.library.register_fake("minivllm::qgemv")
-    def _(x, codes, scales, mins, bits):  # noqa: ANN001, ANN202 - torch's fake-op signature
-        return x.new_empty(x.shape[0], codes.shape[0])
 
 
 COLUMNS = 4  # output columns whose groups the kernel stores interleaved

@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import torch
 
+from minivllm.layers.cpu_kernels import cpu_kernels_available
 from minivllm.layers.int4 import Int4Weight, PackedInt4, PackedInt4Pair, int4_supported
-from minivllm.layers.qgemv import QGemvWeight, qgemv_available
+from minivllm.layers.qgemv import QGemvWeight
 
 SmallStepWeight = PackedInt4 | PackedInt4Pair | QGemvWeight
 
@@ -23,7 +24,7 @@ def stored_weight_kernel(device: torch.device, dtype: torch.dtype) -> str | None
     """The kernel for weights kept as stored on `device` computing in `dtype` (see above)."""
     if int4_supported(device, dtype):
         return "int4"
-    if device.type == "cpu" and dtype == torch.float32 and qgemv_available():
+    if device.type == "cpu" and dtype == torch.float32 and cpu_kernels_available():
         return "qgemv"
     return None
 

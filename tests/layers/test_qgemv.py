@@ -12,17 +12,11 @@ import platform
 import pytest
 import torch
 
+from minivllm.layers.cpu_kernels import KernelBuildError, _build, cpu_kernels_available
 from minivllm.layers.embedding import ParallelLMHead
 from minivllm.layers.int4 import GROUP_SIZE, quantize_int4, split_int8
 from minivllm.layers.linear import MergedColumnParallelLinear
-from minivllm.layers.qgemv import (
-    QGEMV_MAX_ROWS,
-    KernelBuildError,
-    QGemvWeight,
-    _build,
-    qgemv_available,
-    quantize_activations,
-)
+from minivllm.layers.qgemv import QGEMV_MAX_ROWS, QGemvWeight, quantize_activations
 from minivllm.layers.stored_weights import pack_8bit_halves, stored_weight_kernel
 
 x86 = platform.machine().lower() in ("x86_64", "amd64")
@@ -32,14 +26,15 @@ pytestmark = pytest.mark.skipif(not x86, reason="the qgemv kernel is for x86 CPU
 def test_the_kernel_builds_and_loads_on_every_x86_cpu_this_project_runs_on():
     """AVX2 and AVX-512 CPUs both run it (a build failure would silently fall back to dense
     fp32 weights, 3-4x slower at decode on AVX2-only CPUs)."""
-    assert qgemv_available()
+    assert cpu_kernels_available()
     assert stored_weight_kernel(torch.device("cpu"), torch.float32) == "qgemv"
 
 
 @pytest.mark.parametrize("compiler, message", [("/nonexistent/g++", "no C\\+\\+ compiler"),
                                                ("false", "failed")])
 def test_a_build_that_cannot_run_says_why(compiler, message, tmp_path, monkeypatch):
-    """`qgemv_available` logs this and keeps dense weights (no crash, no half-written file)."""
+    """`cpu_kernels_available` logs this and keeps torch's ops (no crash, no half-written
+    file)."""
     monkeypatch.setenv("CXX", compiler)
     with pytest.raises(KernelBuildError, match=message):
         _build(tmp_path / "qgemv.so")

@@ -17,7 +17,8 @@ from support.model_fixtures import allocate_kv_caches, make_attention_metadata
 
 from minivllm.engine.compiled_decode import CompiledDecode, decode_metadata
 from minivllm.layers.attention import Attention
-from minivllm.layers.qgemv import QGemvWeight, qgemv_available
+from minivllm.layers.cpu_kernels import cpu_kernels_available
+from minivllm.layers.qgemv import QGemvWeight
 from minivllm.models.loader import load_model, quantize_linear_int4
 
 BLOCK = 4
@@ -76,7 +77,7 @@ def test_the_compiled_step_matches_the_eager_one(family, tiny_llama_dir, tiny_fa
             assert (got - want).norm() / want.norm() < 2e-2, length
 
 
-@pytest.mark.skipif(not qgemv_available(), reason="the qgemv kernel is for x86 CPUs (AVX2)")
+@pytest.mark.skipif(not cpu_kernels_available(), reason="the qgemv kernel is for x86 CPUs (AVX2)")
 def test_the_compiled_fp32_step_with_qgemv_weights_matches_the_eager_one(tiny_llama_dir):
     """fp32 activations, every linear layer's 4-bit weights through `minivllm::qgemv` inside
     the Inductor graph: the same hidden states as the eager step, to float rounding."""
@@ -104,7 +105,7 @@ def test_the_compiled_fp32_step_with_qgemv_weights_matches_the_eager_one(tiny_ll
     ({"dtype": "bfloat16"}, True),
     ({"dtype": "bfloat16", "enforce_eager": True}, False),
     ({"dtype": "float32"}, False),  # the token-exact path stays eager
-    ({"dtype": "float32", "quantization": "int4"}, qgemv_available()),  # fp32 + qgemv
+    ({"dtype": "float32", "quantization": "int4"}, cpu_kernels_available()),  # fp32 + qgemv
 ])
 def test_the_runner_compiles_bf16_and_qgemv_decode_steps_only(options, compiled, tiny_llama_dir):
     from minivllm import LLM, SamplingParams

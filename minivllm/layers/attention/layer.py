@@ -1,8 +1,9 @@
 """The attention layer: store the step's K/V in the paged cache, then attend.
 
 A step writes its new K/V at `slot_mapping`, then every query token attends, causally, to its
-own sequence's cached-plus-new tokens, with flash-attn where it applies (`flash.py`) and
-otherwise with SDPA (`sdpa.py`), one call per group of like sequences (`partition.py`). The
+own sequence's cached-plus-new tokens, with flash-attn where it applies (`flash.py`), our CPU
+kernel for decode-only steps (`paged_decode.py`), and otherwise with SDPA (`sdpa.py`), one
+call per group of like sequences (`partition.py`). The
 compiled decode step hands it a `DecodeMetadata` instead, and it attends with `decode.py`.
 """
 
@@ -12,6 +13,7 @@ from torch import nn
 from minivllm.layers.attention.decode import DecodeMetadata, decode_attention
 from minivllm.layers.attention.flash import can_use_flash_attn, paged_attention_flash
 from minivllm.layers.attention.metadata import AttentionMetadata
+from minivllm.layers.attention.paged_decode import paged_decode_applies, paged_decode_attention
 from minivllm.layers.attention.sdpa import (
     causal_attention_sdpa,
     paged_attention_sdpa,
@@ -76,6 +78,11 @@ class Attention(nn.Module):
                 q, k_cache, v_cache, meta, self.scale, self.sliding_window, self.logit_softcap
             )
             return out.reshape(num_tokens, self.num_heads * self.head_dim)  # [T, H*D]
+        if paged_decode_applies(out_dtype, q, k_cache, meta):
+            out = paged_decode_attention(
+                q, k_cache, v_cache, meta, self.scale, self.sliding_window, self.logit_softcap
+            )
+            return out.reshape(num_tokens, self.num_heads * self.head_dim).to(out_dtype)
         groups = meta.groups
         if len(groups) == 1:
             out = self._attend_sdpa(q, k, v, kv_cache, meta)

@@ -290,7 +290,7 @@ at::Tensor qgemv(const at::Tensor& x, const at::Tensor& codes, const at::Tensor&
 
 }  // namespace
 
-TORCH_LIBRARY(minivllm, m) {
+TORCH_LIBRARY_FRAGMENT(minivllm, m) {
   m.def("qgemv(Tensor x, Tensor codes, Tensor scales, Tensor mins, int bits) -> Tensor");
 }
 

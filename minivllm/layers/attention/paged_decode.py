@@ -1,0 +1,54 @@
+"""A decode-only step's attention straight from the paged KV cache: our CPU kernel.
+
+With one query per sequence, gathering every sequence's keys and values into a padded copy
+and calling SDPA cost a step of 16 sequences at 200 tokens of context more than its attention
+maths (on a Zen 4, bf16 model: the gathers ~11 ms and SDPA ~9 ms of a ~50 ms step; on an AVX2
+CPU ~25 and ~30 ms of ~260; docs/benchmarks.md). `minivllm::paged_decode`
+(`csrc/paged_decode.cpp`, built by `minivllm.layers.cpu_kernels`) reads each slot's key and
+value rows once, through the block table, for all query heads, in fp32: windows and soft-caps
+included, no copy, no mask.
+
+It runs for models that compute in bf16 (`dtype="auto"` on a CPU with native bf16) over the
+fp32 cache, where the attention maths were fp32 already. Models that compute in fp32 keep
+SDPA: its rounding is what the token-exact HF parity tests pin, and with the kernel's sum
+order the int8 option's top-5 test failed on an AVX2-only CPU (docs/benchmarks.md)."""
+
+from __future__ import annotations
+
+import torch
+
+from minivllm.layers.attention.metadata import AttentionMetadata
+from minivllm.layers.cpu_kernels import cpu_kernels_available
+
+
+def paged_decode_applies(
+    model_dtype: torch.dtype, q: torch.Tensor, k_cache: torch.Tensor, meta: AttentionMetadata
+) -> bool:
+    """Whether this step's attention runs on the kernel: decode-only, on the CPU, a bf16
+    model over an fp32 cache (`q` already in the cache's dtype)."""
+    return (
+        meta.is_decode_only
+        and q.device.type == "cpu"
+        and model_dtype == torch.bfloat16
+        and k_cache.dtype == torch.float32
+        and q.dtype == torch.float32
+        and q.shape[-1] % 8 == 0
+        and cpu_kernels_available()
+    )
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """`q` `[num_seqs, num_heads, head_dim]` (one token each) over the cache, which already
+    holds this step's K/V; returns `[num_seqs, num_heads, head_dim]`."""
+    return torch.ops.minivllm.paged_decode(
+        q.contiguous(), k_cache, v_cache, meta.block_tables, meta.seq_lens, scale,
+        sliding_window or 0, softcap or 0.0,
+    )

@@ -1,0 +1,116 @@
+"""Our C++ CPU kernels (`csrc/*.cpp`): built once, loaded as torch operators `minivllm::*`.
+
+The kernels use AVX2 and FMA, so they run on every x86 CPU this project runs on (AVX2-only and
+AVX-512 alike); each is a torch operator, so eager code and compiled graphs call it the same
+way. They are compiled here, with the C++ compiler torch.compile already needs (`$CXX`, else
+g++), against the installed torch's headers, into `<minivllm cache>/kernels/` under a name
+that changes with the sources, the torch version and the flags; the first use builds them
+(~20 s), later ones load the file. Where they cannot run (another processor, no compiler)
+`cpu_kernels_available()` is False, says why in the log once, and their callers keep torch's
+own ops.
+
+- `qgemv.cpp`: 4- and 8-bit weights times fp32 activations (`minivllm.layers.qgemv`).
+- `paged_decode.cpp`: one query per sequence over the paged KV cache
+  (`minivllm.layers.attention.paged_decode`).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import platform
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+from minivllm.cache import cache_dir
+
+logger = logging.getLogger(__name__)
+
+SOURCES = sorted((Path(__file__).with_name("csrc")).glob("*.cpp"))
+FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-std=c++20", "-shared",
+         "-fPIC", "-w"]
+
+
+class KernelBuildError(RuntimeError):
+    """The C++ kernels could not be compiled here."""
+
+
+def _cpu_has_avx2() -> bool:
+    return platform.machine().lower() in ("x86_64", "amd64") and (
+        torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+    )
+
+
+def _library_path() -> Path:
+    """Where the built kernels live: one file per source texts, torch version and flags."""
+    digest = hashlib.sha256(torch.__version__.encode() + " ".join(FLAGS).encode())
+    for source in SOURCES:
+        digest.update(source.read_bytes())
+    return cache_dir() / "kernels" / f"minivllm-cpu-{digest.hexdigest()[:16]}.so"
+
+
+def _build(target: Path) -> None:
+    """Compile SOURCES against the installed torch into `target` (atomically)."""
+    from torch.utils import cpp_extension
+
+    compiler = os.environ.get("CXX", "g++")
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        built = Path(tmp) / target.name
+        command = [
+            compiler, *FLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+            *(f"-I{path}" for path in cpp_extension.include_paths()),
+            *(str(source) for source in SOURCES), "-o", str(built),
+            *(f"-L{path}" for path in cpp_extension.library_paths()),
+            "-lc10", "-ltorch_cpu",
+        ]
+        logger.info("building minivllm's CPU kernels (once per torch version): %s", target)
+        try:
+            result = subprocess.run(command, capture_output=True, text=True, check=False)
+        except OSError as error:
+            raise KernelBuildError(f"no C++ compiler {compiler!r}: {error}") from error
+        if result.returncode != 0:
+            raise KernelBuildError(f"{compiler} failed on {[s.name for s in SOURCES]}:\n"
+                                   f"{result.stderr[-2000:]}")
+        os.replace(built, target)
+
+
+@functools.cache
+def cpu_kernels_available() -> bool:
+    """Whether the `minivllm::*` operators run here (building and loading them the first
+    time); the answer and the reason for a no are logged once."""
+    if not _cpu_has_avx2():
+        logger.info("minivllm CPU kernels: not used (they need an x86 CPU with AVX2; torch "
+                    "runs %s kernels on %s)", torch.backends.cpu.get_cpu_capability(),
+                    platform.machine())
+        return False
+    path = _library_path()
+    try:
+        if not path.is_file():
+            _build(path)
+        torch.ops.load_library(str(path))
+    except (KernelBuildError, OSError, RuntimeError) as error:
+        logger.warning("minivllm CPU kernels: not used, torch's own ops instead (%s)", error)
+        return False
+    _register_fakes()
+    logger.info("minivllm CPU kernels loaded: qgemv (4/8-bit weights, fp32 activations), "
+                "paged_decode (one query per sequence)")
+    return True
+
+
+def _register_fakes() -> None:
+    """The operators' output shapes, for torch.compile's tracing."""
+
+    @torch.library.register_fake("minivllm::qgemv")
+    def _(x, codes, scales, mins, bits):  # noqa: ANN001, ANN202 - torch's fake-op signature
+        return x.new_empty(x.shape[0], codes.shape[0])
+
+    @torch.library.register_fake("minivllm::paged_decode")
+    def _(q, k_cache, v_cache, block_tables, seq_lens, scale, window, softcap):  # noqa: ANN001, ANN202
+        return torch.empty_like(q)

@@ -1,0 +1,82 @@
+"""Our decode attention straight from the paged cache (`minivllm::paged_decode`): the same
+output as the gather + SDPA path for bf16 models' decode-only steps, with grouped-query
+heads, sliding windows, soft-caps, scattered block tables, any thread count; it reads only
+the slots a sequence owns (the rest of the cache is NaN); bad tables are refused with a
+message."""
+
+from __future__ import annotations
+
+import platform
+
+import pytest
+import torch
+from support.model_fixtures import allocate_kv_caches, make_attention_metadata
+
+from minivllm.layers.attention.paged_decode import paged_decode_applies, paged_decode_attention
+from minivllm.layers.attention.sdpa import paged_attention_sdpa
+
+pytestmark = pytest.mark.skipif(
+    platform.machine().lower() not in ("x86_64", "amd64"), reason="an x86 (AVX2) kernel"
+)
+
+
+def _step(tables, context, kv_heads, dim, block, seed):
+    """A decode-only step: caches NaN but for each sequence's context and new token."""
+    gen = torch.Generator().manual_seed(seed)
+    meta, _ = make_attention_metadata(tables, context, [1] * len(tables), block)
+    k_cache, v_cache = allocate_kv_caches(1, 1 + max(max(t) for t in tables), block, kv_heads,
+                                          dim)[0]
+    for cache in (k_cache, v_cache):
+        for table, n in zip(tables, context, strict=True):
+            for pos in range(n + 1):
+                cache[table[pos // block], pos % block] = torch.randn(kv_heads, dim,
+                                                                      generator=gen)
+    return meta, k_cache, v_cache, gen
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("window, softcap", [(None, None), (5, None), (None, 3.0), (7, 2.0)])
+@pytest.mark.parametrize("heads, kv_heads, dim, block", [(6, 2, 8, 4), (9, 3, 64, 16),
+                                                         (4, 4, 16, 1)])
+def test_matches_the_gather_and_sdpa_path(threads, window, softcap, heads, kv_heads, dim, block):
+    tables = [[3, 1, 4, 7, 9], [0, 2], [5], [8, 6, 10, 11, 12, 13, 14, 15, 16, 17]]
+    tables = [t[: max(1, (len(t) * 4) // block)] for t in tables]
+    context = [min(len(t) * block - 1, c) for t, c in zip(tables, [17, 6, 0, 35], strict=True)]
+    meta, k_cache, v_cache, gen = _step(tables, context, kv_heads, dim, block, seed=heads)
+    q = torch.randn(len(tables), heads, dim, generator=gen)
+    assert paged_decode_applies(torch.bfloat16, q, k_cache, meta)
+    want = paged_attention_sdpa(q, k_cache, v_cache, meta, dim**-0.5, window, softcap)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = paged_decode_attention(q, k_cache, v_cache, meta, dim**-0.5, window, softcap)
+    finally:
+        torch.set_num_threads(before)
+    assert not got.isnan().any()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_other_steps_and_dtypes_keep_the_sdpa_path():
+    """fp32 models (the token-exact path), bf16 caches, odd head sizes and prefills keep SDPA."""
+    meta, k_cache, _, _ = _step([[0, 1]], [5], 2, 8, 4, seed=0)
+    q = torch.zeros(1, 4, 8)
+    assert paged_decode_applies(torch.bfloat16, q, k_cache, meta)
+    assert not paged_decode_applies(torch.float32, q, k_cache, meta)
+    assert not paged_decode_applies(torch.bfloat16, q, k_cache.bfloat16(), meta)
+    assert not paged_decode_applies(torch.bfloat16, torch.zeros(1, 4, 12), k_cache, meta)
+    prefill, _ = make_attention_metadata([[0, 1]], [0], [5], 4)
+    assert not paged_decode_applies(torch.bfloat16, torch.zeros(5, 4, 8), k_cache, prefill)
+
+
+def test_bad_tables_are_refused_with_a_message():
+    meta, k_cache, v_cache, _ = _step([[0, 1]], [5], 2, 8, 4, seed=1)
+    q = torch.zeros(1, 4, 8)
+    with pytest.raises(RuntimeError, match="not a block of the cache"):
+        torch.ops.minivllm.paged_decode(q, k_cache, v_cache, torch.tensor([[0, 99]]),
+                                        meta.seq_lens, 1.0, 0, 0.0)
+    with pytest.raises(RuntimeError, match="outside its block table"):
+        torch.ops.minivllm.paged_decode(q, k_cache, v_cache, meta.block_tables,
+                                        torch.tensor([9]), 1.0, 0, 0.0)
+    with pytest.raises(RuntimeError, match="multiple of kv_heads"):
+        torch.ops.minivllm.paged_decode(torch.zeros(1, 3, 8), k_cache, v_cache,
+                                        meta.block_tables, meta.seq_lens, 1.0, 0, 0.0)

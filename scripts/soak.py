@@ -371,12 +371,12 @@ def soak_local(
             runner.fail_on_calls = {runner.calls + c for c in fail_on_calls}
 
         report = asyncio.run(soak(url, specs, concurrency, duration, on_load_start=arm))
-        # Idle now: the engine thread's own maps of live requests must be empty.
-        leftovers = (len(server.async_engine._streams), len(server.async_engine._subs))
+        # Idle now: the engine loop's own maps of live requests must be empty.
+        leftovers = server.async_engine.num_tracked()
         report.log_errors = errors.unexpected()
     report.problems += [f"log: {e}" for e in report.log_errors]
     if leftovers != (0, 0):
-        report.problems.append(f"server bookkeeping not empty: {leftovers} (streams, subs)")
+        report.problems.append(f"server bookkeeping not empty: {leftovers} (requests, subs)")
     return report, server.engine
 
 

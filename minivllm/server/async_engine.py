@@ -168,6 +168,10 @@ class AsyncLLMEngine:
         """The engine's stats as of its last step (read from any thread)."""
         return self._loop.stats
 
+    def num_tracked(self) -> tuple[int, int]:
+        """(requests, sub-requests) the engine loop still tracks: both 0 once idle."""
+        return self._loop.num_tracked()
+
     @property
     def num_steps(self) -> int:
         return self._loop.num_steps

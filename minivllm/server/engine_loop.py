@@ -204,6 +204,10 @@ class EngineLoop:
         for output in outputs:
             self._deliver(output)
 
+    def num_tracked(self) -> tuple[int, int]:
+        """(requests, sub-requests) the loop still tracks: both 0 once idle."""
+        return len(self._requests), len(self._subs)
+
     def refuse_pending(self) -> None:
         """At shutdown: adds that arrived too late fail with ShuttingDownError."""
         for command in self.commands.take():

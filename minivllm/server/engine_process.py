@@ -10,10 +10,11 @@ The contract is AsyncLLMEngine's (same asyncio side, same add/abort/shutdown sem
   with `subprocess`, so no multiprocessing helper process outlives the server). It reads
   `EngineStart`, builds the engine and answers `EngineReady` with what the HTTP side needs
   (config, tokenizer, sampling defaults, vocabulary size), or `EngineFailed`.
-- Messages are the dataclasses below, pickled over one socket pair (`multiprocessing.Pipe`'s
-  `Connection`). To the engine: AddRequest, AbortRequest, AbortAllRequests, StopAccepting,
-  SetWaitingLimit, Shutdown. From it: RequestAdded (None or the add's exception) and
-  StepOutputs (one per step: the outputs, then the stats).
+- The engine process runs `engine_core.engine_main`. Messages are the dataclasses of
+  engine_messages.py, pickled over one socket pair (`multiprocessing.Pipe`'s `Connection`).
+  To the engine: AddRequest, AbortRequest, AbortAllRequests, StopAccepting, SetWaitingLimit,
+  Shutdown. From it: RequestAdded (None or the add's exception) and StepOutputs (one per
+  step: the outputs, then the stats).
 - The engine process ignores SIGINT and SIGTERM (a Ctrl-C reaches the whole process group):
   this process decides when it stops, and it stops by itself when this one goes away.
 - If it dies, every request in flight ends with finish_reason "error" and `is_running` turns
@@ -25,240 +26,37 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import multiprocessing
-import pickle
-import signal
 import subprocess
 import sys
 import threading
 from dataclasses import dataclass, field
-from multiprocessing.connection import Connection
 from typing import Any
 
-from minivllm.config import EngineConfig
 from minivllm.engine.requests import Choice
-from minivllm.outputs import RequestOutput
 from minivllm.server.async_engine import OutputHook, RequestStream, Stream, add_and_wait
 from minivllm.server.engine_loop import (
     Abort,
-    AbortAll,
     Add,
     Command,
     EngineDeadError,
-    EngineLoop,
-    QueueFullError,
     ShuttingDownError,
     final_output,
 )
+from minivllm.server.engine_messages import (
+    AbortAllRequests,
+    AbortRequest,
+    AddRequest,
+    EngineFailed,
+    EngineReady,
+    EngineStart,
+    RequestAdded,
+    SetWaitingLimit,
+    Shutdown,
+    StepOutputs,
+    StopAccepting,
+)
 
 logger = logging.getLogger(__name__)
-
-
-# ---- messages to the engine process -------------------------------------------------------
-
-
-@dataclass
-class EngineStart:
-    engine_options: dict[str, Any]
-    max_waiting_requests: int | None
-    small_step_threads: int | None
-
-
-@dataclass
-class AddRequest:
-    request_id: str
-    choices: list[Choice]
-
-
-@dataclass
-class AbortRequest:
-    request_id: str
-
-
-@dataclass
-class AbortAllRequests:
-    pass
-
-
-@dataclass
-class StopAccepting:
-    pass
-
-
-@dataclass
-class SetWaitingLimit:
-    limit: int | None
-
-
-@dataclass
-class Shutdown:
-    pass
-
-
-# ---- messages from it ---------------------------------------------------------------------
-
-
-@dataclass
-class EngineReady:
-    config: EngineConfig
-    tokenizer: Any
-    default_sampling_params: dict[str, Any]
-    vocab_size: int
-
-
-@dataclass
-class EngineFailed:
-    error: str
-
-
-@dataclass
-class RequestAdded:
-    request_id: str
-    error: Exception | None  # why the add was refused (raised again on this side)
-
-
-@dataclass
-class StepOutputs:
-    outputs: list[tuple[str, int, RequestOutput, int]]  # (request_id, index, output, new tokens)
-    stats: dict[str, float]
-    num_steps: int
-    num_loop_errors: int
-
-
-# ---- the engine process -------------------------------------------------------------------
-
-
-class _PipeCommands:
-    """The engine loop's commands, read from the pipe; the others set the loop's state."""
-
-    def __init__(self, conn: Connection, sink: _PipeSink) -> None:
-        self._conn = conn
-        self._sink = sink
-        self.loop: EngineLoop | None = None
-        self.stopped = False
-
-    def take(self) -> list[Command]:
-        commands: list[Command] = []
-        while not self.stopped and self._conn.poll():
-            try:
-                message = self._conn.recv()
-            except (EOFError, OSError):  # the HTTP process went away
-                self.stopped = True
-                break
-            command = self._command(message)
-            if command is not None:
-                commands.append(command)
-        return commands
-
-    def wait(self) -> None:
-        if not self.stopped:
-            self._conn.poll(None)
-
-    def _command(self, message: object) -> Command | None:
-        assert self.loop is not None
-        if isinstance(message, AddRequest):
-            done: concurrent.futures.Future[None] = concurrent.futures.Future()
-            request_id = message.request_id
-            done.add_done_callback(
-                lambda f: self._sink.send(RequestAdded(request_id, _portable(f.exception())))
-            )
-            return Add(request_id, message.choices, request_id, done)
-        if isinstance(message, AbortRequest):
-            return Abort(message.request_id)
-        if isinstance(message, AbortAllRequests):
-            return AbortAll()
-        if isinstance(message, StopAccepting):
-            self.loop.accepting = False
-        elif isinstance(message, SetWaitingLimit):
-            self.loop.max_waiting_requests = message.limit
-        elif isinstance(message, Shutdown):
-            self.stopped = True
-        else:
-            logger.error("unknown message to the engine process: %r", message)
-        return None
-
-
-class _PipeSink:
-    """Outputs batched per step and sent with the stats as one StepOutputs."""
-
-    def __init__(self, conn: Connection) -> None:
-        self._conn = conn
-        self._batch: list[tuple[str, int, RequestOutput, int]] = []
-        self._sent_stats: dict[str, float] | None = None
-        self.loop: EngineLoop | None = None
-
-    def deliver(self, target: str, index: int, output: RequestOutput, num_new: int) -> None:
-        self._batch.append((target, index, output, num_new))
-
-    def flush(self) -> None:
-        loop = self.loop
-        assert loop is not None
-        if not self._batch and loop.stats == self._sent_stats:
-            return
-        batch, self._batch = self._batch, []
-        self._sent_stats = loop.stats
-        self.send(StepOutputs(batch, loop.stats, loop.num_steps, loop.num_loop_errors))
-
-    def send(self, message: object) -> None:
-        try:
-            self._conn.send(message)
-        except (BrokenPipeError, EOFError, OSError):  # the HTTP process went away
-            pass
-
-
-def _portable(exc: BaseException | None) -> Exception | None:
-    """`exc` if it pickles, else the nearest class the HTTP side maps to a status."""
-    if exc is None:
-        return None
-    try:
-        pickle.loads(pickle.dumps(exc))
-        return exc  # type: ignore[return-value]
-    except Exception:
-        for kind in (QueueFullError, ShuttingDownError, ValueError, TypeError):
-            if isinstance(exc, kind):
-                return kind(str(exc))
-        return RuntimeError(f"{type(exc).__name__}: {exc}")
-
-
-def engine_main(fd: int) -> None:
-    """The engine process, on its end of the socket pair: read EngineStart, build the engine,
-    answer EngineReady, run the loop until Shutdown (or until the HTTP process goes away);
-    requests still in flight end with "abort"."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    if not logging.getLogger().handlers:
-        logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from minivllm.engine.llm_engine import LLMEngine
-
-    conn = Connection(fd)
-    try:
-        start = conn.recv()
-    except EOFError:  # the HTTP process gave up before sending it
-        return
-    assert isinstance(start, EngineStart), start
-    try:
-        engine = LLMEngine.from_options(**start.engine_options)
-    except Exception as exc:
-        conn.send(EngineFailed(f"{type(exc).__name__}: {exc}"))
-        return
-    if start.small_step_threads is not None:
-        engine.model_runner.small_step_threads = start.small_step_threads
-    sink = _PipeSink(conn)
-    commands = _PipeCommands(conn, sink)
-    loop = EngineLoop(engine, commands, sink, start.max_waiting_requests)
-    sink.loop = commands.loop = loop
-    conn.send(EngineReady(engine.config, engine.tokenizer, dict(engine.default_sampling_params),
-                          engine.model_runner.vocab_size))
-    try:
-        while not commands.stopped:
-            loop.run_once()
-        loop.end_all(None)
-        sink.flush()
-    finally:
-        engine.close()
-        conn.close()
-
-
-# ---- the HTTP side ------------------------------------------------------------------------
 
 
 @dataclass
@@ -293,7 +91,7 @@ class EngineProcess:
         self._reader: threading.Thread | None = None
         self._conn, child_conn = multiprocessing.Pipe()  # a socket pair
         fd = child_conn.fileno()
-        code = f"from minivllm.server.engine_process import engine_main; engine_main({fd})"
+        code = f"from minivllm.server.engine_core import engine_main; engine_main({fd})"
         self._process = subprocess.Popen([sys.executable, "-c", code], pass_fds=[fd])
         child_conn.close()
         try:

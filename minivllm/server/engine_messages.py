@@ -1,0 +1,81 @@
+"""The typed messages between the HTTP process and the engine process (engine_process.py,
+engine_core.py), pickled over one socket pair."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from minivllm.config import EngineConfig
+from minivllm.engine.requests import Choice
+from minivllm.outputs import RequestOutput
+
+# ---- messages to the engine process -------------------------------------------------------
+
+
+@dataclass
+class EngineStart:
+    engine_options: dict[str, Any]
+    max_waiting_requests: int | None
+    small_step_threads: int | None
+
+
+@dataclass
+class AddRequest:
+    request_id: str
+    choices: list[Choice]
+
+
+@dataclass
+class AbortRequest:
+    request_id: str
+
+
+@dataclass
+class AbortAllRequests:
+    pass
+
+
+@dataclass
+class StopAccepting:
+    pass
+
+
+@dataclass
+class SetWaitingLimit:
+    limit: int | None
+
+
+@dataclass
+class Shutdown:
+    pass
+
+
+# ---- messages from it ---------------------------------------------------------------------
+
+
+@dataclass
+class EngineReady:
+    config: EngineConfig
+    tokenizer: Any
+    default_sampling_params: dict[str, Any]
+    vocab_size: int
+
+
+@dataclass
+class EngineFailed:
+    error: str
+
+
+@dataclass
+class RequestAdded:
+    request_id: str
+    error: Exception | None  # why the add was refused (raised again on this side)
+
+
+@dataclass
+class StepOutputs:
+    outputs: list[tuple[str, int, RequestOutput, int]]  # (request_id, index, output, new tokens)
+    stats: dict[str, float]
+    num_steps: int
+    num_loop_errors: int

@@ -1,17 +1,19 @@
-"""The single-sequence decode step compiled with torch.compile (Inductor) on the CPU.
+"""The decode step compiled with torch.compile (Inductor) on the CPU.
 
 At batch 1 a decode step of the default model spends more time dispatching small ops (norms,
 rotary, casts, residual adds, attention's gathers: about 1,500 per step) than in its
 matmuls. Compiled, they become a few fused C++ loops per layer around the matmuls.
 
-What is compiled: one decoder layer's forward, for steps in which one sequence decodes one
-token, with attention as plain tensor maths (`minivllm.layers.attention.decode`). The layers
-of a model share their code, so the one graph serves all of them (their weights are the
-graph's inputs): compiling a layer costs a thirtieth of compiling the model. The embedding,
-the LM head and the sampler stay eager, as do steps of several sequences: measured on the
-default model, the compiled step was slower than the eager one from two sequences up
-(Inductor's code for the batched attention and the dense bf16 matmuls lost to oneDNN's and
-SDPA's), so only the one-sequence step, where dispatch dominates, is compiled
+What is compiled: one decoder layer's forward, for decode-only steps, with attention as plain
+tensor maths for one sequence (`minivllm.layers.attention.decode`) and, where our paged
+kernel runs (bf16 models: `paged_decode_supported`), as that kernel's operator for several
+sequences. The layers of a model share their code, so one graph serves all of them (their
+weights are the graph's inputs): compiling a layer costs a thirtieth of compiling the model.
+Steps of up to as many sequences as the int4 kernel takes rows (4) are compiled, in two
+graphs (one sequence; several), both at start-up; larger steps stay eager, where the dense
+bf16 matmuls run oneDNN-prepacked (opaque to Inductor, which would call aten::mm: slower).
+The embedding, the LM head and the sampler stay eager. Without the paged kernel, steps of
+several sequences stay eager: Inductor's own batched attention lost to SDPA
 (docs/benchmarks.md).
 
 Each step calls Dynamo (its guards, its gathering of a layer's weights) for the first layer of
@@ -40,6 +42,7 @@ from tqdm import tqdm
 from minivllm.cache import cache_dir
 from minivllm.layers.attention import AttentionMetadata
 from minivllm.layers.attention.decode import DecodeMetadata
+from minivllm.layers.int4 import int4_max_rows
 
 logger = logging.getLogger(__name__)
 
@@ -58,8 +61,13 @@ def compile_decode_step(
     return not enforce_eager and device.type == "cpu" and tp_size == 1 and precision
 
 
-def decode_metadata(meta: AttentionMetadata) -> DecodeMetadata:
-    """The tensors the compiled step's attention reads, from a decode-only step's metadata."""
+def decode_metadata(meta: AttentionMetadata, paged: bool = False) -> DecodeMetadata:
+    """The tensors the compiled step's attention reads, from a decode-only step's metadata:
+    the block tables for our paged kernel (`paged`), else the gathered path's indices."""
+    if paged:
+        return DecodeMetadata(slot_mapping=meta.slot_mapping, kv_index=None, kv_valid=None,
+                              key_positions=None, query_positions=meta.seq_lens - 1,
+                              block_tables=meta.block_tables, seq_lens=meta.seq_lens)
     index = meta.kv_gather_index  # [S, L]
     key_positions = torch.arange(index.shape[1], device=index.device)  # [L]
     return DecodeMetadata(
@@ -166,8 +174,16 @@ class CompiledDecode:
     (`LayerGraph`). Layers are of a kind when Dynamo ran them with the same graph the first
     time it saw them: their guarded values are the same (Gemma 2 has two kinds)."""
 
-    def __init__(self, model: Any) -> None:
+    def __init__(self, model: Any, paged: bool = False) -> None:
+        """`paged`: our paged decode kernel runs here (`paged_decode_supported`), so steps of
+        up to `max_seqs` sequences are compiled too, their attention read through the block
+        tables."""
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = inductor_cache_dir()
+        self.paged = paged
+        # As many sequences as the int4 kernel takes rows: above, the eager step's
+        # oneDNN-prepacked matmuls (opaque to Inductor) beat the graph's aten::mm (16
+        # sequences: 62 vs 52 ms a step; 2: 12 vs 20 ms, docs/benchmarks.md).
+        self.max_seqs = int4_max_rows() if paged else 1
         # Without this, a context length that happens to equal a model dim (head_dim / 2 at
         # warm-up, say) is traced as that dim, and the graph holds for that length only.
         torch.fx.experimental._config.use_duck_shape = False
@@ -196,17 +212,19 @@ class CompiledDecode:
 
         return run
 
-    @staticmethod
-    def applies(meta: AttentionMetadata) -> bool:
-        """Whether a step runs compiled: one sequence decoding one token."""
-        return meta.num_seqs == 1 and meta.is_decode_only
+    def applies(self, meta: AttentionMetadata) -> bool:
+        """Whether a step runs compiled: up to `max_seqs` sequences decoding one token each."""
+        return meta.is_decode_only and meta.num_seqs <= self.max_seqs
+
+    def _paged_for(self, num_seqs: int) -> bool:
+        return self.paged and num_seqs > 1
 
     def __call__(
         self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: KVCaches,
         meta: AttentionMetadata | DecodeMetadata,
     ) -> torch.Tensor:
         if isinstance(meta, AttentionMetadata):
-            meta = decode_metadata(meta)
+            meta = decode_metadata(meta, paged=self._paged_for(meta.num_seqs))
         self._this_step.clear()
         return self.decoder(input_ids, positions, kv_caches, meta, run_layer=self.run_layer)
 
@@ -229,24 +247,40 @@ class CompiledDecode:
 
     @torch.inference_mode()  # as the steps run: a different grad mode is another graph
     def warm_up(self, kv_caches: KVCaches, block_size: int) -> None:
-        """Compile the step's graph on a dummy step over the first two KV blocks (free at
-        start-up: nothing has been scheduled yet). A pool too small for that compiles on the
-        first real step instead."""
-        num_slots = kv_caches[0][0].shape[0] * block_size
-        context = min(2 * block_size, num_slots)
+        """Compile the step's graphs on dummy steps over the first KV blocks (free at
+        start-up: nothing has been scheduled yet): one sequence, and with the paged kernel
+        also two (another graph: one is specialised). A pool too small for that compiles on
+        the first real step."""
+        num_blocks = kv_caches[0][0].shape[0]
+        context = min(2 * block_size, num_blocks * block_size)
         if context < 2:  # a context of one would be traced as a constant
             return
+        sizes = [1, *(n for n in (2,) if n <= self.max_seqs and 2 * n <= num_blocks)]
         start = time.perf_counter()
-        for _ in tqdm(range(1), desc="Compiling the decode step", unit="graph", disable=None):
-            self(*self._dummy_step(kv_caches, context))
-        logger.info("compiled the decode step in %.1f s (Inductor cache: %s; "
-                    "enforce_eager=True skips it)", time.perf_counter() - start,
-                    os.environ["TORCHINDUCTOR_CACHE_DIR"])
+        for num_seqs in tqdm(sizes, desc="Compiling the decode step", unit="graph",
+                             disable=None):
+            self(*self._dummy_step(kv_caches, block_size, context, num_seqs))
+        logger.info("compiled the decode step (%s sequences) in %.1f s (Inductor cache: %s; "
+                    "enforce_eager=True skips it)", "/".join(map(str, sizes)),
+                    time.perf_counter() - start, os.environ["TORCHINDUCTOR_CACHE_DIR"])
 
-    @staticmethod
-    def _dummy_step(kv_caches: KVCaches, context: int) -> tuple:
-        """One sequence decoding its token at position `context - 1`, over slots 0..context-1."""
+    def _dummy_step(
+        self, kv_caches: KVCaches, block_size: int, context: int, num_seqs: int
+    ) -> tuple:
+        """`num_seqs` sequences decoding their token at position `context - 1`; with one, over
+        slots 0..context-1; with several, sequence s over blocks 2s and 2s + 1."""
         device = kv_caches[0][0].device
+        if self._paged_for(num_seqs):
+            tables = torch.arange(2 * num_seqs, device=device).view(num_seqs, 2)  # [S, 2]
+            seq_lens = torch.full((num_seqs,), context, device=device)
+            meta = DecodeMetadata(
+                slot_mapping=tables[:, (context - 1) // block_size] * block_size
+                + (context - 1) % block_size,
+                kv_index=None, kv_valid=None, key_positions=None,
+                query_positions=seq_lens - 1, block_tables=tables, seq_lens=seq_lens,
+            )
+            ids = torch.zeros(num_seqs, dtype=torch.int64, device=device)
+            return ids, seq_lens - 1, kv_caches, meta
         key_positions = torch.arange(context, device=device)  # slot j holds position j
         last = torch.tensor([context - 1], device=device)
         meta = DecodeMetadata(

@@ -25,6 +25,7 @@ from minivllm.engine.compiled_decode import CompiledDecode, compile_decode_step
 from minivllm.engine.scheduler import SampledToken, ScheduledBatch
 from minivllm.engine.sequence import Sequence, blocks_for
 from minivllm.layers.attention import AttentionMetadata
+from minivllm.layers.attention.paged_decode import paged_decode_supported
 from minivllm.layers.onednn import prepack_model
 from minivllm.layers.quantization import check_quantization, quantize_model_int8
 from minivllm.layers.sampler import Sampler, SamplingBatch, gather_logprobs
@@ -229,7 +230,8 @@ class ModelRunner:
         self.compiled_decode: CompiledDecode | None = None
         if compile_decode_step(config.enforce_eager, self.device, self.dtype, tp_size,
                                self.weight_kernel):
-            self.compiled_decode = CompiledDecode(self.model)
+            paged = paged_decode_supported(self.device, self.dtype, self.kv_dtype, self.head_dim)
+            self.compiled_decode = CompiledDecode(self.model, paged=paged)
             self.compiled_decode.warm_up(self.kv_caches, self.block_size)
         logger.info(
             "KV cache: %d blocks x %d tokens = %d tokens (%.2f GB, %s, %s)",

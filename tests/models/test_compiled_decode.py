@@ -1,8 +1,9 @@
-"""The compiled one-sequence decode step (minivllm/engine/compiled_decode.py).
+"""The compiled decode step (minivllm/engine/compiled_decode.py).
 
 Its attention (`decode_attention`) is checked against the eager paged SDPA in fp32, with a
 sliding window and a soft-cap; the compiled step against the eager model in bf16, on tiny
-Llama and Gemma 2 checkpoints (the latter with windows and soft-caps that bite), and in fp32
+Llama and Gemma 2 checkpoints (the latter with windows and soft-caps that bite), for one
+sequence and, with the paged kernel, several; in fp32
 with 4-bit weights through the qgemv operator (an AVX2 CPU's default path); and the runner's
 choice of when to compile.
 """
@@ -75,6 +76,51 @@ def test_the_compiled_step_matches_the_eager_one(family, tiny_llama_dir, tiny_fa
             got = _hidden_after_prefill(model, caches(), prompt, compiled).float()
             # bf16 activations: fused kernels round in other places than the eager ops
             assert (got - want).norm() / want.norm() < 2e-2, length
+
+
+def _hidden_after_prefills(model, caches, prompts: list[list[int]], compiled):
+    """Prefill each prompt but its last token eagerly (sequence s in blocks 4s..4s+3), then
+    decode the last tokens in one step of len(prompts) sequences, eagerly or compiled."""
+    tables = [list(range(4 * s, 4 * s + 4)) for s in range(len(prompts))]
+    for table, prompt in zip(tables, prompts, strict=True):
+        meta, positions = make_attention_metadata([table], [0], [len(prompt) - 1], BLOCK)
+        model(torch.tensor(prompt[:-1]), positions, caches, meta)
+    meta, positions = make_attention_metadata(tables, [len(p) - 1 for p in prompts],
+                                              [1] * len(prompts), BLOCK)
+    step = compiled if compiled is not None else model
+    return step(torch.tensor([p[-1] for p in prompts]), positions, caches, meta)  # [S, hidden]
+
+
+@pytest.mark.skipif(not cpu_kernels_available(), reason="the paged kernel is for x86 CPUs")
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+def test_the_compiled_step_of_several_sequences_matches_the_eager_one(
+    family, tiny_llama_dir, tiny_family_dirs
+) -> None:
+    """With the paged kernel, steps of a few sequences run compiled too (their attention
+    through the block tables): 2 and 4 sequences of different context lengths (Gemma 2's
+    windows bite on the longest) match the eager step, and so does one sequence on its own
+    graph afterwards; 5 sequences (past the int4 rows) stay eager."""
+    model_dir = tiny_llama_dir if family == "llama" else tiny_family_dirs["gemma2"]
+    model, config = load_model(model_dir, torch.bfloat16, "cpu")
+    assert quantize_linear_int4(model) > 0
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    compiled = CompiledDecode(model, paged=True)
+    with torch.inference_mode():
+        for num_seqs, runs_compiled in ((4, True), (5, False)):
+            meta, _ = make_attention_metadata([[s] for s in range(num_seqs)], [1] * num_seqs,
+                                              [1] * num_seqs, BLOCK)
+            assert compiled.applies(meta) == runs_compiled
+        for num_seqs in (2, 4, 1):
+            prompts = [[(7 * i + 3 * s) % config.vocab_size for i in range(3 + 2 * s)]
+                       for s in range(num_seqs)]
+            want, got = (
+                _hidden_after_prefills(
+                    model, allocate_kv_caches(config.num_hidden_layers, 4 * num_seqs, BLOCK,
+                                              config.num_key_value_heads, head_dim),
+                    prompts, step).float()
+                for step in (None, compiled)
+            )
+            assert (got - want).norm() / want.norm() < 2e-2, num_seqs
 
 
 @pytest.mark.skipif(not cpu_kernels_available(), reason="the qgemv kernel is for x86 CPUs (AVX2)")

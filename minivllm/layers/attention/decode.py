@@ -16,13 +16,16 @@ from minivllm.layers.activation import soft_cap
 
 
 class DecodeMetadata(NamedTuple):
-    """The inputs of a decode-only step's attention, shared by every layer."""
+    """The inputs of a decode-only step's attention, shared by every layer: the gathered
+    path's index tensors, or (`block_tables` given) our paged kernel's block tables."""
 
     slot_mapping: torch.Tensor  # [S] int64: the KV slot of each sequence's new token
-    kv_index: torch.Tensor  # [S, L] int64: slot of key j of sequence s (clamped past its end)
-    kv_valid: torch.Tensor  # [S, L] bool: key j exists (j < seq_len)
-    key_positions: torch.Tensor  # [L] int64: 0 .. L-1
+    kv_index: torch.Tensor | None  # [S, L] int64: slot of key j of sequence s (clamped)
+    kv_valid: torch.Tensor | None  # [S, L] bool: key j exists (j < seq_len)
+    key_positions: torch.Tensor | None  # [L] int64: 0 .. L-1
     query_positions: torch.Tensor  # [S] int64: the new token's position (seq_len - 1)
+    block_tables: torch.Tensor | None = None  # [S, B] int64: the paged kernel's path
+    seq_lens: torch.Tensor | None = None  # [S] int64
 
 
 def decode_attention(
@@ -47,6 +50,14 @@ def decode_attention(
     new_v = v.view(num_seqs, num_kv_heads, head_dim).to(v_flat.dtype)
     k_flat.index_copy_(0, meta.slot_mapping, new_k)
     v_flat.index_copy_(0, meta.slot_mapping, new_v)
+    if meta.block_tables is not None:  # our kernel reads the keys through the block tables
+        queries = q.view(num_seqs, -1, head_dim).to(k_flat.dtype)  # [S, H, D]
+        out = torch.ops.minivllm.paged_decode(
+            queries, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale,
+            sliding_window or 0, softcap or 0.0,
+        )  # [S, H, D]
+        return out.reshape(num_seqs, -1).to(q.dtype)  # [S, H*D]
+    assert meta.kv_index is not None and meta.kv_valid is not None
     keys = k_flat[meta.kv_index]  # [S, L, KVH, D]
     values = v_flat[meta.kv_index]  # [S, L, KVH, D]
     queries = q.view(num_seqs, num_kv_heads, group, head_dim).to(k_flat.dtype)  # [S, KVH, G, D]

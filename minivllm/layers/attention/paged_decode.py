@@ -21,19 +21,29 @@ from minivllm.layers.attention.metadata import AttentionMetadata
 from minivllm.layers.cpu_kernels import cpu_kernels_available
 
 
+def paged_decode_supported(
+    device: torch.device, model_dtype: torch.dtype, kv_dtype: torch.dtype, head_dim: int
+) -> bool:
+    """Whether decode-only steps attend through the kernel: on the CPU, a bf16 model over an
+    fp32 cache, head sizes a multiple of 8, the kernels built."""
+    return (
+        device.type == "cpu"
+        and model_dtype == torch.bfloat16
+        and kv_dtype == torch.float32
+        and head_dim % 8 == 0
+        and cpu_kernels_available()
+    )
+
+
 def paged_decode_applies(
     model_dtype: torch.dtype, q: torch.Tensor, k_cache: torch.Tensor, meta: AttentionMetadata
 ) -> bool:
-    """Whether this step's attention runs on the kernel: decode-only, on the CPU, a bf16
-    model over an fp32 cache (`q` already in the cache's dtype)."""
+    """Whether this step's attention runs on the kernel: decode-only and supported (`q`
+    already in the cache's dtype)."""
     return (
         meta.is_decode_only
-        and q.device.type == "cpu"
-        and model_dtype == torch.bfloat16
-        and k_cache.dtype == torch.float32
-        and q.dtype == torch.float32
-        and q.shape[-1] % 8 == 0
-        and cpu_kernels_available()
+        and q.dtype == k_cache.dtype
+        and paged_decode_supported(q.device, model_dtype, k_cache.dtype, q.shape[-1])
     )
 
 

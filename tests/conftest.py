@@ -22,6 +22,18 @@ from minivllm.engine.tracing import Tracer
 pytest_plugins = ["support.model_fixtures"]
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """Every graph a test compiles goes to the Inductor cache of the CPU capability torch
+    runs (the engine's own choice, `inductor_cache_dir`): torch 2.13's default cache, filled
+    by the AVX-512 pass of `make test` and read by its AVX2 pass on the same machine, gave a
+    graph around our qgemv operator that returned wrong values (test_qgemv.py)."""
+    import os
+
+    from minivllm.engine.compiled_decode import inductor_cache_dir
+
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = inductor_cache_dir()
+
+
 @pytest.fixture
 def make_engine() -> Iterator[Callable[..., LLMEngine]]:
     engines: list[LLMEngine] = []

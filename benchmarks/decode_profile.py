@@ -6,11 +6,16 @@ packed int4 matmuls), the LM head, and everything else (norms, rotary, attention
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/decode_profile.py [--batch 1] [--dtype auto]
         [--enforce-eager]   # the eager step, for comparison with the compiled one
+        [--wall-rounds 6]   # also the wall time a step takes: min and median of the rounds
+
+The wall time (all of torch's threads, temperature 0.6 as the serve benchmark's client) is
+what a user waits for; the CPU time sums the threads' work.
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 from collections import defaultdict
 
@@ -32,6 +37,8 @@ def main() -> None:
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--quantization", default=None)
     parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--wall-rounds", type=int, default=0,
+                        help="rounds of --steps steps timed by the wall clock (0: none)")
     args = parser.parse_args()
     llm = LLM(None, dtype=args.dtype, quantization=args.quantization, num_kv_blocks=512,
               enforce_eager=args.enforce_eager)
@@ -39,7 +46,8 @@ def main() -> None:
     prompts, _ = Workload(args.batch, (args.context, args.context), (1, 1)).make(
         engine.model_runner.vocab_size)
     for prompt in prompts:
-        engine.add_request(prompt, SamplingParams(max_tokens=2 * args.steps + 8, ignore_eos=True))
+        engine.add_request(prompt, SamplingParams(
+            max_tokens=(2 + args.wall_rounds) * args.steps + 8, ignore_eos=True, temperature=0.6))
     while any(s.num_cached_tokens < s.num_prompt_tokens for s in engine.scheduler.running) \
             or engine.scheduler.waiting:
         engine.step()
@@ -49,6 +57,15 @@ def main() -> None:
     for _ in range(args.steps):
         engine.step()
     wall = (time.process_time() - start) / args.steps * 1e3
+    rounds = []
+    for _ in range(args.wall_rounds):
+        start = time.perf_counter()
+        for _ in range(args.steps):
+            engine.step()
+        rounds.append((time.perf_counter() - start) / args.steps * 1e3)
+    if rounds:
+        print(f"wall ms per step over {len(rounds)} rounds of {args.steps}: min "
+              f"{min(rounds):.1f}, median {statistics.median(rounds):.1f}")
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         for _ in range(args.steps):
             engine.step()

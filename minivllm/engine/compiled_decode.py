@@ -4,11 +4,12 @@ At batch 1 a decode step of the default model spends more time dispatching small
 rotary, casts, residual adds, attention's gathers: about 1,500 per step) than in its
 matmuls. Compiled, they become a few fused C++ loops per layer around the matmuls.
 
-What is compiled: one decoder layer's forward, for decode-only steps, with attention as plain
-tensor maths for one sequence (`minivllm.layers.attention.decode`) and, where our paged
-kernel runs (bf16 models: `paged_decode_supported`), as that kernel's operator for several
-sequences. The layers of a model share their code, so one graph serves all of them (their
-weights are the graph's inputs): compiling a layer costs a thirtieth of compiling the model.
+What is compiled: one decoder layer's forward, for decode-only steps, with attention as our
+paged kernel's operator where it runs (bf16 models: `paged_decode_supported`), else as plain
+tensor maths for one sequence (`minivllm.layers.attention.decode`). At one sequence the
+kernel's step took 9.6-10.7 ms against 11.5-12.5 for the plain maths (docs/benchmarks.md).
+The layers of a model share their code, so one graph serves all of them (their weights are
+the graph's inputs): compiling a layer costs a thirtieth of compiling the model.
 Steps of up to as many sequences as the int4 kernel takes rows (4) are compiled, in two
 graphs (one sequence; several), both at start-up; larger steps stay eager, where the dense
 bf16 matmuls run oneDNN-prepacked (opaque to Inductor, which would call aten::mm: slower).
@@ -216,15 +217,12 @@ class CompiledDecode:
         """Whether a step runs compiled: up to `max_seqs` sequences decoding one token each."""
         return meta.is_decode_only and meta.num_seqs <= self.max_seqs
 
-    def _paged_for(self, num_seqs: int) -> bool:
-        return self.paged and num_seqs > 1
-
     def __call__(
         self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: KVCaches,
         meta: AttentionMetadata | DecodeMetadata,
     ) -> torch.Tensor:
         if isinstance(meta, AttentionMetadata):
-            meta = decode_metadata(meta, paged=self._paged_for(meta.num_seqs))
+            meta = decode_metadata(meta, paged=self.paged)
         self._this_step.clear()
         return self.decoder(input_ids, positions, kv_caches, meta, run_layer=self.run_layer)
 
@@ -267,10 +265,10 @@ class CompiledDecode:
     def _dummy_step(
         self, kv_caches: KVCaches, block_size: int, context: int, num_seqs: int
     ) -> tuple:
-        """`num_seqs` sequences decoding their token at position `context - 1`; with one, over
-        slots 0..context-1; with several, sequence s over blocks 2s and 2s + 1."""
+        """`num_seqs` sequences decoding their token at position `context - 1`: with the paged
+        kernel, sequence s over blocks 2s and 2s + 1; else one, over slots 0..context-1."""
         device = kv_caches[0][0].device
-        if self._paged_for(num_seqs):
+        if self.paged:
             tables = torch.arange(2 * num_seqs, device=device).view(num_seqs, 2)  # [S, 2]
             seq_lens = torch.full((num_seqs,), context, device=device)
             meta = DecodeMetadata(

@@ -37,7 +37,7 @@ def _step(tables, context, kv_heads, dim, block, seed):
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("window, softcap", [(None, None), (5, None), (None, 3.0), (7, 2.0)])
 @pytest.mark.parametrize("heads, kv_heads, dim, block", [(6, 2, 8, 4), (9, 3, 64, 16),
-                                                         (4, 4, 16, 1)])
+                                                         (4, 4, 16, 1), (4, 2, 136, 4)])
 def test_matches_the_gather_and_sdpa_path(threads, window, softcap, heads, kv_heads, dim, block):
     tables = [[3, 1, 4, 7, 9], [0, 2], [5], [8, 6, 10, 11, 12, 13, 14, 15, 16, 17]]
     tables = [t[: max(1, (len(t) * 4) // block)] for t in tables]

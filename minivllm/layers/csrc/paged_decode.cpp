@@ -33,12 +33,71 @@ inline float dot(const float* a, const float* b, int64_t d) {
   return _mm_cvtss_f32(s);
 }
 
-// out += p * v over d floats
-inline void axpy(float p, const float* v, float* out, int64_t d) {
-  const __m256 pv = _mm256_set1_ps(p);
-  for (int64_t i = 0; i < d; i += 8) {
-    _mm256_storeu_ps(out + i, _mm256_fmadd_ps(pv, _mm256_loadu_ps(v + i),
-                                              _mm256_loadu_ps(out + i)));
+// e^x for 8 floats (x <= 0 here: scores minus their row's maximum): x = n ln2 + r with
+// |r| <= ln2 / 2, e^r by its degree-6 Taylor-like polynomial (Cephes' coefficients), 2^n
+// through the exponent bits. Relative error ~1e-7; below -87 it flushes to ~1e-38, not 0.
+inline __m256 exp8(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+  const __m256 n = _mm256_floor_ps(
+      _mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);  // ln2 in two parts
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507e-3f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073e-3f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894e-2f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459e-1f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201e-1f));
+  y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  const __m256i bits = _mm256_slli_epi32(
+      _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(bits));
+}
+
+// row[0..n) = softmax(row), in place.
+inline void softmax(float* row, int64_t n) {
+  __m256 top8 = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) top8 = _mm256_max_ps(top8, _mm256_loadu_ps(row + j));
+  float top = -std::numeric_limits<float>::infinity();
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, top8);
+  for (float lane : lanes) top = std::max(top, lane);
+  for (; j < n; ++j) top = std::max(top, row[j]);
+  const __m256 shift = _mm256_set1_ps(top);
+  __m256 total8 = _mm256_setzero_ps();
+  for (j = 0; j + 8 <= n; j += 8) {
+    const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(row + j), shift));
+    _mm256_storeu_ps(row + j, e);
+    total8 = _mm256_add_ps(total8, e);
+  }
+  _mm256_store_ps(lanes, total8);
+  float total = 0.0f;
+  for (float lane : lanes) total += lane;
+  for (; j < n; ++j) total += (row[j] = std::exp(row[j] - top));
+  const float inverse = 1.0f / total;
+  const __m256 inverse8 = _mm256_set1_ps(inverse);
+  for (j = 0; j + 8 <= n; j += 8) {
+    _mm256_storeu_ps(row + j, _mm256_mul_ps(_mm256_loadu_ps(row + j), inverse8));
+  }
+  for (; j < n; ++j) row[j] *= inverse;
+}
+
+// out[0..d) = sum_j p[j] * rows[j][0..d), the sums held in registers 64 floats at a time.
+inline void weighted_sum(const float* p, const float* const* rows, int64_t n, float* out,
+                         int64_t d) {
+  for (int64_t c = 0; c < d; c += 64) {
+    const int64_t width = std::min<int64_t>(64, d - c) / 8;
+    __m256 acc[8];
+    for (int64_t u = 0; u < 8; ++u) acc[u] = _mm256_setzero_ps();
+    for (int64_t j = 0; j < n; ++j) {
+      const __m256 pj = _mm256_set1_ps(p[j]);
+      const float* row = rows[j] + c;
+      for (int64_t u = 0; u < width; ++u) {
+        acc[u] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(row + 8 * u), acc[u]);
+      }
+    }
+    for (int64_t u = 0; u < width; ++u) _mm256_storeu_ps(out + c + 8 * u, acc[u]);
   }
 }
 
@@ -81,10 +140,13 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache,
   const float* vp = v_cache.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const float cap = static_cast<float>(softcap), sc = static_cast<float>(scale);
-  // One task a sequence: its keys (then values) are read position by position, each slot's
-  // row of all KV heads at once, so a block's rows stream in order.
+  // One task a sequence. Scores: its keys read position by position, each slot's row of all
+  // KV heads at once, so a block's rows stream in order. Values: head by head, each head's
+  // weighted sum held in registers over all positions (its KV head's rows, already read for
+  // the group's first head, come again from the cache hierarchy).
   at::parallel_for(0, seqs, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
+    std::vector<const float*> value_rows;
     for (int64_t s = begin; s < end; ++s) {
       const int64_t len = lp[s];
       const int64_t start = window > 0 ? std::max<int64_t>(0, len - window) : 0;
@@ -92,10 +154,14 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache,
       const float* qs = qp + s * heads * d;
       float* os = op + s * heads * d;
       scores.assign(heads * n, 0.0f);  // [H, n]
+      value_rows.resize(kv_heads * n);  // [KVH, n]: where each position's values are
       for (int64_t j = 0; j < n; ++j) {
         const int64_t pos = start + j;
         const int64_t slot = tp[s * max_blocks + pos / block] * block + pos % block;
         const float* keys = kp + slot * kv_heads * d;  // [KVH, D]
+        for (int64_t g = 0; g < kv_heads; ++g) {
+          value_rows[g * n + j] = vp + (slot * kv_heads + g) * d;
+        }
         for (int64_t h = 0; h < heads; ++h) {
           float score = sc * dot(qs + h * d, keys + (h / group) * d, d);
           if (cap > 0.0f) score = cap * std::tanh(score / cap);
@@ -104,20 +170,8 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache,
       }
       for (int64_t h = 0; h < heads; ++h) {
         float* row = scores.data() + h * n;
-        const float top = *std::max_element(row, row + n);
-        float total = 0.0f;
-        for (int64_t j = 0; j < n; ++j) total += (row[j] = std::exp(row[j] - top));
-        const float inverse = 1.0f / total;
-        for (int64_t j = 0; j < n; ++j) row[j] *= inverse;
-      }
-      std::fill(os, os + heads * d, 0.0f);
-      for (int64_t j = 0; j < n; ++j) {
-        const int64_t pos = start + j;
-        const int64_t slot = tp[s * max_blocks + pos / block] * block + pos % block;
-        const float* values = vp + slot * kv_heads * d;  // [KVH, D]
-        for (int64_t h = 0; h < heads; ++h) {
-          axpy(scores[h * n + j], values + (h / group) * d, os + h * d, d);
-        }
+        softmax(row, n);
+        weighted_sum(row, value_rows.data() + (h / group) * n, n, os + h * d, d);
       }
     }
   });

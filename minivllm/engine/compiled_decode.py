@@ -253,7 +253,7 @@ class CompiledDecode:
         context = min(2 * block_size, num_blocks * block_size)
         if context < 2:  # a context of one would be traced as a constant
             return
-        sizes = [1, *(n for n in (2,) if n <= self.max_seqs and 2 * n <= num_blocks)]
+        sizes = [1, 2] if self.max_seqs >= 2 and num_blocks >= 4 else [1]
         start = time.perf_counter()
         for num_seqs in tqdm(sizes, desc="Compiling the decode step", unit="graph",
                              disable=None):

@@ -2,9 +2,9 @@
 
 A step writes its new K/V at `slot_mapping`, then every query token attends, causally, to its
 own sequence's cached-plus-new tokens, with flash-attn where it applies (`flash.py`), our CPU
-kernel for decode-only steps (`paged_decode.py`), and otherwise with SDPA (`sdpa.py`), one
-call per group of like sequences (`partition.py`). The
-compiled decode step hands it a `DecodeMetadata` instead, and it attends with `decode.py`.
+kernel for bf16 models' decode-only steps (`paged_decode.py`), and otherwise with SDPA
+(`sdpa.py`), one call per group of like sequences (`partition.py`). The compiled decode step
+hands it a `DecodeMetadata` instead, and it attends with `decode.py`.
 """
 
 import torch

@@ -49,7 +49,8 @@ def test_matches_the_gather_and_sdpa_path(threads, window, softcap, heads, kv_he
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        got = paged_decode_attention(q, k_cache, v_cache, meta, dim**-0.5, window, softcap)
+        got = paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
+                                     dim**-0.5, window, softcap)
     finally:
         torch.set_num_threads(before)
     assert not got.isnan().any()

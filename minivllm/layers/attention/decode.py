@@ -13,6 +13,7 @@ from typing import NamedTuple
 import torch
 
 from minivllm.layers.activation import soft_cap
+from minivllm.layers.attention.paged_decode import paged_decode_attention
 
 
 class DecodeMetadata(NamedTuple):
@@ -52,10 +53,8 @@ def decode_attention(
     v_flat.index_copy_(0, meta.slot_mapping, new_v)
     if meta.block_tables is not None:  # our kernel reads the keys through the block tables
         queries = q.view(num_seqs, -1, head_dim).to(k_flat.dtype)  # [S, H, D]
-        out = torch.ops.minivllm.paged_decode(
-            queries, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale,
-            sliding_window or 0, softcap or 0.0,
-        )  # [S, H, D]
+        out = paged_decode_attention(queries, k_cache, v_cache, meta.block_tables,
+                                     meta.seq_lens, scale, sliding_window, softcap)  # [S, H, D]
         return out.reshape(num_seqs, -1).to(q.dtype)  # [S, H*D]
     assert meta.kv_index is not None and meta.kv_valid is not None
     keys = k_flat[meta.kv_index]  # [S, L, KVH, D]

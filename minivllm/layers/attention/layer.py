@@ -80,7 +80,8 @@ class Attention(nn.Module):
             return out.reshape(num_tokens, self.num_heads * self.head_dim)  # [T, H*D]
         if paged_decode_applies(out_dtype, q, k_cache, meta):
             out = paged_decode_attention(
-                q, k_cache, v_cache, meta, self.scale, self.sliding_window, self.logit_softcap
+                q, k_cache, v_cache, meta.block_tables, meta.seq_lens, self.scale,
+                self.sliding_window, self.logit_softcap,
             )
             return out.reshape(num_tokens, self.num_heads * self.head_dim).to(out_dtype)
         groups = meta.groups

@@ -51,14 +51,17 @@ def paged_decode_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    meta: AttentionMetadata,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
     scale: float,
     sliding_window: int | None = None,
     softcap: float | None = None,
 ) -> torch.Tensor:
     """`q` `[num_seqs, num_heads, head_dim]` (one token each) over the cache, which already
-    holds this step's K/V; returns `[num_seqs, num_heads, head_dim]`."""
+    holds this step's K/V, through `block_tables` `[num_seqs, max_blocks]` up to `seq_lens`
+    `[num_seqs]` (an eager step's AttentionMetadata or the compiled step's DecodeMetadata
+    carry both); returns `[num_seqs, num_heads, head_dim]`."""
     return torch.ops.minivllm.paged_decode(
-        q.contiguous(), k_cache, v_cache, meta.block_tables, meta.seq_lens, scale,
-        sliding_window or 0, softcap or 0.0,
+        q.contiguous(), k_cache, v_cache, block_tables, seq_lens, scale, sliding_window or 0,
+        softcap or 0.0,
     )

@@ -97,6 +97,17 @@ class RequestStream:
         self._closed = True
 
 
+def call_output_hook(hook: OutputHook | None, output: RequestOutput, num_new: int) -> None:
+    """Run the server's hook (metrics) on a delivered output: a failing hook is logged, and the
+    output is delivered all the same."""
+    if hook is None:
+        return
+    try:
+        hook(output, num_new)
+    except Exception:
+        logger.exception("output hook failed")
+
+
 async def add_and_wait(
     send: Callable[[Command], None], request_id: str, choices: list[Choice]
 ) -> RequestStream:
@@ -120,12 +131,7 @@ class _StreamSink:
         self._engine = engine
 
     def deliver(self, target: Stream, index: int, output: RequestOutput, num_new: int) -> None:
-        hook = self._engine.on_output
-        if hook is not None:
-            try:
-                hook(output, num_new)
-            except Exception:
-                logger.exception("output hook failed")
+        call_output_hook(self._engine.on_output, output, num_new)
         target.put(index, output)
 
     def flush(self) -> None:
@@ -148,7 +154,6 @@ class AsyncLLMEngine:
         self._loop = EngineLoop(engine, self._commands, _StreamSink(self),
                                 max_waiting_requests, recorder)
         self._stop = False
-        self._accepting = True
         self._thread: threading.Thread | None = None
 
     @property
@@ -200,7 +205,6 @@ class AsyncLLMEngine:
 
     def stop_accepting(self) -> None:
         """Refuse new requests from now on (ShuttingDownError); those in flight go on."""
-        self._accepting = False
         self._loop.accepting = False
 
     def abort_all(self) -> None:
@@ -219,7 +223,7 @@ class AsyncLLMEngine:
         Raises ValueError (bad request) or QueueFullError (overloaded). The caller must
         `close()` the stream when done with it: closing it early aborts what still runs.
         """
-        if not self._accepting:
+        if not self._loop.accepting:
             raise ShuttingDownError("the server is shutting down; retry on another instance")
         if not self.is_running:
             raise EngineDeadError("the engine loop is not running")

@@ -29,11 +29,17 @@ import multiprocessing
 import subprocess
 import sys
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from minivllm.engine.requests import Choice
-from minivllm.server.async_engine import OutputHook, RequestStream, Stream, add_and_wait
+from minivllm.server.async_engine import (
+    OutputHook,
+    RequestStream,
+    Stream,
+    add_and_wait,
+    call_output_hook,
+)
 from minivllm.server.engine_loop import (
     Abort,
     Add,
@@ -64,7 +70,7 @@ class _Pending:
     """A request on this side: its stream and the choices still running."""
 
     stream: Stream
-    unfinished: set[int] = field(default_factory=set)
+    unfinished: set[int]
 
 
 class EngineProcess:
@@ -247,11 +253,7 @@ class EngineProcess:
                         del self._requests[request_id]
             if pending is None:
                 continue  # aborted here in the meantime
-            if self.on_output is not None:
-                try:
-                    self.on_output(output, num_new)
-                except Exception:
-                    logger.exception("output hook failed")
+            call_output_hook(self.on_output, output, num_new)
             pending.stream.put(index, output)
 
     def _end_all(self) -> None:

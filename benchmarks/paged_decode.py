@@ -3,6 +3,7 @@ of `--seqs` sequences at `--context` tokens, over 30 distinct caches (one per la
 default model, so that the keys and values stream from memory as in a step), SmolLM2's heads.
 
     .venv/bin/python benchmarks/paged_decode.py [--threads 1] [--seqs 16] [--context 200]
+        [--kv-dtype float32|bfloat16]
 
 Prints the best of 10 passes over the 30 caches, in us per layer.
 """
@@ -24,14 +25,17 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--seqs", type=int, default=16)
     parser.add_argument("--context", type=int, default=200)
+    parser.add_argument("--kv-dtype", choices=["float32", "bfloat16"], default="float32")
     args = parser.parse_args()
     if not cpu_kernels_available():
         raise SystemExit("the kernels are not built here (see the log)")
     torch.set_num_threads(args.threads)
     blocks_per_seq = -(-args.context // BLOCK)
     num_blocks = args.seqs * blocks_per_seq + 8
-    caches = [(torch.randn(num_blocks, BLOCK, KV_HEADS, HEAD_DIM),
-               torch.randn(num_blocks, BLOCK, KV_HEADS, HEAD_DIM)) for _ in range(LAYERS)]
+    kv_dtype = getattr(torch, args.kv_dtype)
+    caches = [(torch.randn(num_blocks, BLOCK, KV_HEADS, HEAD_DIM, dtype=kv_dtype),
+               torch.randn(num_blocks, BLOCK, KV_HEADS, HEAD_DIM, dtype=kv_dtype))
+              for _ in range(LAYERS)]
     tables = torch.randperm(num_blocks)[: args.seqs * blocks_per_seq].view(args.seqs, -1)
     seq_lens = torch.full((args.seqs,), args.context, dtype=torch.long)
     q = torch.randn(args.seqs, HEADS, HEAD_DIM)
@@ -47,8 +51,8 @@ def main() -> None:
         start = time.perf_counter()
         one_pass()
         best = min(best, (time.perf_counter() - start) / LAYERS)
-    print(f"paged_decode, {args.seqs} sequences x {args.context} tokens, {args.threads} "
-          f"thread(s): {best * 1e6:.0f} us per layer")
+    print(f"paged_decode, {args.seqs} sequences x {args.context} tokens, {args.kv_dtype} "
+          f"cache, {args.threads} thread(s): {best * 1e6:.0f} us per layer")
 
 
 if __name__ == "__main__":

@@ -5,9 +5,11 @@ AVX-512 alike); each is a torch operator, so eager code and compiled graphs call
 way. They are compiled here, with the C++ compiler torch.compile already needs (`$CXX`, else
 g++), against the installed torch's headers, into `<minivllm cache>/kernels/` under a name
 that changes with the sources, the torch version and the flags; the first use builds them
-(~20 s), later ones load the file. Where they cannot run (another processor, no compiler)
-`cpu_kernels_available()` is False, says why in the log once, and their callers keep torch's
-own ops.
+(~20 s), later ones load the file. They split their work over torch's thread pool
+(`at::parallel_for`), which is OpenMP in torch's CPU wheels: `-fopenmp` makes that a
+parallel loop (without it, a serial one), and the process's OpenMP runtime is torch's own.
+Where they cannot run (another processor, no compiler) `cpu_kernels_available()` is False,
+says why in the log once, and their callers keep torch's own ops.
 
 - `qgemv.cpp`: 4- and 8-bit weights times fp32 activations (`minivllm.layers.qgemv`).
 - `paged_decode.cpp`: one query per sequence over the paged KV cache
@@ -32,8 +34,8 @@ from minivllm.cache import cache_dir
 logger = logging.getLogger(__name__)
 
 SOURCES = sorted((Path(__file__).with_name("csrc")).glob("*.cpp"))
-FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-std=c++20", "-shared",
-         "-fPIC", "-w"]
+FLAGS = ["-O3", "-fopenmp", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-std=c++20",
+         "-shared", "-fPIC", "-w"]
 
 
 class KernelBuildError(RuntimeError):

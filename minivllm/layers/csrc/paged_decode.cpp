@@ -1,4 +1,5 @@
-// Decode attention straight from the paged KV cache on x86 CPUs with AVX2, fp32.
+// Decode attention straight from the paged KV cache on x86 CPUs with AVX2: a float32 or
+// bfloat16 cache, float32 maths.
 //
 // One query per sequence (a decode-only step): for sequence s and query head h, over the keys
 // at positions [start, L) with L = seq_lens[s] (the new token's included) and start = L - window
@@ -6,10 +7,12 @@
 //   score_j = scale * <q[s, h], K[slot(j), h / G]>   (softcap: cap * tanh(score / cap))
 //   out[s, h] = sum_j softmax(score)_j * V[slot(j), h / G]
 // with slot(j) = block_tables[s, j / block_size] * block_size + j % block_size (the tutorial
-// chapter's formula) and G = heads / kv_heads. Each slot's keys (and values) of all KV heads
-// are one row, read once, straight from the cache: no gathered copy, no padding, no mask.
-// Sequences are split over torch's own thread pool (at::parallel_for).
+// chapter's formula) and G = heads / kv_heads. Rows are read straight from the cache through
+// the block table: no gathered copy, no padding, no mask. One task per (sequence, KV head),
+// split over torch's own thread pool (at::parallel_for, OpenMP: the file is compiled with
+// -fopenmp, without which the loop ran on one thread).
 #include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
 #include <ATen/ops/empty_like.h>
 #include <torch/library.h>
 
@@ -22,15 +25,48 @@
 
 namespace {
 
-inline float dot(const float* a, const float* b, int64_t d) {
-  __m256 acc = _mm256_setzero_ps();
-  for (int64_t i = 0; i < d; i += 8) {
-    acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+// 8 floats from the cache: float32 as they are, bfloat16 widened (its bits are a float's top
+// half).
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const at::BFloat16* p) {
+  const __m128i half = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16));
+}
+
+// The 8 lanes' sums of 8 vectors: {sum(a[0]), ..., sum(a[7])}.
+inline __m256 sum8x8(const __m256* a) {
+  const __m256 t0 = _mm256_hadd_ps(a[0], a[1]), t1 = _mm256_hadd_ps(a[2], a[3]);
+  const __m256 t2 = _mm256_hadd_ps(a[4], a[5]), t3 = _mm256_hadd_ps(a[6], a[7]);
+  const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+  // u0 = {a0..a3 low-half sums | a0..a3 high-half sums}, u1 the same for a4..a7
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+// <q, row> over d floats (d a multiple of 8), two chains of sums.
+template <typename T>
+inline float dot(const float* q, const T* row, int64_t d) {
+  __m256 a = _mm256_setzero_ps(), b = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 16 <= d; i += 16) {
+    a = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), load8(row + i), a);
+    b = _mm256_fmadd_ps(_mm256_loadu_ps(q + i + 8), load8(row + i + 8), b);
   }
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
+  if (i < d) a = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), load8(row + i), a);
+  __m256 acc[8] = {_mm256_add_ps(a, b)};
+  for (int u = 1; u < 8; ++u) acc[u] = _mm256_setzero_ps();
+  return _mm256_cvtss_f32(sum8x8(acc));
+}
+
+// scores[0..8) = <q, rows[j]> for 8 rows at once: eight independent chains, one reduction.
+template <typename T>
+inline void dot8(const float* q, const T* const* rows, int64_t d, float* scores) {
+  __m256 acc[8];
+  for (int u = 0; u < 8; ++u) acc[u] = _mm256_setzero_ps();
+  for (int64_t i = 0; i < d; i += 8) {
+    const __m256 qi = _mm256_loadu_ps(q + i);
+    for (int u = 0; u < 8; ++u) acc[u] = _mm256_fmadd_ps(qi, load8(rows[u] + i), acc[u]);
+  }
+  _mm256_storeu_ps(scores, sum8x8(acc));
 }
 
 // e^x for 8 floats (x <= 0 here: scores minus their row's maximum): x = n ln2 + r with
@@ -83,22 +119,112 @@ inline void softmax(float* row, int64_t n) {
   for (; j < n; ++j) row[j] *= inverse;
 }
 
-// out[0..d) = sum_j p[j] * rows[j][0..d), the sums held in registers 64 floats at a time.
-inline void weighted_sum(const float* p, const float* const* rows, int64_t n, float* out,
+// out[0..W * 8) = sum_j p[j] * rows[j][0..W * 8): W sums in registers, W chains of FMAs.
+template <int W, typename T>
+inline void weighted_sum_columns(const float* p, const T* const* rows, int64_t n, int64_t c,
+                                 float* out) {
+  __m256 acc[W];
+  for (int u = 0; u < W; ++u) acc[u] = _mm256_setzero_ps();
+  for (int64_t j = 0; j < n; ++j) {
+    const __m256 pj = _mm256_set1_ps(p[j]);
+    const T* row = rows[j] + c;
+    for (int u = 0; u < W; ++u) acc[u] = _mm256_fmadd_ps(pj, load8(row + 8 * u), acc[u]);
+  }
+  for (int u = 0; u < W; ++u) _mm256_storeu_ps(out + c + 8 * u, acc[u]);
+}
+
+// out[0..d) = sum_j p[j] * rows[j][0..d): 64 columns at a time (eight chains of FMAs keep
+// both FMA units busy), then 8.
+template <typename T>
+inline void weighted_sum(const float* p, const T* const* rows, int64_t n, float* out,
                          int64_t d) {
-  for (int64_t c = 0; c < d; c += 64) {
-    const int64_t width = std::min<int64_t>(64, d - c) / 8;
-    __m256 acc[8];
-    for (int64_t u = 0; u < 8; ++u) acc[u] = _mm256_setzero_ps();
-    for (int64_t j = 0; j < n; ++j) {
-      const __m256 pj = _mm256_set1_ps(p[j]);
-      const float* row = rows[j] + c;
-      for (int64_t u = 0; u < width; ++u) {
-        acc[u] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(row + 8 * u), acc[u]);
+  int64_t c = 0;
+  for (; c + 64 <= d; c += 64) weighted_sum_columns<8>(p, rows, n, c, out);
+  for (; c < d; c += 8) weighted_sum_columns<1>(p, rows, n, c, out);
+}
+
+// One sequence and one KV head: its `group` query heads (qs, os: [group, d]) over positions
+// [start, len) of the sequence's block table (`table`).
+template <typename T>
+void attend_one_kv_head(const float* qs, const T* kp, const T* vp, const int64_t* table,
+                        int64_t start, int64_t len, int64_t block, int64_t kv_heads,
+                        int64_t g, int64_t group, int64_t d, float scale, float cap, float* os,
+                        std::vector<float>& scores, std::vector<const T*>& keys,
+                        std::vector<const T*>& values) {
+  const int64_t n = len - start;
+  keys.resize(n);
+  values.resize(n);
+  // Where each position's rows are: one block-table read per block, no division per row.
+  for (int64_t pos = start, j = 0; pos < len;) {
+    const int64_t b = pos / block, in_block = pos - b * block;
+    const int64_t rows = std::min(block - in_block, len - pos);
+    const int64_t first = ((table[b] * block + in_block) * kv_heads + g) * d;
+    for (int64_t r = 0; r < rows; ++r, ++j) {
+      keys[j] = kp + first + r * kv_heads * d;
+      values[j] = vp + first + r * kv_heads * d;
+    }
+    pos += rows;
+  }
+  scores.resize(group * n);  // [group, n]
+  // Scores, 8 positions at a time for every head of the group (their key rows stay in L1);
+  // the rows 16 positions ahead, keys and values, are asked of memory meanwhile (a block's
+  // rows of one KV head are strided and blocks are scattered: the hardware's prefetchers
+  // alone left this loop waiting on memory).
+  const int64_t lines = (d * static_cast<int64_t>(sizeof(T)) + 63) / 64;
+  constexpr int64_t kAhead = 16;
+  int64_t j = 0;
+  for (; j < n; j += 8) {
+    for (int64_t a = j + kAhead; a < std::min(j + kAhead + 8, n); ++a) {
+      for (int64_t l = 0; l < lines; ++l) {
+        _mm_prefetch(reinterpret_cast<const char*>(keys[a]) + 64 * l, _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(values[a]) + 64 * l, _MM_HINT_T0);
       }
     }
-    for (int64_t u = 0; u < width; ++u) _mm256_storeu_ps(out + c + 8 * u, acc[u]);
+    for (int64_t h = 0; h < group; ++h) {
+      float* row = scores.data() + h * n;
+      if (j + 8 <= n) {
+        dot8(qs + h * d, keys.data() + j, d, row + j);
+      } else {
+        for (int64_t t = j; t < n; ++t) row[t] = dot(qs + h * d, keys[t], d);
+      }
+    }
   }
+  for (int64_t h = 0; h < group; ++h) {
+    float* row = scores.data() + h * n;
+    for (j = 0; j < n; ++j) {
+      float score = scale * row[j];
+      if (cap > 0.0f) score = cap * std::tanh(score / cap);
+      row[j] = score;
+    }
+    softmax(row, n);
+    weighted_sum(row, values.data(), n, os + h * d, d);
+  }
+}
+
+template <typename T>
+void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+            const int64_t* tp, const int64_t* lp, int64_t max_blocks, int64_t window,
+            float scale, float cap, at::Tensor& out) {
+  const int64_t seqs = q.size(0), heads = q.size(1), d = q.size(2);
+  const int64_t block = k_cache.size(1), kv_heads = k_cache.size(2), group = heads / kv_heads;
+  const float* qp = q.data_ptr<float>();
+  const T* kp = k_cache.data_ptr<T>();
+  const T* vp = v_cache.data_ptr<T>();
+  float* op = out.data_ptr<float>();
+  // One task a (sequence, KV head): the group's query heads share its key and value rows,
+  // read from memory once (the group's later heads find them in the core's caches).
+  at::parallel_for(0, seqs * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;
+    std::vector<const T*> keys, values;
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t s = task / kv_heads, g = task % kv_heads, len = lp[s];
+      const int64_t start = window > 0 ? std::max<int64_t>(0, len - window) : 0;
+      const int64_t first_head = (s * heads + g * group) * d;
+      attend_one_kv_head(qp + first_head, kp, vp, tp + s * max_blocks, start, len, block,
+                         kv_heads, g, group, d, scale, cap, op + first_head, scores, keys,
+                         values);
+    }
+  });
 }
 
 at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache,
@@ -107,11 +233,13 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache,
                         double softcap) {
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.is_contiguous(),
               "paged_decode: q must be [seqs, heads, head_dim] float32, contiguous");
-  TORCH_CHECK(k_cache.dim() == 4 && k_cache.scalar_type() == at::kFloat &&
+  TORCH_CHECK(k_cache.dim() == 4 &&
+                  (k_cache.scalar_type() == at::kFloat ||
+                   k_cache.scalar_type() == at::kBFloat16) &&
                   k_cache.is_contiguous() && v_cache.sizes() == k_cache.sizes() &&
-                  v_cache.scalar_type() == at::kFloat && v_cache.is_contiguous(),
+                  v_cache.scalar_type() == k_cache.scalar_type() && v_cache.is_contiguous(),
               "paged_decode: the caches must be [blocks, block_size, kv_heads, head_dim] "
-              "float32, contiguous");
+              "float32 or bfloat16, both the same, contiguous");
   const int64_t seqs = q.size(0), heads = q.size(1), d = q.size(2);
   const int64_t num_blocks = k_cache.size(0), block = k_cache.size(1), kv_heads = k_cache.size(2);
   TORCH_CHECK(k_cache.size(3) == d && d % 8 == 0,
@@ -123,7 +251,7 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache,
                   seq_lens.size(0) == seqs && seq_lens.scalar_type() == at::kLong,
               "paged_decode: block_tables [seqs, max_blocks] and seq_lens [seqs], int64");
   const at::Tensor tables = block_tables.contiguous(), lens = seq_lens.contiguous();
-  const int64_t max_blocks = tables.size(1), group = heads / kv_heads;
+  const int64_t max_blocks = tables.size(1);
   const int64_t* tp = tables.data_ptr<int64_t>();
   const int64_t* lp = lens.data_ptr<int64_t>();
   for (int64_t s = 0; s < seqs; ++s) {
@@ -135,46 +263,12 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache,
     }
   }
   at::Tensor out = at::empty_like(q);
-  const float* qp = q.data_ptr<float>();
-  const float* kp = k_cache.data_ptr<float>();
-  const float* vp = v_cache.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  const float cap = static_cast<float>(softcap), sc = static_cast<float>(scale);
-  // One task a sequence. Scores: its keys read position by position, each slot's row of all
-  // KV heads at once, so a block's rows stream in order. Values: head by head, each head's
-  // weighted sum held in registers over all positions (its KV head's rows, already read for
-  // the group's first head, come again from the cache hierarchy).
-  at::parallel_for(0, seqs, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores;
-    std::vector<const float*> value_rows;
-    for (int64_t s = begin; s < end; ++s) {
-      const int64_t len = lp[s];
-      const int64_t start = window > 0 ? std::max<int64_t>(0, len - window) : 0;
-      const int64_t n = len - start;
-      const float* qs = qp + s * heads * d;
-      float* os = op + s * heads * d;
-      scores.assign(heads * n, 0.0f);  // [H, n]
-      value_rows.resize(kv_heads * n);  // [KVH, n]: where each position's values are
-      for (int64_t j = 0; j < n; ++j) {
-        const int64_t pos = start + j;
-        const int64_t slot = tp[s * max_blocks + pos / block] * block + pos % block;
-        const float* keys = kp + slot * kv_heads * d;  // [KVH, D]
-        for (int64_t g = 0; g < kv_heads; ++g) {
-          value_rows[g * n + j] = vp + (slot * kv_heads + g) * d;
-        }
-        for (int64_t h = 0; h < heads; ++h) {
-          float score = sc * dot(qs + h * d, keys + (h / group) * d, d);
-          if (cap > 0.0f) score = cap * std::tanh(score / cap);
-          scores[h * n + j] = score;
-        }
-      }
-      for (int64_t h = 0; h < heads; ++h) {
-        float* row = scores.data() + h * n;
-        softmax(row, n);
-        weighted_sum(row, value_rows.data() + (h / group) * n, n, os + h * d, d);
-      }
-    }
-  });
+  const float sc = static_cast<float>(scale), cap = static_cast<float>(softcap);
+  if (k_cache.scalar_type() == at::kFloat) {
+    attend<float>(q, k_cache, v_cache, tp, lp, max_blocks, window, sc, cap, out);
+  } else {
+    attend<at::BFloat16>(q, k_cache, v_cache, tp, lp, max_blocks, window, sc, cap, out);
+  }
   return out;
 }
 

@@ -68,10 +68,11 @@ def resolve_dtype(config: EngineConfig, device: torch.device) -> torch.dtype:
 
 
 def kv_cache_dtype(device: torch.device, dtype: torch.dtype) -> torch.dtype:
-    """The KV cache's dtype, which is also the attention maths' (see docs/benchmarks.md):
-    fp32 on the CPU, where torch's SDPA with bf16 inputs is several times slower than with
-    fp32 at decode, and the model dtype on CUDA (flash-attn reads bf16/fp16)."""
-    return torch.float32 if device.type == "cpu" else dtype
+    """The KV cache's dtype: the model's. Its layers hand the attention K and V in that dtype
+    (rotary included), so the cache holds them as computed, bf16 costing half the bytes of
+    fp32 to store and to read at decode. The attention maths are another matter
+    (`attention_dtype`: fp32 on the CPU)."""
+    return dtype
 
 
 def gguf_source(model: str | None) -> Path | None:

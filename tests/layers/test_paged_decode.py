@@ -1,8 +1,8 @@
 """Our decode attention straight from the paged cache (`minivllm::paged_decode`): the same
-output as the gather + SDPA path for bf16 models' decode-only steps, with grouped-query
-heads, sliding windows, soft-caps, scattered block tables, any thread count; it reads only
-the slots a sequence owns (the rest of the cache is NaN); bad tables are refused with a
-message."""
+output as the gather + SDPA path for bf16 models' decode-only steps, over fp32 and bf16 caches,
+with grouped-query heads, sliding windows, soft-caps, scattered block tables, any thread
+count; it reads only the slots a sequence owns (the rest of the cache is NaN); bad tables are
+refused with a message."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def _step(tables, context, kv_heads, dim, block, seed):
+def _step(tables, context, kv_heads, dim, block, seed, dtype=torch.float32):
     """A decode-only step: caches NaN but for each sequence's context and new token."""
     gen = torch.Generator().manual_seed(seed)
     meta, _ = make_attention_metadata(tables, context, [1] * len(tables), block)
@@ -31,21 +31,26 @@ def _step(tables, context, kv_heads, dim, block, seed):
             for pos in range(n + 1):
                 cache[table[pos // block], pos % block] = torch.randn(kv_heads, dim,
                                                                       generator=gen)
-    return meta, k_cache, v_cache, gen
+    return meta, k_cache.to(dtype), v_cache.to(dtype), gen
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("window, softcap", [(None, None), (5, None), (None, 3.0), (7, 2.0)])
 @pytest.mark.parametrize("heads, kv_heads, dim, block", [(6, 2, 8, 4), (9, 3, 64, 16),
                                                          (4, 4, 16, 1), (4, 2, 136, 4)])
-def test_matches_the_gather_and_sdpa_path(threads, window, softcap, heads, kv_heads, dim, block):
+def test_matches_the_gather_and_sdpa_path(kv_dtype, threads, window, softcap, heads, kv_heads,
+                                          dim, block):
     tables = [[3, 1, 4, 7, 9], [0, 2], [5], [8, 6, 10, 11, 12, 13, 14, 15, 16, 17]]
     tables = [t[: max(1, (len(t) * 4) // block)] for t in tables]
     context = [min(len(t) * block - 1, c) for t, c in zip(tables, [17, 6, 0, 35], strict=True)]
-    meta, k_cache, v_cache, gen = _step(tables, context, kv_heads, dim, block, seed=heads)
+    meta, k_cache, v_cache, gen = _step(tables, context, kv_heads, dim, block, seed=heads,
+                                        dtype=kv_dtype)
     q = torch.randn(len(tables), heads, dim, generator=gen)
     assert paged_decode_applies(torch.bfloat16, q, k_cache, meta)
-    want = paged_attention_sdpa(q, k_cache, v_cache, meta, dim**-0.5, window, softcap)
+    # SDPA over the same rows in fp32 (a bf16 cache's values widened exactly)
+    want = paged_attention_sdpa(q, k_cache.float(), v_cache.float(), meta, dim**-0.5, window,
+                                softcap)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -58,12 +63,15 @@ def test_matches_the_gather_and_sdpa_path(threads, window, softcap, heads, kv_he
 
 
 def test_other_steps_and_dtypes_keep_the_sdpa_path():
-    """fp32 models (the token-exact path), bf16 caches, odd head sizes and prefills keep SDPA."""
+    """fp32 models (the token-exact path), fp16 caches, queries not in fp32, odd head sizes and
+    prefills keep SDPA."""
     meta, k_cache, _, _ = _step([[0, 1]], [5], 2, 8, 4, seed=0)
     q = torch.zeros(1, 4, 8)
     assert paged_decode_applies(torch.bfloat16, q, k_cache, meta)
+    assert paged_decode_applies(torch.bfloat16, q, k_cache.bfloat16(), meta)
     assert not paged_decode_applies(torch.float32, q, k_cache, meta)
-    assert not paged_decode_applies(torch.bfloat16, q, k_cache.bfloat16(), meta)
+    assert not paged_decode_applies(torch.bfloat16, q, k_cache.half(), meta)
+    assert not paged_decode_applies(torch.bfloat16, q.bfloat16(), k_cache.bfloat16(), meta)
     assert not paged_decode_applies(torch.bfloat16, torch.zeros(1, 4, 12), k_cache, meta)
     prefill, _ = make_attention_metadata([[0, 1]], [0], [5], 4)
     assert not paged_decode_applies(torch.bfloat16, torch.zeros(5, 4, 8), k_cache, prefill)
@@ -81,3 +89,6 @@ def test_bad_tables_are_refused_with_a_message():
     with pytest.raises(RuntimeError, match="multiple of kv_heads"):
         torch.ops.minivllm.paged_decode(torch.zeros(1, 3, 8), k_cache, v_cache,
                                         meta.block_tables, meta.seq_lens, 1.0, 0, 0.0)
+    with pytest.raises(RuntimeError, match="float32 or bfloat16, both the same"):
+        torch.ops.minivllm.paged_decode(q, k_cache.bfloat16(), v_cache, meta.block_tables,
+                                        meta.seq_lens, 1.0, 0, 0.0)

@@ -1,7 +1,7 @@
 """Attention of a decode-only step written as plain tensor maths, for the compiled step.
 
 Every sequence brings one query. Its keys and values are gathered through a precomputed slot
-index, scored in the cache's dtype (fp32 on the CPU), masked and softmaxed, and the values
+index, scored in fp32 on the CPU (`attention_dtype`), masked and softmaxed, and the values
 summed: a few small ops that Inductor fuses into a handful of loops, where the eager
 path (`sdpa.py`) pays a dispatch for each of a dozen ops per layer. `DecodeMetadata` carries
 tensors only, so `torch.compile` traces through it without a graph break; the eager engine
@@ -14,6 +14,7 @@ import torch
 
 from minivllm.layers.activation import soft_cap
 from minivllm.layers.attention.paged_decode import paged_decode_attention
+from minivllm.layers.attention.sdpa import attention_dtype
 
 
 class DecodeMetadata(NamedTuple):
@@ -51,15 +52,16 @@ def decode_attention(
     new_v = v.view(num_seqs, num_kv_heads, head_dim).to(v_flat.dtype)
     k_flat.index_copy_(0, meta.slot_mapping, new_k)
     v_flat.index_copy_(0, meta.slot_mapping, new_v)
+    maths = attention_dtype(k_cache)
     if meta.block_tables is not None:  # our kernel reads the keys through the block tables
-        queries = q.view(num_seqs, -1, head_dim).to(k_flat.dtype)  # [S, H, D]
+        queries = q.view(num_seqs, -1, head_dim).to(maths)  # [S, H, D]
         out = paged_decode_attention(queries, k_cache, v_cache, meta.block_tables,
                                      meta.seq_lens, scale, sliding_window, softcap)  # [S, H, D]
         return out.reshape(num_seqs, -1).to(q.dtype)  # [S, H*D]
     assert meta.kv_index is not None and meta.kv_valid is not None
-    keys = k_flat[meta.kv_index]  # [S, L, KVH, D]
-    values = v_flat[meta.kv_index]  # [S, L, KVH, D]
-    queries = q.view(num_seqs, num_kv_heads, group, head_dim).to(k_flat.dtype)  # [S, KVH, G, D]
+    keys = k_flat[meta.kv_index].to(maths)  # [S, L, KVH, D]
+    values = v_flat[meta.kv_index].to(maths)  # [S, L, KVH, D]
+    queries = q.view(num_seqs, num_kv_heads, group, head_dim).to(maths)  # [S, KVH, G, D]
     # Products summed, not einsum: Inductor fuses them with the gathers into two loops, where a
     # batched matmul of [KVH] one-row matrices costs more in its call than in its maths.
     scores = (queries[:, None] * keys[:, :, :, None, :]).sum(-1) * scale  # [S, L, KVH, G]

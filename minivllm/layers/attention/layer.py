@@ -15,6 +15,7 @@ from minivllm.layers.attention.flash import can_use_flash_attn, paged_attention_
 from minivllm.layers.attention.metadata import AttentionMetadata
 from minivllm.layers.attention.paged_decode import paged_decode_applies, paged_decode_attention
 from minivllm.layers.attention.sdpa import (
+    attention_dtype,
     causal_attention_sdpa,
     paged_attention_sdpa,
     store_kv,
@@ -68,10 +69,11 @@ class Attention(nn.Module):
         num_tokens = q.shape[0]
         k_cache, v_cache = kv_cache
         out_dtype = q.dtype
-        # The attention maths run in the cache's dtype (fp32 on the CPU even for bf16 models).
-        q = q.view(num_tokens, self.num_heads, self.head_dim).to(k_cache.dtype)  # [T, H, D]
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim).to(k_cache.dtype)  # [T, KVH, D]
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim).to(k_cache.dtype)  # [T, KVH, D]
+        # The attention maths run in fp32 on the CPU even for bf16 models (and bf16 caches).
+        maths = attention_dtype(k_cache)
+        q = q.view(num_tokens, self.num_heads, self.head_dim).to(maths)  # [T, H, D]
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim).to(maths)  # [T, KVH, D]
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim).to(maths)  # [T, KVH, D]
         store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         if can_use_flash_attn(q, meta.block_size):
             out = paged_attention_flash(

@@ -5,13 +5,14 @@ and calling SDPA cost a step of 16 sequences at 200 tokens of context more than 
 maths (on a Zen 4, bf16 model: the gathers ~11 ms and SDPA ~9 ms of a ~50 ms step; on an AVX2
 CPU ~25 and ~30 ms of ~260; docs/benchmarks.md). `minivllm::paged_decode`
 (`csrc/paged_decode.cpp`, built by `minivllm.layers.cpu_kernels`) reads each slot's key and
-value rows once, through the block table, for all query heads, in fp32: windows and soft-caps
-included, no copy, no mask.
+value rows once, through the block table, for the query heads of their KV head: windows and
+soft-caps included, no copy, no mask.
 
-It runs for models that compute in bf16 (`dtype="auto"` on a CPU with native bf16) over the
-fp32 cache, where the attention maths were fp32 already. Models that compute in fp32 keep
-SDPA: its rounding is what the token-exact HF parity tests pin, and with the kernel's sum
-order the int8 option's top-5 test failed on an AVX2-only CPU (docs/benchmarks.md)."""
+It runs for models that compute in bf16 (`dtype="auto"` on a CPU with native bf16), over
+their bf16 cache (an fp32 one too), the maths in fp32 as elsewhere on the CPU: each bf16 row is
+widened as it is read. Models that compute in fp32 keep SDPA: its rounding is what the
+token-exact HF parity tests pin, and with the kernel's sum order the int8 option's top-5 test
+failed on an AVX2-only CPU (docs/benchmarks.md)."""
 
 from __future__ import annotations
 
@@ -24,12 +25,12 @@ from minivllm.layers.cpu_kernels import cpu_kernels_available
 def paged_decode_supported(
     device: torch.device, model_dtype: torch.dtype, kv_dtype: torch.dtype, head_dim: int
 ) -> bool:
-    """Whether decode-only steps attend through the kernel: on the CPU, a bf16 model over an
-    fp32 cache, head sizes a multiple of 8, the kernels built."""
+    """Whether decode-only steps attend through the kernel: on the CPU, a bf16 model over a
+    bf16 or fp32 cache, head sizes a multiple of 8, the kernels built."""
     return (
         device.type == "cpu"
         and model_dtype == torch.bfloat16
-        and kv_dtype == torch.float32
+        and kv_dtype in (torch.bfloat16, torch.float32)
         and head_dim % 8 == 0
         and cpu_kernels_available()
     )
@@ -39,10 +40,10 @@ def paged_decode_applies(
     model_dtype: torch.dtype, q: torch.Tensor, k_cache: torch.Tensor, meta: AttentionMetadata
 ) -> bool:
     """Whether this step's attention runs on the kernel: decode-only and supported (`q`
-    already in the cache's dtype)."""
+    already in fp32, the maths' dtype)."""
     return (
         meta.is_decode_only
-        and q.dtype == k_cache.dtype
+        and q.dtype == torch.float32
         and paged_decode_supported(q.device, model_dtype, k_cache.dtype, q.shape[-1])
     )
 

@@ -20,10 +20,20 @@ def store_kv(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    """Write new keys/values `[num_tokens, num_kv_heads, head_dim]` into their cache slots."""
+    """Write new keys/values `[num_tokens, num_kv_heads, head_dim]` into their cache slots (in
+    the cache's dtype)."""
     num_kv_heads, head_dim = k_cache.shape[-2:]
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)  # [slots, KVH, D]
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)  # [slots, KVH, D]
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(
+        0, slot_mapping, k.to(k_cache.dtype))  # [slots, KVH, D]
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(
+        0, slot_mapping, v.to(v_cache.dtype))  # [slots, KVH, D]
+
+
+def attention_dtype(cache: torch.Tensor) -> torch.dtype:
+    """The dtype of the attention maths over `cache`: fp32 on the CPU, where torch's SDPA
+    with bf16 inputs is several times slower than with fp32 at decode (docs/benchmarks.md),
+    whatever the cache holds; the cache's dtype on CUDA (flash-attn reads bf16/fp16)."""
+    return torch.float32 if cache.device.type == "cpu" else cache.dtype
 
 
 def paged_attention_sdpa(
@@ -47,8 +57,9 @@ def paged_attention_sdpa(
     k_buf, v_buf = meta.kv_gather_buffers(k_cache, max_kv)
     k = torch.index_select(k_cache.view(-1, num_kv_heads, head_dim), 0, gather, out=k_buf)
     v = torch.index_select(v_cache.view(-1, num_kv_heads, head_dim), 0, gather, out=v_buf)
-    k = k.view(num_seqs, max_kv, num_kv_heads, head_dim)  # [S, max_kv, KVH, D]
-    v = v.view(num_seqs, max_kv, num_kv_heads, head_dim)  # [S, max_kv, KVH, D]
+    # [S, max_kv, KVH, D], in q's dtype (a bf16 cache's rows widened for fp32 maths)
+    k = k.view(num_seqs, max_kv, num_kv_heads, head_dim).to(q.dtype)
+    v = v.view(num_seqs, max_kv, num_kv_heads, head_dim).to(q.dtype)
 
     if meta.is_decode_only:
         # One query per sequence: fold each KV head's group of query heads into the query

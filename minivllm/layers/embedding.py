@@ -76,7 +76,8 @@ class ParallelLMHead(VocabParallelEmbedding):
         # A oneDNN-packed copy of the weight for forward on the CPU (see pack_for_cpu), kept
         # in a tuple so that it is not registered as a submodule (no state_dict entry).
         self._packed: tuple[nn.Module | OneDnnWeight, ...] = ()
-        # a Q8_0 head for small steps: two packed int4 halves (bf16) or whole (fp32, qgemv)
+        # a Q8_0 head for small steps: whole for our qgemv kernel (fp32 or bf16 activations),
+        # else two packed int4 halves for torch's int4 kernel (bf16, no kernels built)
         self.int8_head: PackedInt4Pair | QGemvWeight | None = None
 
     def set_int8_head(self, head: PackedInt4Pair | QGemvWeight) -> None:

@@ -29,9 +29,10 @@ GROUP_SIZE = 32
 # (minivllm/layers/onednn.py). benchmarks/linear_kernels.py (docs/benchmarks.md): over the 30
 # layers' weights int4 wins up to 4 rows with either kind of kernel.
 INT4_MAX_ROWS = {"AVX512": 4, "AVX2": 4}
-# The same for an 8-bit weight run as two 4-bit halves (`split_int8`, the Q8_0 LM head): two
-# int4 calls beat the prepacked dense bf16 head at one row (a one-sequence decode step) with
-# the AVX-512 kernels, never with AVX2.
+# The same for an 8-bit weight run as two 4-bit halves (`split_int8`, the Q8_0 LM head, where
+# our qgemv kernel is not built: it is faster, `minivllm.layers.stored_weights`): two int4
+# calls beat the prepacked dense bf16 head at one row (a one-sequence decode step) with the
+# AVX-512 kernels, never with AVX2.
 INT8_AS_INT4_PAIR_MAX_ROWS = {"AVX512": 1, "AVX2": 0}
 
 

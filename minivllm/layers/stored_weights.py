@@ -15,7 +15,7 @@ import torch
 
 from minivllm.layers.cpu_kernels import cpu_kernels_available
 from minivllm.layers.int4 import Int4Weight, PackedInt4, PackedInt4Pair, int4_supported
-from minivllm.layers.qgemv import QGemvWeight
+from minivllm.layers.qgemv import QGEMV_BF16_HEAD_MAX_ROWS, QGemvWeight
 
 SmallStepWeight = PackedInt4 | PackedInt4Pair | QGemvWeight
 
@@ -40,8 +40,13 @@ def pack_4bit(weight: Int4Weight, dtype: torch.dtype) -> PackedInt4 | QGemvWeigh
 def pack_8bit_halves(high: Int4Weight, low: Int4Weight,
                      dtype: torch.dtype) -> PackedInt4Pair | QGemvWeight | None:
     """An 8-bit weight given as `int4.split_int8`'s two halves (a Q8_0 LM head), for `dtype`
-    activations: whole again for our kernel, two packed int4 halves for torch's; None where
-    the kernel does not take its shape."""
+    activations: whole again for our kernel (bf16 activations too, at one row, where it is
+    the fastest: `QGEMV_BF16_HEAD_MAX_ROWS`), else two packed int4 halves for torch's; None
+    where no kernel takes its shape."""
+    if not QGemvWeight.supports(low):
+        return None if dtype == torch.float32 else PackedInt4Pair(high, low)
     if dtype == torch.float32:
-        return QGemvWeight.from_int8_halves(high, low) if QGemvWeight.supports(low) else None
+        return QGemvWeight.from_int8_halves(high, low)
+    if cpu_kernels_available():
+        return QGemvWeight.from_int8_halves(high, low, QGEMV_BF16_HEAD_MAX_ROWS)
     return PackedInt4Pair(high, low)

@@ -156,3 +156,22 @@ def test_lm_head_runs_its_q8_0_weight_for_small_fp32_steps():
     hidden = torch.randn(1, 64, generator=gen)
     assert head(hidden).abs().sum() > 0
     assert head(torch.randn(QGEMV_MAX_ROWS + 1, 64)).abs().sum() == 0
+
+
+def test_a_bf16_models_q8_0_head_runs_the_kernel_for_one_row_only():
+    """bf16 activations are widened to fp32; two rows go to the dense head."""
+    gen = torch.Generator().manual_seed(5)
+    codes = torch.randint(-128, 128, (52, 64), generator=gen, dtype=torch.int8)
+    scales = (torch.rand(52, 2, generator=gen) * 0.01).half().float()
+    head = ParallelLMHead(52, 64).to(torch.bfloat16)
+    head.weight.data.zero_()  # the dense weight: logits of zero tell which path ran
+    packed = pack_8bit_halves(*split_int8(codes, scales), torch.bfloat16)
+    assert isinstance(packed, QGemvWeight)
+    head.set_int8_head(packed)
+    hidden = torch.randn(1, 64, generator=gen).bfloat16()
+    dense = codes.float() * scales.repeat_interleave(GROUP_SIZE, dim=1)  # [52, 64]
+    logits = head(hidden)
+    assert logits.dtype == torch.float32
+    torch.testing.assert_close(logits, _reference(hidden.float(), dense, None), rtol=1e-4,
+                               atol=1e-4)
+    assert head(torch.randn(2, 64).bfloat16()).abs().sum() == 0

@@ -56,6 +56,12 @@ def _interleave(t: torch.Tensor) -> torch.Tensor:
     return blocks.contiguous().reshape(n, -1)
 
 
+def vnni_path() -> bool:
+    """Whether one-row steps of 4-bit weights take the kernel's AVX-512 VNNI path (the CPU has
+    it and torch runs its AVX-512 kernels); the kernels must be loaded."""
+    return bool(torch.ops.minivllm.qgemv_vnni())
+
+
 class QGemvWeight:
     """A `[out, in]` weight in the kernel's layout, ready for `matmul` (fp32 activations).
     `codes` `[out, in * bits / 8]` bytes and `scales`, `mins` `[out, in / 32]` are given in

@@ -1,7 +1,9 @@
 """Which kernel runs a checkpoint's 4- and 8-bit weights as stored, one dispatch for all.
 
 - `"int4"`: torch's packed int4 kernel with bf16 activations (`minivllm.layers.int4`), where
-  the model computes in bf16 on the CPU (CPUs with native bf16, by default).
+  the model computes in bf16 on the CPU (CPUs with native bf16, by default); one-row steps
+  (one sequence decoding) take our qgemv kernel instead where its AVX-512 VNNI path runs
+  (`Int4WithQGemvRow`).
 - `"qgemv"`: our AVX2 kernel with fp32 activations (`minivllm.layers.qgemv`), where the model
   computes in fp32 on an x86 CPU (AVX2-only CPUs, by default).
 - None: dense weights (CUDA, other CPUs, or the kernel could not be built).
@@ -15,9 +17,31 @@ import torch
 
 from minivllm.layers.cpu_kernels import cpu_kernels_available
 from minivllm.layers.int4 import Int4Weight, PackedInt4, PackedInt4Pair, int4_supported
-from minivllm.layers.qgemv import QGEMV_BF16_HEAD_MAX_ROWS, QGemvWeight
+from minivllm.layers.qgemv import QGEMV_BF16_HEAD_MAX_ROWS, QGemvWeight, vnni_path
 
-SmallStepWeight = PackedInt4 | PackedInt4Pair | QGemvWeight
+
+class Int4WithQGemvRow:
+    """A 4-bit weight for bf16 steps of up to `max_rows` rows: our qgemv kernel at one row
+    (its AVX-512 VNNI path: a decoder layer of the default model in 62 against 86 us with
+    torch's int4 kernel, 2 threads, `benchmarks/linear_kernels.py --rows 1`), torch's int4
+    kernel above. It holds the weight in both layouts (4 more bits a weight)."""
+
+    def __init__(self, weight: Int4Weight, dtype: torch.dtype) -> None:
+        self.packed = PackedInt4(weight, dtype)
+        self.one_row = QGemvWeight.from_int4(weight)
+        self.max_rows = self.packed.max_rows
+
+    def fits(self, x: torch.Tensor) -> bool:
+        return self.packed.fits(x)
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """`x @ W.T`: `[..., in]` -> `[..., out]` in x's dtype."""
+        if x.numel() == x.shape[-1]:  # one row
+            return self.one_row.matmul(x).to(x.dtype)
+        return self.packed.matmul(x)
+
+
+SmallStepWeight = PackedInt4 | PackedInt4Pair | QGemvWeight | Int4WithQGemvRow
 
 
 def stored_weight_kernel(device: torch.device, dtype: torch.dtype) -> str | None:
@@ -29,11 +53,14 @@ def stored_weight_kernel(device: torch.device, dtype: torch.dtype) -> str | None
     return None
 
 
-def pack_4bit(weight: Int4Weight, dtype: torch.dtype) -> PackedInt4 | QGemvWeight | None:
+def pack_4bit(weight: Int4Weight,
+              dtype: torch.dtype) -> PackedInt4 | QGemvWeight | Int4WithQGemvRow | None:
     """A 4-bit weight in the layout of the kernel that runs `dtype` activations; None where
     that kernel does not take its shape (the layer stays dense)."""
     if dtype == torch.float32:
         return QGemvWeight.from_int4(weight) if QGemvWeight.supports(weight) else None
+    if QGemvWeight.supports(weight) and cpu_kernels_available() and vnni_path():
+        return Int4WithQGemvRow(weight, dtype)
     return PackedInt4(weight, dtype)
 
 

@@ -1,9 +1,9 @@
-"""Our AVX2 kernel for stored 4- and 8-bit weights with fp32 activations (`minivllm::qgemv`):
-equal to the fp32 matmul of the dequantized weights over the activations rounded to 16 bits
-per group of 32 (`quantize_activations`), in any row count, thread count and shape it
-accepts, and within that rounding of the exact fp32 matmul; bad shapes
-refused with a message; traced by torch.compile; and the linear layer's and LM head's dispatch
-by dtype and row count."""
+"""Our kernel for stored 4- and 8-bit weights with fp32 activations (`minivllm::qgemv`; AVX2,
+and AVX-512 VNNI for one row of 4-bit weights where it runs): equal to the fp32 matmul of the
+dequantized weights over the activations rounded to 16 bits per group of 32
+(`quantize_activations`), in any row count, thread count and shape it accepts, and within that
+rounding of the exact fp32 matmul; bad shapes refused with a message; traced by
+torch.compile; and the linear layer's and LM head's dispatch by dtype and row count."""
 
 from __future__ import annotations
 
@@ -14,10 +14,14 @@ import torch
 
 from minivllm.layers.cpu_kernels import KernelBuildError, _build, cpu_kernels_available
 from minivllm.layers.embedding import ParallelLMHead
-from minivllm.layers.int4 import GROUP_SIZE, quantize_int4, split_int8
+from minivllm.layers.int4 import GROUP_SIZE, int4_max_rows, quantize_int4, split_int8
 from minivllm.layers.linear import MergedColumnParallelLinear
-from minivllm.layers.qgemv import QGEMV_MAX_ROWS, QGemvWeight, quantize_activations
-from minivllm.layers.stored_weights import pack_8bit_halves, stored_weight_kernel
+from minivllm.layers.qgemv import QGEMV_MAX_ROWS, QGemvWeight, quantize_activations, vnni_path
+from minivllm.layers.stored_weights import (
+    Int4WithQGemvRow,
+    pack_8bit_halves,
+    stored_weight_kernel,
+)
 
 x86 = platform.machine().lower() in ("x86_64", "amd64")
 pytestmark = pytest.mark.skipif(not x86, reason="the qgemv kernel is for x86 CPUs (AVX2)")
@@ -175,3 +179,27 @@ def test_a_bf16_models_q8_0_head_runs_the_kernel_for_one_row_only():
     torch.testing.assert_close(logits, _reference(hidden.float(), dense, None), rtol=1e-4,
                                atol=1e-4)
     assert head(torch.randn(2, 64).bfloat16()).abs().sum() == 0
+
+
+@pytest.mark.skipif(not (x86 and cpu_kernels_available() and vnni_path()),
+                    reason="the AVX-512 VNNI path (the AVX2 path is tested above)")
+def test_a_bf16_layer_runs_one_row_on_the_vnni_path_and_more_on_torchs_int4_kernel():
+    """The linear layer of a bf16 model with 4-bit weights, where the VNNI path runs: one row
+    through qgemv (its integers: the reference), 2-4 rows through torch's int4 kernel, more
+    through the dense weight (made different on purpose, to tell the paths apart)."""
+    torch.manual_seed(0)
+    layer = MergedColumnParallelLinear(576, [480, 480]).to(torch.bfloat16)
+    layer.weight.data.normal_()
+    q = _int4_weight(960, 576, seed=6)
+    assert layer.set_int4(q)
+    assert isinstance(layer.int4_weight, Int4WithQGemvRow)
+    one = torch.randn(1, 576).bfloat16()
+    out = layer(one)
+    assert out.dtype == torch.bfloat16
+    want = _reference(one.float(), q.dequantize(), q.zeros - 8 * q.scales)
+    torch.testing.assert_close(out.float(), want, rtol=1e-2, atol=1e-2)  # bf16 output
+    few = torch.randn(3, 576).bfloat16()
+    torch.testing.assert_close(layer(few).float(), few.float() @ q.dequantize().t(), rtol=2e-2,
+                               atol=2e-2)
+    many = torch.randn(int4_max_rows() + 1, 576).bfloat16()
+    torch.testing.assert_close(layer(many), many @ layer.weight.t())

@@ -1,7 +1,8 @@
 """Our C++ CPU kernels (`csrc/*.cpp`): built once, loaded as torch operators `minivllm::*`.
 
 The kernels use AVX2 and FMA, so they run on every x86 CPU this project runs on (AVX2-only and
-AVX-512 alike); each is a torch operator, so eager code and compiled graphs call it the same
+AVX-512 alike; qgemv also has an AVX-512 VNNI path, compiled as such function by function and
+chosen at run time); each is a torch operator, so eager code and compiled graphs call it the same
 way. They are compiled here, with the C++ compiler torch.compile already needs (`$CXX`, else
 g++), against the installed torch's headers, into `<minivllm cache>/kernels/` under a name
 that changes with the sources, the torch version and the flags; the first use builds them
@@ -11,7 +12,8 @@ parallel loop (without it, a serial one), and the process's OpenMP runtime is to
 Where they cannot run (another processor, no compiler) `cpu_kernels_available()` is False,
 says why in the log once, and their callers keep torch's own ops.
 
-- `qgemv.cpp`: 4- and 8-bit weights times fp32 activations (`minivllm.layers.qgemv`).
+- `qgemv.cpp`: 4- and 8-bit weights times fp32 activations (`minivllm.layers.qgemv`), and
+  `minivllm::qgemv_vnni()`, whether its VNNI path runs here.
 - `paged_decode.cpp`: one query per sequence over the paged KV cache
   (`minivllm.layers.attention.paged_decode`).
 """

@@ -57,8 +57,8 @@ def _interleave(t: torch.Tensor) -> torch.Tensor:
 
 
 def vnni_path() -> bool:
-    """Whether one-row steps of 4-bit weights take the kernel's AVX-512 VNNI path (the CPU has
-    it and torch runs its AVX-512 kernels); the kernels must be loaded."""
+    """Whether steps of up to 8 rows of 4-bit weights take the kernel's AVX-512 VNNI path (the
+    CPU has it and torch runs its AVX-512 kernels); the kernels must be loaded."""
     return bool(torch.ops.minivllm.qgemv_vnni())
 
 

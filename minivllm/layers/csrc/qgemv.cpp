@@ -20,9 +20,9 @@
 // Blocks of output columns are split over torch's own thread pool (at::parallel_for).
 //
 // On CPUs with AVX-512 VNNI (where torch runs its AVX-512 kernels: ATEN_CPU_CAPABILITY=avx2
-// keeps this file's AVX2 code), a one-row step of 4-bit weights takes `dot_block_vnni`: a
-// block's four columns of a group in one 64-byte load, their 16-bit products summed by
-// `vpdpwssd`, the same integers as the AVX2 path, about half the instructions a weight.
+// keeps this file's AVX2 code), 4-bit weights take `dot_block_vnni`: a block's four columns of
+// a group in one 64-byte load, their 16-bit products summed by `vpdpwssd`, the same integers
+// as the AVX2 path, about half the instructions a weight.
 #include <ATen/Parallel.h>
 #include <ATen/Version.h>
 #include <ATen/ops/empty.h>
@@ -233,45 +233,61 @@ MINIVLLM_VNNI inline __m512i lane(const int16_t* p) {
   return _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
 
-// dot_block<4> with AVX-512 VNNI. Per group, the four columns' 16 bytes each are one 64-byte
-// load, a 128-bit lane a column; unpacking its low and high nibbles against zero gives, lane
-// by lane, words q[0..7], q[8..15], q[16..23], q[24..31] of that column, multiplied by the
-// same 8 activation codes broadcast to every lane and summed in int32 (`vpdpwssd`). So lane
-// c holds column c's four partial sums, scaled by its scale times the row's step.
+// A block of four columns of 4-bit weights for `Rows` activation rows (1..8) with AVX-512
+// VNNI: y[r * ldy + c]. Per group, the four columns' 16 bytes each are one 64-byte load, a
+// 128-bit lane a column; unpacking its low and high nibbles against zero gives, lane by lane,
+// words q[0..7], q[8..15], q[16..23], q[24..31] of that column, multiplied by a row's same 8
+// activation codes broadcast to every lane and summed in int32 (`vpdpwssd`). So lane c of a
+// row's accumulator holds column c's four partial sums, scaled by its scale times the row's
+// step; the weights are unpacked once for all the rows.
+template <int Rows>
 MINIVLLM_VNNI void dot_block_vnni(const QuantizedRows& xq, int64_t row0, int64_t k,
                                   const uint8_t* q, const uint16_t* scale, const uint16_t* min,
-                                  int64_t groups, float* y) {
+                                  int64_t groups, float* y, int64_t ldy) {
   const int16_t* codes = xq.codes.data() + row0 * k;
-  const float* xd = xq.steps.data() + row0 * groups;
+  const float* xd = xq.steps.data() + row0 * groups;  // row r's: xd[r * groups + g]
   const float* xs = xq.sums.data() + row0 * groups;
   const __m512i low4 = _mm512_set1_epi8(0x0F), zero = _mm512_setzero_si512();
   // each column's scale to its 128-bit lane: [s0 x4, s1 x4, s2 x4, s3 x4]
   const __m512i spread = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
-  __m512 acc = _mm512_setzero_ps();
-  __m128 min_term = _mm_setzero_ps();  // [4 columns]
+  __m512 acc[Rows];
+  __m128 min_term[Rows];  // [4 columns] a row
+#pragma GCC unroll 8
+  for (int r = 0; r < Rows; ++r) {
+    acc[r] = _mm512_setzero_ps();
+    min_term[r] = _mm_setzero_ps();
+  }
   for (int64_t g = 0; g < groups; ++g) {
-    const int16_t* x = codes + g * kGroup;
     // the stream's next lines, asked of memory ahead (blocks follow one another in memory)
     _mm_prefetch(reinterpret_cast<const char*>(q + g * kCols * 16) + kVnniAhead, _MM_HINT_T0);
     const __m512i bytes = _mm512_loadu_si512(q + g * kCols * 16);
     const __m512i lo = _mm512_and_si512(bytes, low4);
     const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), low4);
-    __m512i dot = _mm512_dpwssd_epi32(zero, _mm512_unpacklo_epi8(lo, zero), lane(x));
-    dot = _mm512_dpwssd_epi32(dot, _mm512_unpackhi_epi8(lo, zero), lane(x + 8));
-    dot = _mm512_dpwssd_epi32(dot, _mm512_unpacklo_epi8(hi, zero), lane(x + 16));
-    dot = _mm512_dpwssd_epi32(dot, _mm512_unpackhi_epi8(hi, zero), lane(x + 24));
-    const __m128 s4 = _mm_mul_ps(half4(scale + g * kCols), _mm_set1_ps(xd[g]));  // [4]
-    const __m512 s16 = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(s4));
-    acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), s16, acc);
-    if (min != nullptr) {
-      min_term = _mm_fmadd_ps(half4(min + g * kCols), _mm_set1_ps(xs[g]), min_term);
+    const __m512i w0 = _mm512_unpacklo_epi8(lo, zero), w1 = _mm512_unpackhi_epi8(lo, zero);
+    const __m512i w2 = _mm512_unpacklo_epi8(hi, zero), w3 = _mm512_unpackhi_epi8(hi, zero);
+    const __m128 s4 = half4(scale + g * kCols);  // [4 columns]
+    const __m128 m4 = min != nullptr ? half4(min + g * kCols) : _mm_setzero_ps();
+#pragma GCC unroll 8
+    for (int r = 0; r < Rows; ++r) {
+      const int16_t* x = codes + r * k + g * kGroup;
+      __m512i dot = _mm512_dpwssd_epi32(zero, w0, lane(x));
+      dot = _mm512_dpwssd_epi32(dot, w1, lane(x + 8));
+      dot = _mm512_dpwssd_epi32(dot, w2, lane(x + 16));
+      dot = _mm512_dpwssd_epi32(dot, w3, lane(x + 24));
+      const __m128 sr = _mm_mul_ps(s4, _mm_set1_ps(xd[r * groups + g]));  // [4]
+      const __m512 s16 = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(sr));
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), s16, acc[r]);
+      min_term[r] = _mm_fmadd_ps(m4, _mm_set1_ps(xs[r * groups + g]), min_term[r]);
     }
   }
-  // lane c's four sums -> column c: transpose the four lanes and add them up
-  const __m128 c0 = _mm512_extractf32x4_ps(acc, 0), c1 = _mm512_extractf32x4_ps(acc, 1);
-  const __m128 c2 = _mm512_extractf32x4_ps(acc, 2), c3 = _mm512_extractf32x4_ps(acc, 3);
-  const __m128 sums = _mm_hadd_ps(_mm_hadd_ps(c0, c1), _mm_hadd_ps(c2, c3));
-  _mm_storeu_ps(y, _mm_add_ps(sums, min_term));
+#pragma GCC unroll 8
+  for (int r = 0; r < Rows; ++r) {
+    // lane c's four sums -> column c: transpose the four lanes and add them up
+    const __m128 c0 = _mm512_extractf32x4_ps(acc[r], 0), c1 = _mm512_extractf32x4_ps(acc[r], 1);
+    const __m128 c2 = _mm512_extractf32x4_ps(acc[r], 2), c3 = _mm512_extractf32x4_ps(acc[r], 3);
+    const __m128 sums = _mm_hadd_ps(_mm_hadd_ps(c0, c1), _mm_hadd_ps(c2, c3));
+    _mm_storeu_ps(y + r * ldy, _mm_add_ps(sums, min_term[r]));
+  }
 }
 
 // The blocks [begin, end) for the rows [row0, row0 + Rows).
@@ -285,12 +301,10 @@ void tile(const QuantizedRows& xq, int64_t row0, int64_t k, const uint8_t* q,
     const uint16_t* sb = scale + b * block_groups;
     const uint16_t* mb = min ? min + b * block_groups : nullptr;
     float* yb = y + row0 * n_out + b * kCols;
-    if constexpr (Rows == 1) {
-      if (Bits == 4 && vnni_path()) {
-        dot_block_vnni(xq, row0, k, qb, sb, mb, groups, yb);
-      } else {
-        dot_block<Bits>(xq, row0, k, qb, sb, mb, groups, yb);
-      }
+    if (Bits == 4 && vnni_path()) {
+      dot_block_vnni<Rows>(xq, row0, k, qb, sb, mb, groups, yb, n_out);
+    } else if constexpr (Rows == 1) {
+      dot_block<Bits>(xq, row0, k, qb, sb, mb, groups, yb);
     } else {
       for (int c = 0; c < kCols; ++c) {
         dot_rows<Bits, Rows>(xq, row0, k, qb, sb, mb, groups, c, yb + c, n_out);
@@ -313,6 +327,21 @@ void qgemv_impl(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& 
   // Enough blocks per task that a task streams tens of kilobytes of weights.
   const int64_t block_bytes = kCols * k * Bits / 8;
   const int64_t grain = std::max<int64_t>(4, 32768 / block_bytes);
+  if (Bits == 4 && m_rows <= 8 && vnni_path()) {  // every row in one pass over the weights
+    at::parallel_for(0, n_out / kCols, grain, [&](int64_t begin, int64_t end) {
+      switch (m_rows) {
+        case 1: tile<Bits, 1>(xq, 0, k, qp, sp, mp, groups, yp, n_out, begin, end); break;
+        case 2: tile<Bits, 2>(xq, 0, k, qp, sp, mp, groups, yp, n_out, begin, end); break;
+        case 3: tile<Bits, 3>(xq, 0, k, qp, sp, mp, groups, yp, n_out, begin, end); break;
+        case 4: tile<Bits, 4>(xq, 0, k, qp, sp, mp, groups, yp, n_out, begin, end); break;
+        case 5: tile<Bits, 5>(xq, 0, k, qp, sp, mp, groups, yp, n_out, begin, end); break;
+        case 6: tile<Bits, 6>(xq, 0, k, qp, sp, mp, groups, yp, n_out, begin, end); break;
+        case 7: tile<Bits, 7>(xq, 0, k, qp, sp, mp, groups, yp, n_out, begin, end); break;
+        default: tile<Bits, 8>(xq, 0, k, qp, sp, mp, groups, yp, n_out, begin, end); break;
+      }
+    });
+    return;
+  }
   at::parallel_for(0, n_out / kCols, grain, [&](int64_t begin, int64_t end) {
     for (int64_t r0 = 0; r0 < m_rows;) {
       const int64_t left = m_rows - r0;

@@ -327,7 +327,7 @@ void qgemv_impl(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& 
   // Enough blocks per task that a task streams tens of kilobytes of weights.
   const int64_t block_bytes = kCols * k * Bits / 8;
   const int64_t grain = std::max<int64_t>(4, 32768 / block_bytes);
-  if (Bits == 4 && m_rows <= 8 && vnni_path()) {  // every row in one pass over the weights
+  if (Bits == 4 && m_rows >= 1 && m_rows <= 8 && vnni_path()) {  // all rows in one pass
     at::parallel_for(0, n_out / kCols, grain, [&](int64_t begin, int64_t end) {
       switch (m_rows) {
         case 1: tile<Bits, 1>(xq, 0, k, qp, sp, mp, groups, yp, n_out, begin, end); break;

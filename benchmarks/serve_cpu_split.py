@@ -21,6 +21,7 @@ import time
 
 import httpx
 
+from minivllm.bench.peer import running
 from minivllm.bench.serve import one_request
 from minivllm.distributed.parallel_state import free_loopback_port
 
@@ -39,17 +40,9 @@ def main() -> None:
     args, serve_options = parser.parse_known_args()
     port = free_loopback_port()
     url = f"http://127.0.0.1:{port}"
-    server = subprocess.Popen(
-        [sys.executable, "-m", "minivllm.cli", "serve", "--port", str(port), *serve_options],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        for _ in range(1200):
-            try:
-                if httpx.get(f"{url}/health").status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
+    command = [sys.executable, "-m", "minivllm.cli", "serve", "--port", str(port),
+               *serve_options]
+    with running(command, url, "/v1/models") as server:
         children = subprocess.run(["pgrep", "-P", str(server.pid)], capture_output=True,
                                   text=True, check=False).stdout.split()
         engine = int(children[0]) if children else None  # none with --no-engine-process
@@ -69,9 +62,6 @@ def main() -> None:
         results = asyncio.run(stream(args.requests))
         wall = time.perf_counter() - start
         after = [cpu_seconds(p) if p else 0.0 for p in pids] + [time.process_time()]
-    finally:
-        server.terminate()
-        server.wait()
     tokens = sum(r[2] for r in results)
     gaps = [g for r in results for g in r[1]]
     http, engine_ms, client = ((b - a) / tokens * 1e3 for a, b in zip(before, after))

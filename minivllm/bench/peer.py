@@ -51,7 +51,8 @@ def find_llama_server(explicit: str | None) -> Path:
 
 @contextmanager
 def running(command: list[str], url: str, ready_path: str, timeout: float = 600):
-    """Start a server process, wait until `url + ready_path` answers 200, stop it after."""
+    """Start a server process, wait until `url + ready_path` answers 200, yield the process,
+    stop it after."""
     import httpx
 
     log = open(Path(os.environ.get("TMPDIR", "/tmp")) / f"bench-peer-{os.getpid()}.log", "ab")
@@ -69,7 +70,7 @@ def running(command: list[str], url: str, ready_path: str, timeout: float = 600)
             if time.monotonic() > deadline:
                 raise SystemExit(f"{command[0]} was not ready after {timeout:.0f} s")
             time.sleep(0.5)
-        yield
+        yield process
     finally:
         process.terminate()
         try:

@@ -42,21 +42,6 @@ inline __m256 sum8x8(const __m256* a) {
   return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
 }
 
-// <q, row> over d floats (d a multiple of 8), two chains of sums.
-template <typename T>
-inline float dot(const float* q, const T* row, int64_t d) {
-  __m256 a = _mm256_setzero_ps(), b = _mm256_setzero_ps();
-  int64_t i = 0;
-  for (; i + 16 <= d; i += 16) {
-    a = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), load8(row + i), a);
-    b = _mm256_fmadd_ps(_mm256_loadu_ps(q + i + 8), load8(row + i + 8), b);
-  }
-  if (i < d) a = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), load8(row + i), a);
-  __m256 acc[8] = {_mm256_add_ps(a, b)};
-  for (int u = 1; u < 8; ++u) acc[u] = _mm256_setzero_ps();
-  return _mm256_cvtss_f32(sum8x8(acc));
-}
-
 // scores[0..8) = <q, rows[j]> for 8 rows at once: eight independent chains, one reduction.
 template <typename T>
 inline void dot8(const float* q, const T* const* rows, int64_t d, float* scores) {
@@ -180,12 +165,21 @@ void attend_one_kv_head(const float* qs, const T* kp, const T* vp, const int64_t
         _mm_prefetch(reinterpret_cast<const char*>(values[a]) + 64 * l, _MM_HINT_T0);
       }
     }
+    // the last few positions: their rows, padded with the last one to 8
+    const T* const* chunk = keys.data() + j;
+    const T* tail[8];
+    if (j + 8 > n) {
+      for (int64_t u = 0; u < 8; ++u) tail[u] = keys[std::min(j + u, n - 1)];
+      chunk = tail;
+    }
     for (int64_t h = 0; h < group; ++h) {
       float* row = scores.data() + h * n;
       if (j + 8 <= n) {
-        dot8(qs + h * d, keys.data() + j, d, row + j);
+        dot8(qs + h * d, chunk, d, row + j);
       } else {
-        for (int64_t t = j; t < n; ++t) row[t] = dot(qs + h * d, keys[t], d);
+        float padded[8];
+        dot8(qs + h * d, chunk, d, padded);
+        std::copy(padded, padded + (n - j), row + j);
       }
     }
   }

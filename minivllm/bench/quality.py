@@ -20,7 +20,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from minivllm.bench.common import machine
+from minivllm.bench.common import hf_model_dir, machine
 
 QUALITY_TEXT = (
     "The town library opens at nine in the morning, but the queue starts forming long before "
@@ -104,7 +104,8 @@ def measure_quality(llm: Any, text: str = QUALITY_TEXT, decode_chunk: int = 1,
     """Quality of `llm` against HF fp32 on `text` (its first `max_tokens` tokens when set):
     `{"tokens", "prefill": {...}, "decode": {...}}`, each with `compare`'s fields."""
     token_ids = llm.llm_engine.tokenizer.encode(text)[:max_tokens]
-    ref_own, ref_top1 = hf_reference(llm.llm_engine.model_runner.model_dir, token_ids)
+    with hf_model_dir(llm.llm_engine.model_runner) as model_dir:
+        ref_own, ref_top1 = hf_reference(model_dir, token_ids)
     report: dict[str, Any] = {"tokens": len(token_ids)}
     for name, chunk in (("prefill", None), ("decode", decode_chunk)):
         own, top1 = engine_scores(llm, token_ids, chunk)

@@ -9,7 +9,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from minivllm.bench.common import Result, machine
+from minivllm.bench.common import Result, hf_model_dir, machine
 from minivllm.bench.workloads import Workload
 
 
@@ -88,13 +88,16 @@ def cmd_throughput(args: argparse.Namespace, options: dict[str, Any]) -> dict[st
     prompts, out_lens = workload.make(llm.llm_engine.model_runner.vocab_size)
     results = [bench_minivllm(llm, prompts, out_lens, args.temperature)]
     print(results[0].line(), flush=True)
-    model_dir = llm.llm_engine.model_runner.model_dir
     device = str(llm.llm_engine.model_runner.device)
     model_option = options.get("model")
-    del llm
     if "hf" in args.compare:
-        results.append(bench_hf(model_dir, prompts, out_lens, args.temperature, device))
+        reference = hf_model_dir(llm.llm_engine.model_runner)
+        del llm
+        with reference as model_dir:
+            results.append(bench_hf(model_dir, prompts, out_lens, args.temperature, device))
         print(results[-1].line(), flush=True)
+    else:
+        del llm
     if "llama.cpp" in args.compare:
         from minivllm.models.paths import default_model_path
 

@@ -30,7 +30,9 @@ from minivllm.layers.onednn import prepack_model
 from minivllm.layers.quantization import check_quantization, quantize_model_int8
 from minivllm.layers.sampler import Sampler, SamplingBatch, gather_logprobs
 from minivllm.layers.stored_weights import pack_8bit_halves, stored_weight_kernel
-from minivllm.models.gguf_int4 import LM_HEAD_HIGH, LM_HEAD_LOW, read_int4_weights_cached
+from minivllm.models.gguf import iter_state
+from minivllm.models.gguf_file import GGUFFile
+from minivllm.models.gguf_int4 import LM_HEAD_HIGH, LM_HEAD_LOW, read_int4_weights
 from minivllm.models.loader import attach_int4, load_model, quantize_linear_int4
 
 logger = logging.getLogger(__name__)
@@ -192,8 +194,12 @@ class ModelRunner:
         self.kv_dtype = kv_cache_dtype(self.device, self.dtype)
         self.block_size = config.block_size
         torch.manual_seed(config.seed)
+        source = gguf_source(config.model)
+        # A GGUF is read in place (memory-mapped); model_dir then holds its config and tokenizer
+        self.gguf = GGUFFile(source) if source else None
         self.model, self.hf_config = load_model(
-            model_dir, self.dtype, self.device, tp_rank=tp_rank, tp_size=tp_size
+            model_dir, self.dtype, self.device, tp_rank=tp_rank, tp_size=tp_size,
+            weights=iter_state(self.gguf) if self.gguf else None,
         )
         # the kernel of the weights kept as stored: "int4", "qgemv" or None (dense)
         self.weight_kernel = self._quantize(tp_size)
@@ -264,8 +270,7 @@ class ModelRunner:
                                  f"device {self.device.type}, dtype {self.dtype}, "
                                  f"tensor_parallel_size {tp_size})")
             return None
-        source = gguf_source(self.config.model)
-        weights = read_int4_weights_cached(source) if source else {}
+        weights = read_int4_weights(self.gguf) if self.gguf else {}
         if LM_HEAD_HIGH in weights and hasattr(self.model, "lm_head"):
             head = pack_8bit_halves(weights.pop(LM_HEAD_HIGH), weights.pop(LM_HEAD_LOW),
                                     self.dtype)
@@ -276,7 +281,7 @@ class ModelRunner:
         if method == "int4":
             count += quantize_linear_int4(self.model)
         logger.info("4-bit weights for %d linear layers (%s kernel, %s)", count, kernel,
-                    "from the GGUF's 4-bit blocks" if source else "quantized at load")
+                    "from the GGUF's 4-bit blocks" if self.gguf else "quantized at load")
         return kernel if count else None
 
     def _bytes_per_block(self) -> int:

@@ -1,18 +1,21 @@
-"""Convert a GGUF checkpoint into an HF-style model directory.
+"""A GGUF checkpoint read as the engine reads a model: config, tokenizer, weights by HF name.
 
-The engine's only weight loader reads a directory with `config.json`, `*.safetensors` and
-tokenizer files. A GGUF file (llama.cpp's format) holds the same model in one file: metadata
-key/values, a tokenizer description and (often quantized) tensors under llama.cpp's names.
-This module turns the one into the other:
+A GGUF file (llama.cpp's format) holds a model in one file: metadata key/values, a tokenizer
+description and (often quantized) tensors under llama.cpp's names. The engine loads it in place:
 
-- tensors are dequantized to float32 and renamed to HF names; what llama.cpp changed when it
-  wrote them is undone (the q/k row permutation of `llama`, Gemma's `1 + w` norm weights);
 - the metadata becomes the architecture's transformers config and a `generation_config.json`
-  (`gguf_arch.py`: the architecture table: llama, qwen2, qwen3, gemma2, gemma3, phi3);
-- the tokenizer is rebuilt offline by transformers' GGUF tokenizer conversion.
+  (`gguf_arch.py`: the architecture table: llama, qwen2, qwen3, gemma2, gemma3, phi3), and the
+  tokenizer is rebuilt offline by transformers' GGUF tokenizer conversion; these few small
+  files are written once into a cache directory (`gguf_model_dir`), keyed on the file's size,
+  mtime and `METADATA_VERSION`, atomically, so a second start reads them at once;
+- the weights are never written anywhere: `iter_state` yields them by HF name, straight from
+  the memory-mapped file, dequantized one tensor at a time for the layers that compute densely,
+  with what llama.cpp changed when it wrote them undone (the q/k row permutation of `llama`,
+  Gemma's `1 + w` norm weights); quantized layers take their blocks as stored
+  (`minivllm.models.gguf_weights`).
 
-`convert_gguf_cached` keys the output on the file's size, mtime and `CONVERTER_VERSION`, and
-writes it atomically, so a second call returns at once and a crash never leaves half a cache.
+`convert_gguf` still writes a whole HF directory (float32 safetensors), for export and for the
+tests that compare the two.
 """
 
 from __future__ import annotations
@@ -24,12 +27,13 @@ import re
 import shutil
 import tempfile
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, GGUFReader, ReaderTensor
+from gguf import GGMLQuantizationType
 from gguf.quants import dequantize as _gguf_dequantize
 
 from minivllm.cache import cache_dir
@@ -44,6 +48,7 @@ from minivllm.models.gguf_arch import (
     layer_tensor_names,
     meta,
 )
+from minivllm.models.gguf_file import GGUFFile, GGUFFileError, GGUFTensor
 
 logger = logging.getLogger(__name__)
 
@@ -51,13 +56,14 @@ logger = logging.getLogger(__name__)
 __all__ = [
     "SUPPORTED_ARCHITECTURES",
     "GGUFConversionError",
+    "GGUFFileError",
     "build_config",
     "convert_gguf",
-    "convert_gguf_cached",
+    "gguf_model_dir",
 ]
 
-# Bump when the output of `convert_gguf` changes, so stale caches are not reused.
-CONVERTER_VERSION = 1
+# Bump when what `write_model_files` writes changes, so stale caches are not reused.
+METADATA_VERSION = 2
 
 # Types the tests check against an independent reference; others go through gguf-py untested.
 TESTED_TENSOR_TYPES = (
@@ -99,7 +105,7 @@ def hf_tensor_name(gguf_name: str, arch: str = "llama") -> str:
     raise GGUFConversionError(f"unknown GGUF tensor name {gguf_name!r}; cannot map it to HF")
 
 
-def dequantize_tensor(tensor: ReaderTensor) -> np.ndarray:
+def dequantize_tensor(tensor: GGUFTensor) -> np.ndarray:
     """Decode one GGUF tensor to a float32 array in HF (row-major) shape.
 
     GGUF lists dimensions innermost first (`ne0, ne1, ...`), so the HF shape is the reverse:
@@ -146,14 +152,34 @@ def unpermute_qk(weight: np.ndarray, n_head: int) -> np.ndarray:
     )
 
 
-def read_state_dict(reader: GGUFReader) -> dict[str, torch.Tensor]:
-    """Every weight of the file as float32 under its HF name, as HF stores it: q/k rows
-    un-permuted (llama), the norm offset taken back out (Gemma)."""
+def read_state_dict(reader: GGUFFile) -> dict[str, torch.Tensor]:
+    """Every weight of the file as float32 under its HF name (see `iter_state`)."""
+    return dict(iter_state(reader))
+
+
+def qk_heads(reader: GGUFFile, hf_name: str) -> int | None:
+    """The heads whose rows llama.cpp permuted in the tensor `hf_name` (q_proj: the query
+    heads, k_proj: the KV heads), None where it permuted nothing."""
+    arch = architecture(reader)
+    if not ARCHITECTURES[arch].permute_qk:
+        return None
+    n_head = int(meta(reader, f"{arch}.attention.head_count"))
+    part = hf_name.split(".")[-2]
+    if part == "q_proj":
+        return n_head
+    if part == "k_proj":
+        return int(meta(reader, f"{arch}.attention.head_count_kv", n_head))
+    return None
+
+
+def iter_state(
+    reader: GGUFFile, skip: Callable[[str], bool] = lambda name: False
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """`(HF name, float32 tensor)` for every weight of the file but those `skip` names, as HF
+    stores it: q/k rows un-permuted (llama), the norm offset taken back out (Gemma). One
+    tensor is dequantized at a time, so a dense load holds one float copy at most."""
     arch = architecture(reader)
     spec = ARCHITECTURES[arch]
-    n_head = int(meta(reader, f"{arch}.attention.head_count"))
-    n_kv_head = int(meta(reader, f"{arch}.attention.head_count_kv", n_head))
-    state: dict[str, torch.Tensor] = {}
     for tensor in reader.tensors:
         if tensor.name == "rope_freqs.weight":
             raise GGUFConversionError(
@@ -163,15 +189,14 @@ def read_state_dict(reader: GGUFReader) -> dict[str, torch.Tensor]:
         if tensor.name in CONFIG_TENSORS:  # read by build_config
             continue
         name = hf_tensor_name(tensor.name, arch)
+        if skip(name):
+            continue
         values = dequantize_tensor(tensor)
-        if spec.permute_qk and ".self_attn.q_proj." in name:
-            values = unpermute_qk(values, n_head)
-        elif spec.permute_qk and ".self_attn.k_proj." in name:
-            values = unpermute_qk(values, n_kv_head)
+        if (heads := qk_heads(reader, name)) is not None:
+            values = unpermute_qk(values, heads)
         if spec.norm_shift and name.endswith("norm.weight"):
             values = values - np.float32(spec.norm_shift)
-        state[name] = torch.from_numpy(values)
-    return state
+        yield name, torch.from_numpy(values)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -212,73 +237,74 @@ def build_tokenizer(gguf_path: Path) -> Any | None:
 # ---------------------------------------------------------------------------------------------
 
 
-def convert_gguf(gguf_path: str | Path, out_dir: str | Path) -> Path:
-    """Write `gguf_path` as an HF-style model directory at `out_dir` and return it.
+def write_model_files(reader: GGUFFile, out_dir: Path) -> Any:
+    """Write the model's config, generation config and tokenizer files (no weights) into
+    `out_dir`; returns the config."""
+    config = build_config(reader)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    config.save_pretrained(out_dir)
+    build_generation_config(config).save_pretrained(out_dir)
+    if "tokenizer.ggml.tokens" in reader.metadata:
+        build_tokenizer(reader.path).save_pretrained(out_dir)
+    else:
+        logger.warning("%s has no tokenizer metadata; wrote no tokenizer files", reader.path)
+    return config
 
-    Writes `config.json`, `generation_config.json`, `model.safetensors` (float32) and the
-    tokenizer files. `out_dir` is created if needed; files already there are overwritten.
+
+def convert_gguf(gguf_path: str | Path, out_dir: str | Path) -> Path:
+    """Write `gguf_path` as a whole HF-style model directory at `out_dir` and return it:
+    `write_model_files`' files and `model.safetensors` (float32). For export and tests: the
+    engine loads a GGUF in place (`gguf_model_dir` + `iter_state`).
 
     Raises:
         FileNotFoundError: `gguf_path` does not exist.
+        GGUFFileError: the file is truncated or corrupt.
         GGUFConversionError: the file's architecture, tensors or metadata are not supported.
     """
     from safetensors.torch import save_file
 
-    gguf_path = Path(gguf_path)
     out_dir = Path(out_dir)
-    if not gguf_path.is_file():
-        raise FileNotFoundError(f"GGUF file not found: {gguf_path}")
-    reader = GGUFReader(gguf_path)
-    config = build_config(reader)
+    reader = GGUFFile(gguf_path)
+    config = write_model_files(reader, out_dir)
     state = read_state_dict(reader)
     if config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
-
-    out_dir.mkdir(parents=True, exist_ok=True)
-    config.save_pretrained(out_dir)
-    build_generation_config(config).save_pretrained(out_dir)
     save_file(state, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
-    if "tokenizer.ggml.tokens" in reader.fields:
-        build_tokenizer(gguf_path).save_pretrained(out_dir)
-    else:
-        logger.warning("%s has no tokenizer metadata; wrote no tokenizer files", gguf_path)
     return out_dir
 
 
 def cache_key(gguf_path: str | Path) -> str:
-    """Hash of the file's resolved path, size, mtime and `CONVERTER_VERSION`."""
+    """Hash of the file's resolved path, size, mtime and `METADATA_VERSION`."""
     path = Path(gguf_path).resolve()
     stat = path.stat()
-    text = f"{path}|{stat.st_size}|{stat.st_mtime_ns}|v{CONVERTER_VERSION}"
+    text = f"{path}|{stat.st_size}|{stat.st_mtime_ns}|v{METADATA_VERSION}"
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def cached_dir_for(gguf_path: str | Path) -> Path:
-    """Where `convert_gguf_cached` puts (or finds) the conversion of `gguf_path`."""
+    """Where `gguf_model_dir` puts (or finds) the model files of `gguf_path`."""
     path = Path(gguf_path)
     return cache_dir() / "gguf" / f"{path.stem}-{cache_key(path)}"
 
 
-def convert_gguf_cached(gguf_path: str | Path) -> Path:
-    """The converted directory for `gguf_path`, converting on first use.
+def gguf_model_dir(gguf_path: str | Path) -> Path:
+    """A directory with the config and tokenizer files of `gguf_path` (no weights), written
+    on first use: the engine reads them as it reads an HF directory's.
 
-    The result lives under `cache_dir()/gguf/<stem>-<key>`. The conversion is written into a
-    temporary sibling directory and renamed into place, so the cache dir either exists
-    complete or not at all; a concurrent converter that loses the rename race uses the winner's.
+    The files are written into a temporary sibling directory and renamed into place, so the
+    directory either exists complete or not at all; a concurrent writer that loses the rename
+    race uses the winner's. Every tensor's bytes are checked to be in the file first, so a
+    truncated or corrupt file fails here with one line and leaves nothing in the cache.
     """
-    gguf_path = Path(gguf_path)
-    if not gguf_path.is_file():
-        raise FileNotFoundError(f"GGUF file not found: {gguf_path}")
+    reader = GGUFFile(gguf_path)
     target = cached_dir_for(gguf_path)
     if (target / "config.json").is_file():
         return target
-
     target.parent.mkdir(parents=True, exist_ok=True)
-    logger.info("converting %s to an HF directory at %s", gguf_path, target)
     start = time.perf_counter()
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
     try:
-        convert_gguf(gguf_path, tmp)
+        write_model_files(reader, tmp)
         try:
             os.rename(tmp, target)
         except OSError:
@@ -289,5 +315,6 @@ def convert_gguf_cached(gguf_path: str | Path) -> Path:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    logger.info("converted %s in %.1fs", gguf_path.name, time.perf_counter() - start)
+    logger.info("read the config and tokenizer of %s in %.1fs (kept in %s)", reader.path.name,
+                time.perf_counter() - start, target)
     return target

@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-from gguf import GGUFReader
+
+from minivllm.models.gguf_file import GGUFFile
 
 
 class GGUFConversionError(ValueError):
@@ -27,17 +28,18 @@ class GGUFConversionError(ValueError):
 _REQUIRED = object()
 
 
-def meta(reader: GGUFReader, key: str, default: Any = _REQUIRED) -> Any:
+def meta(reader: GGUFFile, key: str, default: Any = _REQUIRED) -> Any:
     """One metadata value (scalars unwrapped, arrays as lists)."""
-    found = reader.fields.get(key)
+    found = reader.metadata.get(key)
     if found is None:
         if default is _REQUIRED:
-            raise GGUFConversionError(f"GGUF metadata lacks the required key {key!r}")
+            raise GGUFConversionError(f"{reader.path}: GGUF metadata lacks the required key "
+                                      f"{key!r}")
         return default
-    return found.contents()
+    return found
 
 
-def meta_float(reader: GGUFReader, key: str, default: Any = _REQUIRED) -> Any:
+def meta_float(reader: GGUFFile, key: str, default: Any = _REQUIRED) -> Any:
     """A float32 metadata value as the shortest decimal that rounds to it (1e-05, not 9.99e-06);
     `default` as is when the key is absent."""
     value = meta(reader, key, None)
@@ -89,7 +91,7 @@ CONFIG_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight", "rope
 # ---------------------------------------------------------------------------------------------
 
 
-def _query_pre_attn_scalar(reader: GGUFReader, arch: str, kwargs: dict, layers_27b: int) -> int:
+def _query_pre_attn_scalar(reader: GGUFFile, arch: str, kwargs: dict, layers_27b: int) -> int:
     """GGUF does not store it: llama.cpp scales q by head_dim ** -0.5, except in the 27B
     models (hidden / heads), which it recognises by their layer count, as here."""
     if kwargs["num_hidden_layers"] == layers_27b:
@@ -97,7 +99,7 @@ def _query_pre_attn_scalar(reader: GGUFReader, arch: str, kwargs: dict, layers_2
     return kwargs["head_dim"]
 
 
-def _gemma2_fields(reader: GGUFReader, arch: str, kwargs: dict) -> dict[str, Any]:
+def _gemma2_fields(reader: GGUFFile, arch: str, kwargs: dict) -> dict[str, Any]:
     return {
         "hidden_activation": "gelu_pytorch_tanh",
         "query_pre_attn_scalar": _query_pre_attn_scalar(reader, arch, kwargs, 46),
@@ -107,7 +109,7 @@ def _gemma2_fields(reader: GGUFReader, arch: str, kwargs: dict) -> dict[str, Any
     }
 
 
-def _gemma3_fields(reader: GGUFReader, arch: str, kwargs: dict) -> dict[str, Any]:
+def _gemma3_fields(reader: GGUFFile, arch: str, kwargs: dict) -> dict[str, Any]:
     layers = kwargs["num_hidden_layers"]
     # llama.cpp's default is five sliding layers, then a full one; newer files list them.
     pattern = meta(reader, f"{arch}.attention.sliding_window_pattern", None)
@@ -136,7 +138,7 @@ def _floats(values: np.ndarray) -> list[float]:
     return [float(str(np.float32(x))) for x in values]
 
 
-def _phi3_fields(reader: GGUFReader, arch: str, kwargs: dict) -> dict[str, Any]:
+def _phi3_fields(reader: GGUFFile, arch: str, kwargs: dict) -> dict[str, Any]:
     window = int(meta(reader, f"{arch}.attention.sliding_window", 0))
     fields = {
         "sliding_window": window or None,  # llama.cpp writes 0 for none
@@ -167,7 +169,7 @@ class ArchSpec:
     norm_shift: float = 0.0  # llama.cpp stored every `*norm.weight` plus this
     tensor_names: dict[str, str] = field(default_factory=dict)  # over LAYER_TENSOR_NAMES
     has_attention_bias_field: bool = False  # the config class takes `attention_bias`
-    fields: Callable[[GGUFReader, str, dict], dict[str, Any]] | None = None
+    fields: Callable[[GGUFFile, str, dict], dict[str, Any]] | None = None
 
 
 ARCHITECTURES: dict[str, ArchSpec] = {
@@ -185,12 +187,12 @@ ARCHITECTURES: dict[str, ArchSpec] = {
 SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
 
 
-def architecture(reader: GGUFReader) -> str:
+def architecture(reader: GGUFFile) -> str:
     """The file's `general.architecture`; GGUFConversionError if it is not supported."""
     arch = meta(reader, "general.architecture")
     if arch not in ARCHITECTURES:
         raise GGUFConversionError(
-            f"GGUF architecture {arch!r} is not supported; expected one of "
+            f"{reader.path}: GGUF architecture {arch!r} is not supported; expected one of "
             f"{', '.join(SUPPORTED_ARCHITECTURES)}"
         )
     return arch
@@ -201,7 +203,7 @@ def layer_tensor_names(arch: str) -> dict[str, str]:
     return {**LAYER_TENSOR_NAMES, **ARCHITECTURES[arch].tensor_names}
 
 
-def build_config(reader: GGUFReader) -> Any:
+def build_config(reader: GGUFFile) -> Any:
     """The transformers config of the file's architecture, built from its metadata."""
     import transformers
 

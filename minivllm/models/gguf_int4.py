@@ -13,24 +13,18 @@ weights 16..31; in Q4_K each 32 bytes hold two sub-blocks (low nibbles, then hig
 Other tensor types (Q6_K, F32...) are not 4-bit and stay with the dense loader, but for a
 Q8_0 LM head (34 bytes / 32: fp16 `d`, 32 int8 `q`; `w = d * q`), which is read as two 4-bit
 halves (`minivllm.layers.int4.split_int8`) under LM_HEAD_HIGH and LM_HEAD_LOW.
-
-`read_int4_weights_cached` keeps the result (codes, scales, zeros: the same on every CPU; the
-packed layout is made at each load) beside the converter's cache: opening a GGUF parses all
-its metadata, the tokenizer's 49k tokens included, which costs seconds at every start.
 """
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
-
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, GGUFReader, ReaderTensor
+from gguf import GGMLQuantizationType
 
 from minivllm.layers.int4 import Int4Weight, split_int8
-from minivllm.models.gguf import cached_dir_for, hf_tensor_name, unpermute_qk
-from minivllm.models.gguf_arch import ARCHITECTURES, architecture, meta
+from minivllm.models.gguf import hf_tensor_name, qk_heads, unpermute_qk
+from minivllm.models.gguf_arch import architecture
+from minivllm.models.gguf_file import GGUFFile, GGUFTensor
 
 INT4_TENSOR_TYPES = (
     GGMLQuantizationType.Q4_0,
@@ -88,7 +82,7 @@ _DECODERS = {
 }
 
 
-def int4_from_tensor(tensor: ReaderTensor) -> Int4Weight:
+def int4_from_tensor(tensor: GGUFTensor) -> Int4Weight:
     """One Q4_0/Q4_1/Q4_K tensor as an Int4Weight in HF shape `[out, in]`."""
     block_bytes, decode = _DECODERS[tensor.tensor_type]
     out, size = (int(d) for d in reversed(tensor.shape))
@@ -104,7 +98,7 @@ def int4_from_tensor(tensor: ReaderTensor) -> Int4Weight:
 LM_HEAD_HIGH, LM_HEAD_LOW = "lm_head.int8_high", "lm_head.int8_low"
 
 
-def q8_0_halves(tensor: ReaderTensor) -> tuple[Int4Weight, Int4Weight]:
+def q8_0_halves(tensor: GGUFTensor) -> tuple[Int4Weight, Int4Weight]:
     """A Q8_0 tensor `[out, in]` as the two 4-bit halves whose sum it is."""
     out, size = (int(d) for d in reversed(tensor.shape))
     blocks = np.asarray(tensor.data).reshape(out, size // 32, 34)
@@ -113,58 +107,29 @@ def q8_0_halves(tensor: ReaderTensor) -> tuple[Int4Weight, Int4Weight]:
     return split_int8(torch.from_numpy(codes), scales)
 
 
-def _lm_head_q8_0(reader: GGUFReader) -> ReaderTensor | None:
+def _lm_head_q8_0(reader: GGUFFile) -> GGUFTensor | None:
     """The LM head's tensor (`output`, else the tied `token_embd`) when it is Q8_0."""
     by_name = {t.name: t for t in reader.tensors}
     head = by_name.get("output.weight", by_name.get("token_embd.weight"))
     return head if head is not None and head.tensor_type == GGMLQuantizationType.Q8_0 else None
 
 
-def read_int4_weights(gguf_path: str | Path) -> dict[str, Int4Weight]:
+def read_int4_weights(reader: GGUFFile) -> dict[str, Int4Weight]:
     """Every 4-bit tensor of the file under its HF name (q/k rows un-permuted for llama, as
-    the dense converter does), from the memory-mapped blocks; a Q8_0 LM head's two halves
+    the dense loader does), from the memory-mapped blocks; a Q8_0 LM head's two halves
     under LM_HEAD_HIGH and LM_HEAD_LOW."""
-    reader = GGUFReader(gguf_path)
     arch = architecture(reader)
-    n_head = int(meta(reader, f"{arch}.attention.head_count"))
-    n_kv_head = int(meta(reader, f"{arch}.attention.head_count_kv", n_head))
     weights: dict[str, Int4Weight] = {}
     for tensor in reader.tensors:
         if tensor.tensor_type not in INT4_TENSOR_TYPES:
             continue
         name = hf_tensor_name(tensor.name, arch)
         weight = int4_from_tensor(tensor)
-        heads = {"q_proj": n_head, "k_proj": n_kv_head}.get(name.split(".")[-2])
-        if ARCHITECTURES[arch].permute_qk and heads is not None:
+        if (heads := qk_heads(reader, name)) is not None:
             weight = Int4Weight(*(torch.from_numpy(unpermute_qk(t.numpy(), heads).copy())
                                   for t in (weight.codes, weight.scales, weight.zeros)))
         weights[name] = weight
     head = _lm_head_q8_0(reader)
     if head is not None:
         weights[LM_HEAD_HIGH], weights[LM_HEAD_LOW] = q8_0_halves(head)
-    return weights
-
-
-_PARTS = ("codes", "scales", "zeros")
-
-
-def read_int4_weights_cached(gguf_path: str | Path) -> dict[str, Int4Weight]:
-    """`read_int4_weights`, read once and then kept as `int4/weights-v2.safetensors` in the
-    converter's cache directory of this file (when it exists), written atomically."""
-    from safetensors.torch import load_file, save_file
-
-    # In a subdirectory: the dense loader reads every *.safetensors of the model directory.
-    path = cached_dir_for(gguf_path) / "int4" / "weights-v2.safetensors"  # v2: the Q8_0 head
-    if path.is_file():
-        flat = load_file(str(path))
-        names = {key.rsplit(".", 1)[0] for key in flat}
-        return {name: Int4Weight(*(flat[f"{name}.{part}"] for part in _PARTS)) for name in names}
-    weights = read_int4_weights(gguf_path)
-    if path.parent.parent.is_dir():
-        path.parent.mkdir(exist_ok=True)
-        flat = {f"{name}.{part}": getattr(w, part).contiguous()
-                for name, w in weights.items() for part in _PARTS}
-        tmp = path.with_name(f".int4.tmp-{os.getpid()}")
-        save_file(flat, str(tmp))
-        os.replace(tmp, path)
     return weights

@@ -32,9 +32,11 @@ def load_model(
     device: torch.device | str,
     tp_rank: int = 0,
     tp_size: int = 1,
+    weights: Iterable[tuple[str, torch.Tensor]] | None = None,
 ) -> tuple[nn.Module, PretrainedConfig]:
     """Read `model_dir/config.json`, build the model in `dtype` on `device`, load its weights
-    (this rank's shard of them when `tp_size > 1`).
+    (this rank's shard of them when `tp_size > 1`): `weights` (checkpoint name, tensor) when
+    given (a GGUF's), else the directory's safetensors.
 
     Returns `(model, hf_config)` with the model in eval mode and no parameter requiring grad.
     Raises `FileNotFoundError` for a missing config or weights, `ValueError` for an unsupported
@@ -50,7 +52,7 @@ def load_model(
     # Allocate parameters directly in the target dtype and device: no float32 copy on the side.
     with _default_dtype(dtype), torch.device(device):
         model = model_cls(hf_config, tp_size=tp_size, tp_rank=tp_rank)
-    load_weights(model, iter_safetensors(model_dir))
+    load_weights(model, iter_safetensors(model_dir) if weights is None else weights)
     model.requires_grad_(False)
     return model.eval(), hf_config
 

@@ -43,18 +43,19 @@ def default_model_path() -> Path:
 
 
 def resolve_model_dir(model: str | Path | None) -> Path:
-    """An HF-style model directory (config.json, *.safetensors, tokenizer) for `model`.
+    """An HF-style model directory (config.json, tokenizer, weights) for `model`.
 
-    - None: the packaged default model (its GGUF, converted and cached);
+    - None: the packaged default model (its GGUF's config and tokenizer files, cached);
     - a directory containing `config.json`: that directory;
-    - a `.gguf` file: its cached conversion (`gguf.convert_gguf_cached`).
+    - a `.gguf` file: its config and tokenizer files, cached (`gguf.gguf_model_dir`); the
+      weights are read from the file itself (`minivllm.models.gguf`).
 
     Raises:
         FileNotFoundError: the path does not exist (hub names are not looked up).
         ValueError: the path exists but is neither a model directory nor a `.gguf` file.
     """
     if model is None:
-        return gguf.convert_gguf_cached(default_model_path())
+        return gguf.gguf_model_dir(default_model_path())
     path = Path(model).expanduser()
     if not path.exists():
         raise FileNotFoundError(
@@ -69,7 +70,7 @@ def resolve_model_dir(model: str | Path | None) -> Path:
             "(config.json, *.safetensors, tokenizer files) or a .gguf file"
         )
     if path.suffix.lower() == ".gguf":
-        return gguf.convert_gguf_cached(path)
+        return gguf.gguf_model_dir(path)
     raise ValueError(
         f"model path {str(path)!r} is a file but not a .gguf; expected a .gguf file or an "
         "HF-style directory with config.json"

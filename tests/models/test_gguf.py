@@ -18,6 +18,7 @@ from support.gguf_files import gguf_writer
 
 from minivllm.models import gguf as mgguf
 from minivllm.models import gguf_arch, paths
+from minivllm.models.gguf_file import GGUFFile
 
 # ---------------------------------------------------------------------------------------------
 # Scalar reference decoders, transcribed from ggml-quants.c (dequantize_row_*), one block at a
@@ -129,7 +130,7 @@ def _roundtrip_tensor(tmp_path: Path, data: np.ndarray, raw_dtype: QT | None) ->
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    (tensor,) = gguf.GGUFReader(path).tensors
+    (tensor,) = GGUFFile(path).tensors
     return mgguf.dequantize_tensor(tensor)
 
 
@@ -385,19 +386,21 @@ def test_synthetic_tokenizer_carries_template_and_bos(tmp_path: Path, add_bos: b
 def test_cache_is_reused_and_honours_minivllm_cache(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The first call converts into $MINIVLLM_CACHE; the second returns it without converting."""
+    """The first call writes the config (and tokenizer) into $MINIVLLM_CACHE, never the
+    weights; the second returns the directory without writing."""
     monkeypatch.setenv("MINIVLLM_CACHE", str(tmp_path / "cache"))
     _write_synthetic_gguf(tmp_path / "m.gguf", "llama", tie=True)
     first = paths.resolve_model_dir(tmp_path / "m.gguf")
     assert first.parent == tmp_path / "cache" / "gguf"
     assert first.name.startswith("m-")
-    assert (first / "config.json").is_file() and (first / "model.safetensors").is_file()
+    assert (first / "config.json").is_file()
+    assert not list(first.glob("*.safetensors"))  # the weights stay in the GGUF
     assert [p.name for p in first.parent.iterdir()] == [first.name]  # no temp dir left behind
 
     def fail(*args: object) -> None:
-        raise AssertionError("converted twice")
+        raise AssertionError("written twice")
 
-    monkeypatch.setattr(mgguf, "convert_gguf", fail)
+    monkeypatch.setattr(mgguf, "write_model_files", fail)
     assert paths.resolve_model_dir(str(tmp_path / "m.gguf")) == first
 
 
@@ -417,13 +420,13 @@ def test_failed_conversion_leaves_no_cache(tmp_path: Path, monkeypatch: pytest.M
     monkeypatch.setenv("MINIVLLM_CACHE", str(tmp_path / "cache"))
     _write_synthetic_gguf(tmp_path / "m.gguf", "llama", tie=True)
 
-    def crash(gguf_path: Path, out_dir: Path) -> Path:
+    def crash(reader: object, out_dir: Path) -> Path:
         (Path(out_dir) / "config.json").write_text("{}")
         raise RuntimeError("boom")
 
-    monkeypatch.setattr(mgguf, "convert_gguf", crash)
+    monkeypatch.setattr(mgguf, "write_model_files", crash)
     with pytest.raises(RuntimeError, match="boom"):
-        mgguf.convert_gguf_cached(tmp_path / "m.gguf")
+        mgguf.gguf_model_dir(tmp_path / "m.gguf")
     assert list((tmp_path / "cache" / "gguf").iterdir()) == []
 
 
@@ -479,7 +482,7 @@ def test_default_model_path_missing_package(monkeypatch: pytest.MonkeyPatch) -> 
 
 
 def test_resolve_none_uses_default_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """resolve_model_dir(None) converts the packaged GGUF (conversion stubbed out here)."""
+    """resolve_model_dir(None) reads the packaged GGUF (its reading stubbed out here)."""
     monkeypatch.setenv("MINIVLLM_CACHE", str(tmp_path))
     seen: list[Path] = []
 
@@ -487,7 +490,7 @@ def test_resolve_none_uses_default_model(tmp_path: Path, monkeypatch: pytest.Mon
         seen.append(Path(gguf_path))
         return tmp_path
 
-    monkeypatch.setattr(mgguf, "convert_gguf_cached", fake)
+    monkeypatch.setattr(mgguf, "gguf_model_dir", fake)
     assert paths.resolve_model_dir(None) == tmp_path
     assert seen == [paths.default_model_path()]
 
@@ -503,10 +506,9 @@ def real_gguf() -> Path:
 
 
 @pytest.fixture(scope="session")
-def real_dir(real_gguf: Path) -> Path:
-    """The default model's conversion, from the same cache the engine uses (converted once
-    per machine; the synthetic tests above cover fresh conversions)."""
-    return mgguf.convert_gguf_cached(real_gguf)
+def real_dir(real_gguf: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The default model converted to a whole HF directory, once per session."""
+    return mgguf.convert_gguf(real_gguf, tmp_path_factory.mktemp("default-hf"))
 
 
 @pytest.mark.default_model

@@ -26,6 +26,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from minivllm import LLM, SamplingParams
 from minivllm.models import gguf as mgguf
+from minivllm.models.gguf_file import GGUFFile
 
 PROMPTS = [[5, 17, 42, 99, 3, 8], list(range(10, 50))]  # the second outgrows every window
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
@@ -194,7 +195,7 @@ def test_gemma3_default_layer_pattern_and_27b_scale(tmp_path: Path) -> None:
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    config = mgguf.build_config(gguf.GGUFReader(tmp_path / "g.gguf"))
+    config = mgguf.build_config(GGUFFile(tmp_path / "g.gguf"))
     assert config.layer_types[:6] == ["sliding_attention"] * 5 + ["full_attention"]
     assert config.layer_types.count("full_attention") == 10
     assert config.query_pre_attn_scalar == 5376 // 32

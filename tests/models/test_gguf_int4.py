@@ -12,6 +12,7 @@ import torch
 from gguf import GGMLQuantizationType as QT
 
 from minivllm.models import gguf as mgguf
+from minivllm.models.gguf_file import GGUFFile
 from minivllm.models.gguf_int4 import int4_from_tensor, read_int4_weights
 
 
@@ -45,7 +46,7 @@ def test_int4_blocks_equal_the_dense_dequantization(tmp_path: Path, qtype: QT):
     rows, cols = 8, 512
     _write(tmp_path / "t.gguf", {"t.weight": (_random_blocks(qtype, rows, cols,
                                                               np.random.default_rng(0)), qtype)})
-    (tensor,) = gguf.GGUFReader(tmp_path / "t.gguf").tensors
+    (tensor,) = GGUFFile(tmp_path / "t.gguf").tensors
     weight = int4_from_tensor(tensor)
     assert weight.codes.shape == (rows, cols) and int(weight.codes.max()) <= 15
     dense = torch.from_numpy(mgguf.dequantize_tensor(tensor))
@@ -64,40 +65,14 @@ def test_read_int4_weights_unpermutes_llama_qk_like_the_converter(tmp_path: Path
     }
     path = tmp_path / "m.gguf"
     _write(path, tensors)
-    dense = mgguf.read_state_dict(gguf.GGUFReader(path))
-    int4 = read_int4_weights(path)
+    dense = mgguf.read_state_dict(GGUFFile(path))
+    int4 = read_int4_weights(GGUFFile(path))
     assert set(int4) == {"model.layers.0.self_attn.q_proj.weight",
                          "model.layers.0.self_attn.k_proj.weight",
                          "model.layers.0.mlp.up_proj.weight"}  # no LM head in this file
     for name, weight in int4.items():
         torch.testing.assert_close(weight.dequantize(), dense[name], rtol=1e-5, atol=1e-6,
                                    msg=name)
-
-
-def test_int4_weights_are_kept_beside_the_conversion_cache(tmp_path: Path,
-                                                           monkeypatch: pytest.MonkeyPatch):
-    """The second read comes from the cache (the GGUF is not parsed again), equal to the
-    first; without a conversion directory nothing is written."""
-    from minivllm.models import gguf_int4
-
-    monkeypatch.setenv("MINIVLLM_CACHE", str(tmp_path / "cache"))
-    path = tmp_path / "m.gguf"
-    rng = np.random.default_rng(2)
-    _write(path, {"blk.0.ffn_up.weight": (_random_blocks(QT.Q4_1, 4, 64, rng), QT.Q4_1)})
-    assert gguf_int4.read_int4_weights_cached(path)
-    assert not (tmp_path / "cache").exists()
-    mgguf.cached_dir_for(path).mkdir(parents=True)
-    first = gguf_int4.read_int4_weights_cached(path)
-
-    def parse_again(*args: object) -> None:
-        raise AssertionError("the GGUF was parsed again")
-
-    monkeypatch.setattr(gguf_int4, "read_int4_weights", parse_again)
-    second = gguf_int4.read_int4_weights_cached(path)
-    assert set(second) == set(first) == {"model.layers.0.mlp.up_proj.weight"}
-    for name in first:
-        for part in ("codes", "scales", "zeros"):
-            assert torch.equal(getattr(second[name], part), getattr(first[name], part))
 
 
 @pytest.mark.parametrize("head", ["output.weight", "token_embd.weight"])
@@ -109,8 +84,8 @@ def test_a_q8_0_lm_head_is_read_as_two_int4_halves_of_the_same_weight(tmp_path: 
     rng = np.random.default_rng(5)
     path = tmp_path / "m.gguf"
     _write(path, {head: (_random_blocks(QT.Q8_0, 16, 64, rng), QT.Q8_0)})
-    (tensor,) = gguf.GGUFReader(path).tensors
-    weights = read_int4_weights(path)
+    (tensor,) = GGUFFile(path).tensors
+    weights = read_int4_weights(GGUFFile(path))
     assert set(weights) == {LM_HEAD_HIGH, LM_HEAD_LOW}
     dense = torch.from_numpy(mgguf.dequantize_tensor(tensor))
     total = weights[LM_HEAD_HIGH].dequantize() + weights[LM_HEAD_LOW].dequantize()

@@ -3,7 +3,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run test test-quick test-avx2 install lint clean
+.PHONY: run test test-quick test-avx2 install lint typecheck check docs-options clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -18,9 +18,11 @@ install: $(STAMP)
 run: $(STAMP)
 	$(VENV)/bin/minivllm demo
 
-# The whole suite, then the layer and model tests again on torch's AVX2 kernels: the other CPU
-# kind this project runs on (on an AVX-512 machine dtype "auto" is bf16; forced AVX2, fp32).
+# The checks (lint, types), the whole suite, then the layer and model tests again on torch's
+# AVX2 kernels: the other CPU kind this project runs on (on an AVX-512 machine dtype "auto" is
+# bf16; forced AVX2, fp32).
 test: $(STAMP)
+	$(MAKE) --no-print-directory check
 	$(PY) -m pytest -q
 	$(MAKE) --no-print-directory test-avx2
 
@@ -33,7 +35,18 @@ test-avx2: $(STAMP)
 	ATEN_CPU_CAPABILITY=avx2 $(PY) -m pytest -q tests/layers tests/models
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check minivllm tests
+	$(VENV)/bin/ruff check minivllm tests scripts benchmarks
+
+# mypy over the engine core and its boundaries (the files in pyproject's [tool.mypy]).
+typecheck: $(STAMP)
+	$(VENV)/bin/mypy
+
+# What `make test` runs first: seconds.
+check: lint typecheck
+
+# docs/options.md from EngineConfig's field docs (tests/package/test_options_doc.py checks it).
+docs-options: $(STAMP)
+	$(PY) scripts/gen_options_doc.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -51,13 +51,13 @@ class EngineConfig:
     seed: int = _option(0, "the engine's random seed (requests without their own seed)")
     tensor_parallel_size: int = _option(1, "processes the model is split over")
     quantization: str | None = _option(
-        None, "weights: default = as stored (a GGUF's 4-bit tensors run packed int4 where the "
-        "compute is bf16 on the CPU); int4: also quantize the other linear layers (HF "
-        "checkpoints); int8: int8 MLP gate/up (CPU, float32); none: dense",
+        None, "weights: default = as stored (on the CPU a GGUF's 4-bit tensors run packed: "
+        "torch's int4 kernel in bf16, ours in float32); int4: also quantize the other linear "
+        "layers (HF checkpoints); int8: int8 MLP gate/up (CPU, float32); none: dense",
         ("int4", "int8", "none"))
     enforce_eager: bool = _option(
         False, "run every step eagerly: skip compiling the decode step (torch.compile, done "
-        "on the CPU in bf16 at start-up and cached on disk)")
+        "on the CPU at start-up for steps of up to 4 sequences, cached on disk)")
     generation_config: str = _option(
         "auto", "sampling defaults of requests that leave a field unset: auto (the model's "
         "generation_config.json, as vLLM), vllm (vLLM's neutral defaults) or a folder holding "

@@ -168,9 +168,9 @@ class SamplingParams:
             not _is_int(self.prompt_logprobs) or self.prompt_logprobs < 0
         ):
             raise bad("prompt_logprobs", "must be an integer >= 0 or None")
-        if not all(isinstance(s, str) for s in self.stop):
+        if not all(isinstance(s, str) for s in self.stop or []):
             raise bad("stop", "must be a string or a list of strings")
-        if not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
+        if not all(_is_int(t) and t >= 0 for t in self.stop_token_ids or []):
             raise bad("stop_token_ids", "must be a list of non-negative integers")
         if self.structured_outputs is not None and not isinstance(
             self.structured_outputs, StructuredOutputsParams

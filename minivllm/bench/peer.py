@@ -26,7 +26,7 @@ from minivllm.bench.workloads import Workload
 from minivllm.config import cli_flag
 from minivllm.distributed.parallel_state import free_loopback_port
 
-# (name, concurrency, requests, prompt lengths): the levels of issue 11's table
+# (name, concurrency, requests, prompt lengths): the levels of docs/benchmarks.md's table
 LEVELS = [("c=1", 1, 4, (64, 64)), ("c=16", 16, 16, (32, 256))]
 OUTPUT_TOKENS = 128
 LLAMA_SERVER_CACHE = Path("~/.cache/minivllm/llama.cpp").expanduser()

@@ -6,8 +6,8 @@ matmuls. Compiled, they become a few fused C++ loops per layer around the matmul
 
 What is compiled: one decoder layer's forward, for decode-only steps, with attention as our
 paged kernel's operator where it runs (bf16 models: `paged_decode_supported`), else as plain
-tensor maths for one sequence (`minivllm.layers.attention.decode`). At one sequence the
-kernel's step took 9.6-10.7 ms against 11.5-12.5 for the plain maths (docs/benchmarks.md).
+tensor maths for one sequence (`minivllm.layers.attention.decode`); at one sequence the
+kernel's step is the faster of the two (docs/benchmarks.md).
 The layers of a model share their code, so one graph serves all of them (their weights are
 the graph's inputs): compiling a layer costs a thirtieth of compiling the model.
 Steps of up to as many sequences as the int4 kernel takes rows (4) are compiled, in two
@@ -25,8 +25,9 @@ compiles it at start-up, with a progress bar; Inductor's on-disk caches live und
 minivllm cache (`<cache>/inductor/<CPU capability>`), so a second start-up reuses the
 compiled code.
 
-Where: CPU, bf16 compute, one process, `enforce_eager=False` (see `compile_decode_step`).
-The fp32 path stays eager: it is the token-exact one, held to HF transformers.
+Where: CPU, one process, `enforce_eager=False` (see `compile_decode_step`), in bf16 compute,
+or in fp32 when the weights run as stored through our qgemv kernel (AVX2-only CPUs' default).
+fp32 with dense weights stays eager: it is the token-exact path, held to HF transformers.
 """
 
 from __future__ import annotations
@@ -182,8 +183,8 @@ class CompiledDecode:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = inductor_cache_dir()
         self.paged = paged
         # As many sequences as the int4 kernel takes rows: above, the eager step's
-        # oneDNN-prepacked matmuls (opaque to Inductor) beat the graph's aten::mm (16
-        # sequences: 62 vs 52 ms a step; 2: 12 vs 20 ms, docs/benchmarks.md).
+        # oneDNN-prepacked matmuls (opaque to Inductor) beat the graph's aten::mm
+        # (docs/benchmarks.md, "The thresholds the code uses").
         self.max_seqs = int4_max_rows() if paged else 1
         # Without this, a context length that happens to equal a model dim (head_dim / 2 at
         # warm-up, say) is traced as that dim, and the graph holds for that length only.

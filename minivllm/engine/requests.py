@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence as Seq
 from dataclasses import replace
-from typing import Any
+from typing import Any, cast
 
 from minivllm.engine.llm_engine import LLMEngine, PromptInput
 from minivllm.engine.sequence import Sequence
@@ -39,7 +39,8 @@ def as_prompt_list(prompts: PromptInput | Seq[PromptInput]) -> list[PromptInput]
         return [prompts]
     if prompts and isinstance(prompts[0], int):
         return [list(prompts)]  # one prompt given as token ids
-    return [list(p) if isinstance(p, tuple) else p for p in prompts]
+    items = cast(Seq[PromptInput], prompts)  # a list of prompts: ids lists were handled above
+    return [list(p) if isinstance(p, tuple) else p for p in items]
 
 
 def as_conversation_list(messages: Any) -> list[list[Message]]:

@@ -230,7 +230,7 @@ class Scheduler:
         if seq.num_completion_tokens >= sp.min_tokens:
             if not sp.ignore_eos and token_id in self.eos_token_ids:
                 return FinishReason.STOP
-            if token_id in sp.stop_token_ids:
+            if token_id in (sp.stop_token_ids or ()):
                 return FinishReason.STOP
         if seq.num_completion_tokens >= self.max_completion_tokens(seq):
             return FinishReason.LENGTH

@@ -187,7 +187,7 @@ class _TracedBlockTable(list):
         super().append(block_id)
         self._report(before)
 
-    def extend(self, block_ids) -> None:  # type: ignore[override]
+    def extend(self, block_ids) -> None:
         before = list(self)
         super().extend(block_ids)
         self._report(before)
@@ -200,6 +200,9 @@ class _TracedBlockTable(list):
 
 class TracedSequence(Sequence):
     """A Sequence whose traced fields report every write to a Tracer."""
+
+    _tracer: Tracer
+    _ready: bool
 
     def __init__(self, tracer: Tracer, *args: Any, **kwargs: Any) -> None:
         object.__setattr__(self, "_tracer", tracer)

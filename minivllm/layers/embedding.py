@@ -98,7 +98,7 @@ class ParallelLMHead(VocabParallelEmbedding):
         The LM head is the one GEMM whose output is huge (49k columns for SmolLM2): at decode
         batch sizes oneDNN's packed weight runs it faster than MKL's plain GEMM, and so the
         whole decode step (`benchmarks/lm_head.py`; the figures are in docs/benchmarks.md,
-        "The LM head through oneDNN"). It costs one more copy of the weight. fp32 results
+        "Batching, attention and the LM head"). It costs one more copy of the weight. fp32 results
         differ from F.linear by float rounding only, bf16 ones not at all. False (nothing
         done) off the CPU or in other dtypes.
         """

@@ -2,8 +2,8 @@
 
 `F.linear` on a bf16 weight hands oneDNN the plain `[out, in]` layout, which it reorders into
 its blocked one inside every call. Reordered once at load (`torch.ops.mkldnn.
-_reorder_linear_weight`), the same matmul runs 1.2-2x faster at the row counts of decode steps
-of several sequences and short prefills, and as fast at 256 rows, with bit-identical results
+_reorder_linear_weight`), the same matmul runs faster at the row counts of decode steps of
+several sequences and short prefills, and as fast at a few hundred rows, with bit-identical results
 (the same kernel, fed a ready layout: the "bf16 oneDNN" column of
 `benchmarks/linear_kernels.py`, figures in docs/benchmarks.md). The packed copy costs the
 weight's size once more in memory.

@@ -7,7 +7,7 @@ bits a weight for a GGUF that stores 4.5. `csrc/qgemv.cpp` multiplies fp32 activ
 weights as llama.cpp stores them (groups of 32, `w = q * scale + min`; 4-bit codes two to a
 byte as in Q4_0/Q4_1, or 8-bit as in Q8_0), with integer dot products (`vpmaddwd`) over the
 activations quantized per group of 32 to 16-bit integers (8-bit ones, llama.cpp's Q8
-activations, cost the default model 2.7% perplexity against HF fp32; the min term takes the
+activations, fail the quality bar of tests/models/test_quality.py; the min term takes the
 exact fp32 sums), so the only rounding beyond fp32's is the activations' to 16 bits
 (`quantize_activations` is the reference). The weights are stored in blocks of 4 output
 columns interleaved group by group (`QGemvWeight` packs them), read in one stream, with fp16
@@ -30,8 +30,7 @@ from minivllm.layers.int4 import GROUP_SIZE, Int4Weight
 QGEMV_MAX_ROWS = 16
 # The same for a bf16 model's Q8_0 LM head (its bf16 activations widened to fp32), against
 # the oneDNN-prepacked dense bf16 head and torch's int4 kernel on the weight's two 4-bit halves:
-# at one row, on a Zen 5 with 2 threads, 1197 us against 2771 and 1966 (with torch's AVX2
-# kernels 1438 against 2813 and 7518); at two rows the dense head is as fast.
+# faster at one row, no faster from two (docs/benchmarks.md, "The thresholds the code uses").
 QGEMV_BF16_HEAD_MAX_ROWS = 1
 
 

@@ -64,7 +64,7 @@ def int8_reduce_range() -> bool:
     Without VNNI (AVX2, or AVX-512 before VNNI) fbgemm multiplies u8 x s8 pairs with an int16
     sum that saturates on full-range activations, so they get 7 bits. With VNNI the products
     accumulate straight into int32 and the 8th bit is worth keeping: with 7 bits on an
-    AVX-512 VNNI CPU the default model's chat answer loses "Paris" (issue 11).
+    AVX-512 VNNI CPU the default model's chat answer loses "Paris".
     """
     has_vnni = getattr(torch.cpu, "_is_vnni_supported", lambda: False)()
     logger.info("int8 linear layers: %s-bit activations (VNNI %s)", 8 if has_vnni else 7,

@@ -22,13 +22,11 @@ from minivllm.layers.qgemv import QGEMV_BF16_HEAD_MAX_ROWS, QGemvWeight, vnni_pa
 
 class Int4WithQGemvRow:
     """A 4-bit weight for bf16 steps of up to `max_rows` rows: our qgemv kernel at one row
-    (its AVX-512 VNNI path: a decoder layer of the default model over 30 copies, 2 threads,
-    182 against 192 us with torch's int4 kernel, `benchmarks/linear_kernels.py --rows 1`;
-    in the step, `benchmarks/one_row_kernels.py`), torch's int4 kernel above. It holds the
-    weight in both layouts (5 more bits a weight). The VNNI path is as fast or faster at 2-4
-    rows too (227 / 306 us at 2, 267 / 273 at 4), but with it there the default model's
-    teacher-forced top-1 agreement in steps of 4 tokens fell from >= 97% to 96.9%
-    (tests/models/test_quality.py: one token of 319), so those rows keep torch's kernel."""
+    (its AVX-512 VNNI path, faster there than torch's int4 kernel), torch's int4 kernel above.
+    It holds the weight in both layouts (5 more bits a weight). The VNNI path is as fast at 2-4
+    rows too, but with it there the default model's teacher-forced top-1 agreement in steps of
+    4 tokens falls under the quality bar (tests/models/test_quality.py), so those rows keep
+    torch's kernel. Figures: docs/benchmarks.md, "The thresholds the code uses"."""
 
     def __init__(self, weight: Int4Weight, dtype: torch.dtype) -> None:
         self.packed = PackedInt4(weight, dtype)

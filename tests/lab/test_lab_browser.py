@@ -1,7 +1,7 @@
 """The Engine Lab in headless Chromium, on the default model: one browser, one page, driven as
 a learner would, at 1280x800 and on a 390x844 phone, in English and in Chinese.
 
-What it protects (issue 15): the window never jumps when Plan, Commit or Step is clicked; the
+What it protects: the window never jumps when Plan, Commit or Step is clicked; the
 phone gets a one-column layout with no horizontal overflow; narration says what really
 changed (a mid-prompt chunk's commit appends nothing); the main scenario's block table is not
 [0, 1] (slot != position); a prediction is locked once the result shows, also after a reload;

@@ -1,6 +1,7 @@
 """The default model with the default options (on a CPU with native bf16: bf16 compute and
 the GGUF's 4-bit weights packed int4) against HF transformers fp32 on the same GGUF: the
-quality bar of issue 11, on the engine's prefill and decode-sized paths alike."""
+quality bar (perplexity at most +0.5%, top-1 >= 97%), on the engine's prefill and
+decode-sized paths alike."""
 
 from __future__ import annotations
 

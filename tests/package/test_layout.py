@@ -1,4 +1,4 @@
-"""The package's shape (issue 14, STYLE.md principle 13): one job per room.
+"""The package's shape (CONTRIBUTING.md, "Layout"): one job per room.
 
 Guards against the drift that made `server/app.py` an 800-line file: no module over 400
 lines, no function over 60, and no import cycle between the package's modules, lazy imports
@@ -96,7 +96,7 @@ def test_no_import_cycles() -> None:
 
 
 def test_the_engine_core_imports_neither_torch_nor_the_server_nor_the_lab() -> None:
-    """STYLE.md: scheduling and paging are pure Python; the engine never imports its UIs."""
+    """CONTRIBUTING.md: scheduling and paging are pure Python; the engine never imports its UIs."""
     modules = _modules()
     for name in ["minivllm.engine.sequence", "minivllm.engine.block_manager",
                  "minivllm.engine.scheduler", "minivllm.engine.llm_engine",

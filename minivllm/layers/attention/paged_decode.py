@@ -1,9 +1,8 @@
 """A decode-only step's attention straight from the paged KV cache: our CPU kernel.
 
 With one query per sequence, gathering every sequence's keys and values into a padded copy
-and calling SDPA cost a step of 16 sequences at 200 tokens of context more than its attention
-maths (on a Zen 4, bf16 model: the gathers ~11 ms and SDPA ~9 ms of a ~50 ms step; on an AVX2
-CPU ~25 and ~30 ms of ~260; docs/benchmarks.md). `minivllm::paged_decode`
+and calling SDPA cost a step of many sequences more than its attention maths: the copy is
+written and read again on every layer. `minivllm::paged_decode`
 (`csrc/paged_decode.cpp`, built by `minivllm.layers.cpu_kernels`) reads each slot's key and
 value rows once, through the block table, for the query heads of their KV head: windows and
 soft-caps included, no copy, no mask.

@@ -9,7 +9,7 @@ queries each (`benchmarks/attention_groups.py` measures it; see docs/benchmarks.
 # Fixed cost of one more group, in units of padded work (one query against one key): the
 # extra gather, mask, index copies and SDPA call. Tuned with `benchmarks/attention_groups.py`
 # on SmolLM2's shapes: the value at which splitting never lost to one group (the figures are
-# in docs/benchmarks.md, "Attention: splitting the batch into groups").
+# in docs/benchmarks.md, "Batching, attention and the LM head").
 GROUP_OVERHEAD = 512
 MAX_GROUPS = 8
 

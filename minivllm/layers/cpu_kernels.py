@@ -16,6 +16,8 @@ says why in the log once, and their callers keep torch's own ops.
   `minivllm::qgemv_vnni()`, whether its VNNI path runs here.
 - `paged_decode.cpp`: one query per sequence over the paged KV cache
   (`minivllm.layers.attention.paged_decode`).
+- `ggml_blocks.cpp` (+ `ggml_blocks_simd.h`, compiled twice: AVX2 and AVX-512 VNNI): GGUF's
+  quantized blocks as stored, matmul and dequantization (`minivllm.layers.ggml_blocks`).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from minivllm.cache import cache_dir
 logger = logging.getLogger(__name__)
 
 SOURCES = sorted((Path(__file__).with_name("csrc")).glob("*.cpp"))
+HEADERS = sorted((Path(__file__).with_name("csrc")).glob("*.h"))  # included by SOURCES
 FLAGS = ["-O3", "-fopenmp", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-std=c++20",
          "-shared", "-fPIC", "-w"]
 
@@ -53,7 +56,7 @@ def _cpu_has_avx2() -> bool:
 def _library_path() -> Path:
     """Where the built kernels live: one file per source texts, torch version and flags."""
     digest = hashlib.sha256(torch.__version__.encode() + " ".join(FLAGS).encode())
-    for source in SOURCES:
+    for source in SOURCES + HEADERS:
         digest.update(source.read_bytes())
     return cache_dir() / "kernels" / f"minivllm-cpu-{digest.hexdigest()[:16]}.so"
 
@@ -104,7 +107,7 @@ def cpu_kernels_available() -> bool:
         return False
     _register_fakes()
     logger.info("minivllm CPU kernels loaded: qgemv (4/8-bit weights, fp32 activations), "
-                "paged_decode (one query per sequence)")
+                "paged_decode (one query per sequence), ggml_* (GGUF blocks as stored)")
     return True
 
 
@@ -114,6 +117,18 @@ def _register_fakes() -> None:
     @torch.library.register_fake("minivllm::qgemv")
     def _(x, codes, scales, mins, bits):  # noqa: ANN001, ANN202 - torch's fake-op signature
         return x.new_empty(x.shape[0], codes.shape[0])
+
+    @torch.library.register_fake("minivllm::ggml_matmul")
+    def _(x, blocks, qtype, isa):  # noqa: ANN001, ANN202
+        return x.new_empty(x.shape[0], blocks.shape[0], dtype=torch.float32)
+
+    @torch.library.register_fake("minivllm::ggml_dequantize")
+    def _(blocks, qtype, cols, dtype, isa):  # noqa: ANN001, ANN202
+        return blocks.new_empty(blocks.shape[0], cols, dtype=dtype)
+
+    @torch.library.register_fake("minivllm::ggml_dequant_matmul")
+    def _(x, blocks, qtype, tile_rows):  # noqa: ANN001, ANN202
+        return x.new_empty(x.shape[0], blocks.shape[0])
 
     @torch.library.register_fake("minivllm::paged_decode")
     def _(q, k_cache, v_cache, block_tables, seq_lens, scale, window, softcap):  # noqa: ANN001, ANN202

@@ -1,0 +1,391 @@
+// llama.cpp's quantized blocks (GGUF tensors, as stored in the file) times activations, and
+// their dequantization, without repacking: the weight `[N, K]` is `[N, row_bytes]` uint8, each
+// row `K / block_elems` blocks laid out as ggml writes them:
+//   Q4_0 (32, 18 B): fp16 d, 16 B nibbles               w = d * (q - 8)
+//   Q4_1 (32, 20 B): fp16 d, fp16 m, 16 B nibbles       w = d * q + m
+//   Q5_0 (32, 22 B): fp16 d, 32 high bits, 16 B nibbles w = d * (q - 16)
+//   Q5_1 (32, 24 B): fp16 d, fp16 m, 32 high bits, ... w = d * q + m
+//   Q8_0 (32, 34 B): fp16 d, 32 int8                    w = d * q
+//   Q4_K (256, 144 B): fp16 d, fp16 dmin, 12 B of 6-bit scales and mins for 8 groups of 32,
+//                      128 B nibbles                    w = d * sc * q - dmin * m
+//   Q5_K (256, 176 B): as Q4_K plus 32 B of fifth bits (bit j of byte l: input l of group j)
+//   Q6_K (256, 210 B): 128 B low nibbles, 64 B high 2 bits, 16 int8 scales (one per 16
+//                      inputs), fp16 d                  w = d * sc * (q - 32)
+// Every kind is read the same way: group j (32 inputs) of a block has 32 integer codes
+// (`group_codes`, centred for the symmetric kinds so that |q| <= 32 or 127), one scale for
+// each half of 16 inputs (equal except in Q6_K) and a min (`block_scales`).
+//
+// The matmul quantizes each activation row per group of 32 to int8 (`x = step * xq`, step =
+// max|x| / 127) and the group's exact fp32 sum; a group's 32 products are an integer dot
+// product (`vpmaddubsw` + `vpmaddwd`, or one `vpdpbusd` with AVX-512 VNNI), scaled once per
+// half by `scale * step`, and the min term is `min * sum(x)`. Unsigned codes times int8 is what
+// those instructions multiply; signed weights use |w| and x with w's sign. The output columns
+// (weight rows) are split over torch's thread pool; a weight row is read once for up to 4
+// activation rows. The scalar path computes the same integers in plain C++ (the reference for
+// the vector paths, and the fallback `isa` 1).
+#include <ATen/Parallel.h>
+#include <ATen/Version.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/mm.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kGroup = 32;
+constexpr int kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13,
+              kQ6_K = 14;  // GGML's type numbers, as in the GGUF file
+
+struct Geometry {
+  int elems;       // inputs a block
+  int bytes;       // bytes a block
+  int groups;      // groups of 32 a block
+  bool is_signed;  // codes centred (no min)
+  bool has_min;
+};
+
+bool known(int64_t qtype) {
+  switch (qtype) {
+    case kQ4_0: case kQ4_1: case kQ5_0: case kQ5_1: case kQ8_0: case kQ4_K: case kQ5_K:
+    case kQ6_K:
+      return true;
+    default:
+      return false;
+  }
+}
+
+inline Geometry geometry(int qtype) {
+  switch (qtype) {
+    case kQ4_0: return {32, 18, 1, true, false};
+    case kQ4_1: return {32, 20, 1, false, true};
+    case kQ5_0: return {32, 22, 1, true, false};
+    case kQ5_1: return {32, 24, 1, false, true};
+    case kQ8_0: return {32, 34, 1, true, false};
+    case kQ4_K: return {256, 144, 8, false, true};
+    case kQ5_K: return {256, 176, 8, false, true};
+    default: return {256, 210, 8, true, false};  // kQ6_K
+  }
+}
+
+inline float fp16(const uint8_t* p) {
+  uint16_t bits;
+  std::memcpy(&bits, p, 2);
+  return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
+}
+
+// Q4_K / Q5_K: the 6-bit scale and min of group j from the 12 packed bytes q.
+inline void k_scale_min(int j, const uint8_t* q, int& scale, int& min) {
+  if (j < 4) {
+    scale = q[j] & 63;
+    min = q[j + 4] & 63;
+  } else {
+    scale = (q[j + 4] & 0x0F) | ((q[j - 4] >> 6) << 4);
+    min = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+  }
+}
+
+// The block's scales (scales[2j], scales[2j + 1]: group j's two halves) and mins (mins[j]),
+// as gguf-py computes them in fp32.
+inline void block_scales(int qtype, const uint8_t* b, float* scales, float* mins) {
+  switch (qtype) {
+    case kQ4_0: case kQ5_0: case kQ8_0:
+      scales[0] = scales[1] = fp16(b);
+      mins[0] = 0.0f;
+      return;
+    case kQ4_1: case kQ5_1:
+      scales[0] = scales[1] = fp16(b);
+      mins[0] = fp16(b + 2);
+      return;
+    case kQ4_K: case kQ5_K: {
+      const float d = fp16(b), dmin = fp16(b + 2);
+      for (int j = 0; j < 8; ++j) {
+        int sc, m;
+        k_scale_min(j, b + 4, sc, m);
+        scales[2 * j] = scales[2 * j + 1] = d * static_cast<float>(sc);
+        mins[j] = -(dmin * static_cast<float>(m));
+      }
+      return;
+    }
+    default: {  // kQ6_K
+      const float d = fp16(b + 208);
+      for (int i = 0; i < 16; ++i) scales[i] = d * static_cast<float>(static_cast<int8_t>(b[192 + i]));
+      for (int j = 0; j < 8; ++j) mins[j] = 0.0f;
+      return;
+    }
+  }
+}
+
+// Group j's 32 codes, one by one (the scalar twin of group_codes).
+inline void group_codes_scalar(int qtype, const uint8_t* b, int j, int8_t* q) {
+  for (int l = 0; l < 32; ++l) {
+    const int nib = l < 16 ? 0 : 4, at = l % 16;  // the 32-input kinds' nibble of input l
+    int v;
+    switch (qtype) {
+      case kQ4_0: v = ((b[2 + at] >> nib) & 15) - 8; break;
+      case kQ4_1: v = (b[4 + at] >> nib) & 15; break;
+      case kQ5_0: v = (((b[6 + at] >> nib) & 15) | (((b[2 + l / 8] >> (l % 8)) & 1) << 4)) - 16; break;
+      case kQ5_1: v = ((b[8 + at] >> nib) & 15) | (((b[4 + l / 8] >> (l % 8)) & 1) << 4); break;
+      case kQ8_0: v = static_cast<int8_t>(b[2 + l]); break;
+      case kQ4_K: v = (b[16 + 32 * (j / 2) + l] >> (4 * (j & 1))) & 15; break;
+      case kQ5_K:
+        v = ((b[48 + 32 * (j / 2) + l] >> (4 * (j & 1))) & 15) | (((b[16 + l] >> j) & 1) << 4);
+        break;
+      default: {  // kQ6_K
+        const int half = j / 4, jj = j % 4;
+        const int low = (b[64 * half + 32 * (jj & 1) + l] >> (jj >= 2 ? 4 : 0)) & 15;
+        const int high = (b[128 + 32 * half + l] >> (2 * jj)) & 3;
+        v = (low | (high << 4)) - 32;
+      }
+    }
+    q[l] = static_cast<int8_t>(v);
+  }
+}
+
+// Activation rows quantized per group of 32: codes [rows, k] int8, steps and exact fp32 sums
+// [rows, k / 32].
+struct QuantizedRows {
+  std::vector<int8_t> codes;
+  std::vector<float> steps;
+  std::vector<float> sums;
+};
+
+void quantize_rows_scalar(const float* x, int64_t rows, int64_t k, QuantizedRows& out) {
+  for (int64_t i = 0; i < rows * (k / kGroup); ++i) {
+    const float* v = x + i * kGroup;
+    float amax = 0.0f, sum = 0.0f;
+    for (int l = 0; l < kGroup; ++l) {
+      amax = std::max(amax, std::fabs(v[l]));
+      sum += v[l];
+    }
+    const float inverse = amax > 0.0f ? 127.0f / amax : 0.0f;
+    for (int l = 0; l < kGroup; ++l) {
+      out.codes[i * kGroup + l] = static_cast<int8_t>(std::nearbyint(v[l] * inverse));
+    }
+    out.steps[i] = amax / 127.0f;
+    out.sums[i] = sum;
+  }
+}
+
+void matmul_columns_scalar(int qtype, const uint8_t* weights, int64_t row_bytes,
+                           const QuantizedRows& xq, int64_t rows, int64_t k, float* y,
+                           int64_t n_out, int64_t begin, int64_t end) {
+  const Geometry geo = geometry(qtype);
+  const int64_t row_groups = k / kGroup;
+  float scales[16], mins[8];
+  int8_t q[32];
+  for (int64_t n = begin; n < end; ++n) {
+    for (int64_t r = 0; r < rows; ++r) {
+      const int8_t* x = xq.codes.data() + r * k;
+      float acc = 0.0f;
+      for (int64_t blk = 0; blk < k / geo.elems; ++blk) {
+        const uint8_t* b = weights + n * row_bytes + blk * geo.bytes;
+        block_scales(qtype, b, scales, mins);
+        for (int j = 0; j < geo.groups; ++j) {
+          const int64_t g = blk * geo.groups + j;
+          group_codes_scalar(qtype, b, j, q);
+          int32_t dot[2] = {0, 0};
+          for (int l = 0; l < 32; ++l) dot[l / 16] += q[l] * x[g * kGroup + l];
+          const float step = xq.steps[r * row_groups + g];
+          acc += (scales[2 * j] * static_cast<float>(dot[0]) +
+                  scales[2 * j + 1] * static_cast<float>(dot[1])) * step +
+                 mins[j] * xq.sums[r * row_groups + g];
+        }
+      }
+      y[r * n_out + n] = acc;
+    }
+  }
+}
+
+void dequantize_rows_scalar(int qtype, const uint8_t* weights, int64_t row_bytes, int64_t k,
+                            int64_t begin, int64_t end, void* out, bool bf16) {
+  const Geometry geo = geometry(qtype);
+  float scales[16], mins[8];
+  int8_t q[32];
+  for (int64_t n = begin; n < end; ++n) {
+    for (int64_t blk = 0; blk < k / geo.elems; ++blk) {
+      const uint8_t* b = weights + n * row_bytes + blk * geo.bytes;
+      block_scales(qtype, b, scales, mins);
+      for (int j = 0; j < geo.groups; ++j) {
+        group_codes_scalar(qtype, b, j, q);
+        const int64_t at = (n - begin) * k + blk * geo.elems + j * kGroup;
+        for (int l = 0; l < 32; ++l) {
+          const float v = static_cast<float>(q[l]) * scales[2 * j + l / 16] + mins[j];
+          if (bf16) {
+            static_cast<c10::BFloat16*>(out)[at + l] = c10::BFloat16(v);
+          } else {
+            static_cast<float*>(out)[at + l] = v;
+          }
+        }
+      }
+    }
+  }
+}
+
+namespace avx2 {
+#include "ggml_blocks_simd.h"
+}  // namespace avx2
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")
+namespace vnni {
+#define MINIVLLM_GGML_VNNI
+#include "ggml_blocks_simd.h"
+#undef MINIVLLM_GGML_VNNI
+}  // namespace vnni
+#pragma GCC pop_options
+
+enum Isa : int64_t { kAuto = 0, kScalar = 1, kAvx2 = 2, kVnni = 3 };
+
+// Whether the VNNI path runs here: the CPU has AVX-512 VNNI and torch runs its AVX-512
+// kernels (ATEN_CPU_CAPABILITY=avx2 keeps the AVX2 path, so one machine tests both).
+bool vnni_available() {
+  static const bool ok = __builtin_cpu_supports("avx512f") &&
+                         __builtin_cpu_supports("avx512bw") &&
+                         __builtin_cpu_supports("avx512vl") &&
+                         __builtin_cpu_supports("avx512vnni") &&
+                         at::get_cpu_capability() == "AVX512";
+  return ok;
+}
+
+Isa resolve(int64_t isa) {
+  TORCH_CHECK(isa >= kAuto && isa <= kVnni, "ggml: isa must be 0 (auto), 1 (scalar), 2 (avx2) "
+              "or 3 (avx512 vnni), got ", isa);
+  if (isa == kAuto) return vnni_available() ? kVnni : kAvx2;
+  TORCH_CHECK(isa != kVnni || vnni_available(),
+              "ggml: the AVX-512 VNNI path does not run on this CPU (or torch runs its AVX2 "
+              "kernels)");
+  return static_cast<Isa>(isa);
+}
+
+// Checks the blocks against `k` inputs a row; returns the geometry.
+Geometry check_blocks(const at::Tensor& blocks, int64_t qtype, int64_t k, const char* op) {
+  TORCH_CHECK(known(qtype), op, ": unsupported GGML type ", qtype);
+  const Geometry geo = geometry(static_cast<int>(qtype));
+  TORCH_CHECK(k > 0 && k % geo.elems == 0, op, ": the row size (", k,
+              ") must be a multiple of the type's block of ", geo.elems);
+  TORCH_CHECK(blocks.dim() == 2 && blocks.scalar_type() == at::kByte && blocks.is_contiguous(),
+              op, ": blocks must be [N, row_bytes] uint8, contiguous");
+  TORCH_CHECK(blocks.size(1) == k / geo.elems * geo.bytes, op, ": rows of ", blocks.size(1),
+              " bytes, expected ", k / geo.elems * geo.bytes, " for ", k, " inputs");
+  return geo;
+}
+
+at::Tensor ggml_matmul(const at::Tensor& x, const at::Tensor& blocks, int64_t qtype,
+                       int64_t isa_arg) {
+  TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+              "ggml_matmul: x must be [M, K] float32 or bfloat16");
+  const int64_t rows = x.size(0), k = x.size(1), n_out = blocks.size(0);
+  check_blocks(blocks, qtype, k, "ggml_matmul");
+  const Isa isa = resolve(isa_arg);
+  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  at::Tensor y = at::empty({rows, n_out}, xf.options());
+  if (rows == 0 || n_out == 0) return y;
+  QuantizedRows xq{std::vector<int8_t>(rows * k), std::vector<float>(rows * k / kGroup),
+                   std::vector<float>(rows * k / kGroup)};
+  if (isa == kScalar) {
+    quantize_rows_scalar(xf.data_ptr<float>(), rows, k, xq);
+  } else {
+    avx2::quantize_rows(xf.data_ptr<float>(), rows, k, xq);
+  }
+  const auto* w = blocks.data_ptr<uint8_t>();
+  const int64_t row_bytes = blocks.size(1);
+  const int qt = static_cast<int>(qtype);
+  float* yp = y.data_ptr<float>();
+  // enough weight rows a task that it streams tens of kilobytes
+  const int64_t grain = std::max<int64_t>(1, 32768 / row_bytes);
+  at::parallel_for(0, n_out, grain, [&](int64_t begin, int64_t end) {
+    switch (isa) {
+      case kScalar:
+        matmul_columns_scalar(qt, w, row_bytes, xq, rows, k, yp, n_out, begin, end);
+        break;
+      case kVnni:
+        vnni::matmul_columns(qt, w, row_bytes, xq, rows, k, yp, n_out, begin, end);
+        break;
+      default:
+        avx2::matmul_columns(qt, w, row_bytes, xq, rows, k, yp, n_out, begin, end);
+    }
+  });
+  return y;
+}
+
+// Rows [begin, end) of `blocks` into `out` (fp32 or bf16), split over the thread pool.
+void dequantize_into(const at::Tensor& blocks, int qtype, int64_t k, int64_t begin, int64_t end,
+                     void* out, bool bf16, Isa isa) {
+  const auto* w = blocks.data_ptr<uint8_t>();
+  const int64_t row_bytes = blocks.size(1);
+  const int64_t grain = std::max<int64_t>(1, 16384 / k);
+  at::parallel_for(begin, end, grain, [&](int64_t b, int64_t e) {
+    const int64_t offset = (b - begin) * k * (bf16 ? 2 : 4);
+    void* at_row = static_cast<char*>(out) + offset;
+    if (isa == kScalar) {
+      dequantize_rows_scalar(qtype, w, row_bytes, k, b, e, at_row, bf16);
+    } else {
+      avx2::dequantize_rows(qtype, w, row_bytes, k, b, e, at_row, bf16);
+    }
+  });
+}
+
+at::Tensor ggml_dequantize(const at::Tensor& blocks, int64_t qtype, int64_t cols,
+                           at::ScalarType dtype, int64_t isa_arg) {
+  check_blocks(blocks, qtype, cols, "ggml_dequantize");
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16,
+              "ggml_dequantize: dtype must be float32 or bfloat16");
+  const Isa isa = resolve(isa_arg);
+  at::Tensor out = at::empty({blocks.size(0), cols}, blocks.options().dtype(dtype));
+  dequantize_into(blocks, static_cast<int>(qtype), cols, 0, blocks.size(0), out.data_ptr(),
+                  dtype == at::kBFloat16, isa);
+  return out;
+}
+
+// x @ W.T for prefill-sized steps: W dequantized `tile_rows` rows at a time into one scratch
+// buffer (per thread, reused by every layer and call, grown when needed), each tile multiplied
+// by torch's matmul. No dense copy of W outlives the call.
+at::Tensor ggml_dequant_matmul(const at::Tensor& x, const at::Tensor& blocks, int64_t qtype,
+                               int64_t tile_rows) {
+  TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+              "ggml_dequant_matmul: x must be [M, K] float32 or bfloat16");
+  TORCH_CHECK(tile_rows > 0, "ggml_dequant_matmul: tile_rows must be positive");
+  const int64_t k = x.size(1), n_out = blocks.size(0);
+  check_blocks(blocks, qtype, k, "ggml_dequant_matmul");
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  const at::Tensor xc = x.contiguous();
+  at::Tensor y = at::empty({x.size(0), n_out}, x.options());
+  const int64_t tile = std::min(tile_rows, std::max<int64_t>(n_out, 1));
+  thread_local at::Tensor scratch;
+  if (!scratch.defined() || scratch.scalar_type() != x.scalar_type() ||
+      scratch.numel() < tile * k) {
+    scratch = at::empty({tile * k}, x.options());
+  }
+  for (int64_t n0 = 0; n0 < n_out; n0 += tile) {
+    const int64_t n = std::min(tile, n_out - n0);
+    dequantize_into(blocks, static_cast<int>(qtype), k, n0, n0 + n, scratch.data_ptr(), bf16,
+                    kAvx2);
+    const at::Tensor w = scratch.narrow(0, 0, n * k).view({n, k});  // [n, K]
+    y.narrow(1, n0, n).copy_(at::mm(xc, w.t()));  // [M, n]
+  }
+  return y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(minivllm, m) {
+  m.def("ggml_matmul(Tensor x, Tensor blocks, int qtype, int isa) -> Tensor");
+  m.def("ggml_dequantize(Tensor blocks, int qtype, int cols, ScalarType dtype, int isa) -> Tensor");
+  m.def("ggml_dequant_matmul(Tensor x, Tensor blocks, int qtype, int tile_rows) -> Tensor");
+  m.def("ggml_vnni() -> bool", [] { return vnni_available(); });
+}
+
+TORCH_LIBRARY_IMPL(minivllm, CPU, m) {
+  m.impl("ggml_matmul", &ggml_matmul);
+  m.impl("ggml_dequantize", &ggml_dequantize);
+  m.impl("ggml_dequant_matmul", &ggml_dequant_matmul);
+}

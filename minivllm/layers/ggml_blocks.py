@@ -1,0 +1,154 @@
+"""GGUF's quantized blocks used as stored: matmul and dequantization kernels on raw ggml blocks.
+
+A GGUF weight `[N, K]` of a quantized type is `N` rows of `K / block_elems` blocks of
+`block_bytes` each, in ggml's layout (Q4_0 ... Q6_K, see `csrc/ggml_blocks.cpp`). The tensor
+these functions take is exactly that, `[N, row_bytes]` uint8 (a view of the memory-mapped file
+serves), so a weight lives once, as the file stores it, and each step size has its kernel:
+
+- `ggml_matmul` for decode-sized steps (1 to a few rows): the activations quantized per group
+  of 32 to int8, integer dot products (AVX-512 VNNI or AVX2, chosen at run time, or a portable
+  scalar loop), each weight row read once for up to 4 activation rows. Output fp32.
+- `dequant_matmul` for prefill-sized steps: the weight dequantized a tile of rows at a time
+  (`DEQUANT_TILE_BYTES`) into one reused scratch buffer in x's dtype, each tile multiplied by
+  torch's matmul, so no dense copy outlives the call.
+- `ggml_dequantize`: the dense `[N, K]` weight (embedding rows, tests, types kept dense).
+
+They are the torch operators `minivllm::ggml_*` (built and loaded by
+`minivllm.layers.cpu_kernels`, so compiled graphs call them too). Where the kernels cannot run
+(no AVX2, no compiler) the same functions fall back to gguf-py's numpy dequantization and a
+dense matmul: slower, same results up to the activations' rounding.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf.quants import dequantize as gguf_dequantize
+
+from minivllm.layers.cpu_kernels import cpu_kernels_available
+
+# The quantized GGML types the kernels run as stored (F32/F16/BF16 tensors are plain floats).
+GGML_KERNEL_TYPES = frozenset({
+    GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q5_0,
+    GGMLQuantizationType.Q5_1, GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_K,
+    GGMLQuantizationType.Q5_K, GGMLQuantizationType.Q6_K,
+})
+# The matmul's instruction sets, as the operator numbers them; "auto" is the fastest one that
+# runs here (AVX-512 VNNI where torch runs its AVX-512 kernels, else AVX2).
+ISAS = {"auto": 0, "scalar": 1, "avx2": 2, "avx512_vnni": 3}
+# Bytes of dense weight rows `dequant_matmul` dequantizes at a time: a tile stays in L2/L3
+# between its dequantization and its matmul, and the scratch buffer stays small.
+DEQUANT_TILE_BYTES = 4 << 20
+
+
+def ggml_type(qtype: GGMLQuantizationType | int | str) -> GGMLQuantizationType:
+    """`qtype` (the enum, its number or its name, e.g. "Q4_K") as a supported kernel type;
+    ValueError for any other."""
+    try:
+        kind = (GGMLQuantizationType[qtype.upper()] if isinstance(qtype, str)
+                else GGMLQuantizationType(int(qtype)))
+    except (KeyError, ValueError):
+        raise ValueError(f"unknown GGML type {qtype!r}") from None
+    if kind not in GGML_KERNEL_TYPES:
+        names = ", ".join(sorted(t.name for t in GGML_KERNEL_TYPES))
+        raise ValueError(f"GGML type {kind.name} has no block kernel (supported: {names})")
+    return kind
+
+
+def block_geometry(qtype: GGMLQuantizationType | int | str) -> tuple[int, int]:
+    """`(block_elems, block_bytes)` of a supported type: inputs and bytes per block."""
+    return GGML_QUANT_SIZES[ggml_type(qtype)]
+
+
+def row_bytes(qtype: GGMLQuantizationType | int | str, cols: int) -> int:
+    """Bytes of one weight row of `cols` inputs (a multiple of the type's block)."""
+    kind = ggml_type(qtype)
+    elems, nbytes = GGML_QUANT_SIZES[kind]
+    if cols <= 0 or cols % elems:
+        raise ValueError(f"{kind.name}: a row of {cols} inputs is not a whole number of "
+                         f"{elems}-input blocks")
+    return cols // elems * nbytes
+
+
+def _check_blocks(blocks: torch.Tensor, qtype: GGMLQuantizationType | int | str,
+                  cols: int) -> GGMLQuantizationType:
+    kind = ggml_type(qtype)
+    expected = row_bytes(kind, cols)
+    if blocks.dtype != torch.uint8 or blocks.dim() != 2:
+        raise ValueError(f"{kind.name} blocks must be a [N, row_bytes] uint8 tensor, got "
+                         f"{blocks.dtype} {tuple(blocks.shape)}")
+    if blocks.shape[1] != expected:
+        raise ValueError(f"{kind.name} rows of {cols} inputs are {expected} bytes, the blocks "
+                         f"have {blocks.shape[1]}")
+    return kind
+
+
+def available_isas() -> tuple[str, ...]:
+    """The matmul instruction sets that run here (beyond "auto")."""
+    if not cpu_kernels_available():
+        return ()
+    return ("scalar", "avx2", "avx512_vnni") if torch.ops.minivllm.ggml_vnni() else (
+        "scalar", "avx2")
+
+
+def _isa(isa: str) -> int:
+    if isa not in ISAS:
+        raise ValueError(f"isa must be one of {sorted(ISAS)}, got {isa!r}")
+    if isa != "auto" and isa not in available_isas():
+        raise ValueError(f"the {isa} path does not run on this CPU (here: {available_isas()})")
+    return ISAS[isa]
+
+
+def ggml_dequantize(blocks: torch.Tensor, qtype: GGMLQuantizationType | int | str, cols: int,
+                    dtype: torch.dtype = torch.float32, isa: str = "auto") -> torch.Tensor:
+    """The dense `[N, cols]` weight in `dtype`; fp32 values equal gguf-py's bit for bit (bf16:
+    those rounded to nearest even)."""
+    kind = _check_blocks(blocks, qtype, cols)
+    native = dtype if dtype in (torch.float32, torch.bfloat16) else torch.float32
+    if cpu_kernels_available():
+        dense = torch.ops.minivllm.ggml_dequantize(blocks.contiguous(), int(kind), cols, native,
+                                                   _isa(isa))
+    else:
+        values = gguf_dequantize(blocks.numpy(), kind).astype(np.float32)
+        dense = torch.from_numpy(values.reshape(blocks.shape[0], cols)).to(native)
+    return dense.to(dtype)
+
+
+def ggml_matmul(x: torch.Tensor, blocks: torch.Tensor, qtype: GGMLQuantizationType | int | str,
+                isa: str = "auto") -> torch.Tensor:
+    """`x @ W.T` for decode-sized steps: `x` `[..., K]` fp32 or bf16, W the `[N, row_bytes]`
+    blocks -> `[..., N]` fp32. The activations are rounded to 8 bits per group of 32 (the
+    groups' min terms use their exact sums)."""
+    if x.dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"ggml_matmul: x must be float32 or bfloat16, got {x.dtype}")
+    kind = _check_blocks(blocks, qtype, x.shape[-1])
+    rows = x.reshape(-1, x.shape[-1])  # [M, K]
+    if cpu_kernels_available():
+        out = torch.ops.minivllm.ggml_matmul(rows, blocks.contiguous(), int(kind), _isa(isa))
+    else:
+        out = rows.float() @ ggml_dequantize(blocks, kind, x.shape[-1]).T
+    return out.view(*x.shape[:-1], blocks.shape[0])  # [..., N]
+
+
+def dequant_matmul(x: torch.Tensor, blocks: torch.Tensor,
+                   qtype: GGMLQuantizationType | int | str,
+                   tile_rows: int | None = None) -> torch.Tensor:
+    """`x @ W.T` for prefill-sized steps, in x's dtype (fp32 or bf16): W dequantized
+    `tile_rows` rows at a time (default: `DEQUANT_TILE_BYTES` of them) into one reused scratch
+    buffer, each tile multiplied by torch's matmul."""
+    if x.dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"dequant_matmul: x must be float32 or bfloat16, got {x.dtype}")
+    cols = x.shape[-1]
+    kind = _check_blocks(blocks, qtype, cols)
+    if tile_rows is None:
+        tile_rows = max(16, DEQUANT_TILE_BYTES // (cols * x.element_size()))
+    elif tile_rows <= 0:
+        raise ValueError(f"tile_rows must be positive, got {tile_rows}")
+    rows = x.reshape(-1, cols)  # [M, K]
+    if cpu_kernels_available():
+        out = torch.ops.minivllm.ggml_dequant_matmul(rows, blocks.contiguous(), int(kind),
+                                                     tile_rows)
+    else:
+        out = rows @ ggml_dequantize(blocks, kind, cols, x.dtype).T
+    return out.view(*x.shape[:-1], blocks.shape[0])  # [..., N]

@@ -1,0 +1,204 @@
+"""The GGUF block kernels (`minivllm.layers.ggml_blocks`) against gguf-py, llama.cpp's own
+Python reading of the same blocks: dequantization bit for bit, matmuls within the rounding of
+the activations to 8 bits, on every instruction-set path that runs here (scalar, AVX2, and
+AVX-512 VNNI where the CPU has it; `make test-avx2` runs the file again with torch's AVX2
+kernels, where "auto" must take the AVX2 path)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf.quants import dequantize, quantize
+
+from minivllm.layers.cpu_kernels import cpu_kernels_available
+from minivllm.layers.ggml_blocks import (
+    GGML_KERNEL_TYPES,
+    available_isas,
+    block_geometry,
+    dequant_matmul,
+    ggml_dequantize,
+    ggml_matmul,
+)
+
+T = GGMLQuantizationType
+TYPES = sorted(GGML_KERNEL_TYPES, key=int)
+pytestmark = pytest.mark.skipif(not cpu_kernels_available(),
+                                reason="the block kernels are for x86 CPUs with AVX2")
+ISAS = [isa for isa in ("scalar", "avx2", "avx512_vnni") if isa in available_isas()]
+# Bytes of each kind's block holding its codes (the rest: scales and mins), [start, end).
+CODE_BYTES = {T.Q4_1: (4, 20), T.Q5_1: (4, 24), T.Q4_K: (16, 144), T.Q5_K: (16, 176)}
+
+
+def random_blocks(qtype: T, n: int, k: int, seed: int = 0) -> np.ndarray:
+    """`[n, row_bytes]` valid blocks: gguf-py's own quantizer where it has one, else random
+    codes and scales with finite, small fp16 `d` (and `dmin`)."""
+    rng = np.random.default_rng(seed)
+    if qtype in (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0):
+        return quantize(rng.standard_normal((n, k), dtype=np.float32) * 0.05, qtype)
+    elems, nbytes = GGML_QUANT_SIZES[qtype]
+    blocks = rng.integers(0, 256, size=(n, k // elems, nbytes), dtype=np.uint8)
+
+    def halves(scale: float) -> np.ndarray:  # fp16 values as their two bytes
+        values = (rng.random((n, k // elems)) + 0.1) * scale
+        return values.astype(np.float16).view(np.uint8).reshape(n, k // elems, 2)
+
+    if qtype == T.Q6_K:
+        blocks[..., 208:210] = halves(0.002)
+    else:
+        blocks[..., 0:2], blocks[..., 2:4] = halves(0.002), halves(0.01)
+    return blocks.reshape(n, -1)
+
+
+def reference(blocks: np.ndarray, qtype: T, x: torch.Tensor) -> torch.Tensor:
+    """What the kernel computes, in float64: the weights as gguf-py dequantizes them, the
+    activations rounded to int8 per group of 32 (nearest even) for the codes' products and
+    exact for the min terms (the weights with their codes zeroed)."""
+    n, k = blocks.shape[0], x.shape[-1]
+    w = torch.from_numpy(dequantize(blocks, qtype).reshape(n, k)).double()
+    groups = x.float().reshape(-1, k // 32, 32)  # [M, K / 32, 32]
+    amax = groups.abs().amax(dim=-1, keepdim=True)
+    # 127 / amax as one division (torch's `127.0 / t` multiplies by a reciprocal: other ties)
+    inverse = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
+    xq = ((groups * inverse).round() * (amax / 127.0)).reshape(-1, k).double()  # [M, K]
+    mins = torch.zeros_like(w)
+    if qtype in CODE_BYTES:
+        start, end = CODE_BYTES[qtype]
+        elems, nbytes = GGML_QUANT_SIZES[qtype]
+        zeroed = blocks.reshape(n, k // elems, nbytes).copy()
+        zeroed[..., start:end] = 0
+        mins = torch.from_numpy(dequantize(zeroed.reshape(n, -1), qtype).reshape(n, k)).double()
+    return xq @ (w - mins).T + x.double().reshape(-1, k) @ mins.T
+
+
+def k_of(qtype: T, blocks: int = 3) -> int:
+    return block_geometry(qtype)[0] * blocks
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_dequantize_matches_gguf_bit_for_bit(qtype: T, isa: str) -> None:
+    """fp32 values equal gguf-py's; bf16 ones are those rounded to nearest even."""
+    k = k_of(qtype)
+    blocks = random_blocks(qtype, 7, k)
+    expected = torch.from_numpy(dequantize(blocks, qtype).reshape(7, k).astype(np.float32))
+    raw = torch.from_numpy(blocks)
+    assert torch.equal(ggml_dequantize(raw, qtype, k, isa=isa), expected)
+    assert torch.equal(ggml_dequantize(raw, qtype, k, torch.bfloat16, isa=isa),
+                       expected.bfloat16())
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_matmul_matches_reference(qtype: T, isa: str) -> None:
+    """Every row count up to 9 (tiles of 4 and each remainder) and an odd N match the
+    quantized-activation reference closely, and the fp32 product within 8-bit rounding."""
+    k, n = k_of(qtype), 13
+    blocks = random_blocks(qtype, n, k, seed=1)
+    raw = torch.from_numpy(blocks)
+    torch.manual_seed(0)
+    for m in (1, 2, 3, 4, 5, 9):
+        x = torch.randn(m, k)
+        y = ggml_matmul(x, raw, qtype, isa=isa)
+        assert y.shape == (m, n) and y.dtype == torch.float32
+        expected = reference(blocks, qtype, x)
+        scale = expected.abs().max()
+        assert (y.double() - expected).abs().max() <= 2e-5 * scale, (m, qtype.name)
+        dense = x.double() @ torch.from_numpy(dequantize(blocks, qtype)).double().reshape(n, k).T
+        assert (y.double() - dense).abs().max() <= 3e-2 * dense.abs().max()
+
+
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K, T.Q8_0], ids=lambda t: t.name)
+def test_paths_agree(qtype: T) -> None:
+    """The vector paths compute the scalar path's integers: the results differ only by the
+    order of fp32 additions."""
+    k = k_of(qtype, 4)
+    raw = torch.from_numpy(random_blocks(qtype, 10, k, seed=2))
+    x = torch.randn(3, k)
+    outputs = [ggml_matmul(x, raw, qtype, isa=isa) for isa in ISAS]
+    for out in outputs[1:]:
+        torch.testing.assert_close(out, outputs[0], rtol=1e-5, atol=1e-5 * outputs[0].abs().max())
+
+
+def test_auto_follows_torch_kernels() -> None:
+    """The VNNI path runs only where torch runs its AVX-512 kernels, so
+    ATEN_CPU_CAPABILITY=avx2 tests the AVX2 path on an AVX-512 machine."""
+    if torch.backends.cpu.get_cpu_capability() != "AVX512":
+        assert "avx512_vnni" not in available_isas()
+    assert {"scalar", "avx2"} <= set(available_isas())
+
+
+def test_shapes_and_dtypes() -> None:
+    """bf16 and batched `[..., K]` activations, one output row, no rows at all."""
+    k = 256
+    blocks = random_blocks(T.Q4_K, 5, k, seed=3)
+    raw = torch.from_numpy(blocks)
+    x = torch.randn(2, 3, k)
+    y = ggml_matmul(x.bfloat16(), raw, "Q4_K")
+    assert y.shape == (2, 3, 5) and y.dtype == torch.float32
+    expected = reference(blocks, T.Q4_K, x.bfloat16().float()).reshape(2, 3, 5)
+    assert (y.double() - expected).abs().max() <= 2e-5 * expected.abs().max()
+    assert ggml_matmul(x[0], raw[:1], T.Q4_K).shape == (3, 1)
+    assert ggml_matmul(torch.empty(0, k), raw, T.Q4_K).shape == (0, 5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K, T.Q8_0], ids=lambda t: t.name)
+def test_dequant_matmul_tiles(qtype: T, dtype: torch.dtype) -> None:
+    """Tiles that do not divide N, one tile, and the shared scratch buffer reused across
+    calls of other sizes and dtypes: all equal x @ W.T on the dense weight."""
+    for k, n, tile in ((k_of(qtype, 2), 23, 5), (k_of(qtype, 1), 7, None), (k_of(qtype, 3), 9, 64)):
+        raw = torch.from_numpy(random_blocks(qtype, n, k, seed=n))
+        x = torch.randn(17, k).to(dtype)
+        y = dequant_matmul(x, raw, qtype, tile_rows=tile)
+        expected = x @ ggml_dequantize(raw, qtype, k, dtype).T
+        assert y.dtype == dtype and y.shape == (17, n)
+        torch.testing.assert_close(y, expected, rtol=1e-5 if dtype == torch.float32 else 2e-2,
+                                   atol=1e-4 if dtype == torch.float32 else 2e-2)
+
+
+def test_bad_input_is_a_clear_error() -> None:
+    """Wrong row sizes, types and arguments raise ValueError saying what is wrong."""
+    raw = torch.from_numpy(random_blocks(T.Q4_K, 4, 512))  # rows of 288 bytes
+    x = torch.randn(1, 512)
+    with pytest.raises(ValueError, match="512 inputs are 288 bytes, the blocks have 287"):
+        ggml_matmul(x, raw[:, :287].contiguous(), T.Q4_K)
+    with pytest.raises(ValueError, match="not a whole number of 256-input blocks"):
+        ggml_matmul(torch.randn(1, 480), raw, T.Q4_K)
+    with pytest.raises(ValueError, match="IQ2_XXS has no block kernel"):
+        ggml_matmul(x, raw, T.IQ2_XXS)
+    with pytest.raises(ValueError, match="unknown GGML type"):
+        block_geometry("Q9_Z")
+    with pytest.raises(ValueError, match="uint8"):
+        ggml_dequantize(raw.view(torch.int8), T.Q4_K, 512)
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        ggml_matmul(x.half(), raw, T.Q4_K)
+    with pytest.raises(ValueError, match="isa must be one of"):
+        ggml_matmul(x, raw, T.Q4_K, isa="neon")
+    with pytest.raises(ValueError, match="tile_rows must be positive"):
+        dequant_matmul(x, raw, T.Q4_K, tile_rows=0)
+    if "avx512_vnni" not in available_isas():
+        with pytest.raises(ValueError, match="does not run on this CPU"):
+            ggml_matmul(x, raw, T.Q4_K, isa="avx512_vnni")
+
+
+def test_geometry() -> None:
+    """Block sizes as GGUF defines them."""
+    assert block_geometry(T.Q4_K) == (256, 144)
+    assert block_geometry("q6_k") == (256, 210)
+    assert block_geometry(8) == (32, 34)
+
+
+def test_fake_ops_match_real_ones() -> None:
+    """The operators' fake (meta) versions give the real outputs' shapes and dtypes, so
+    compiled graphs can call them."""
+    raw = torch.from_numpy(random_blocks(T.Q6_K, 4, 256))
+    x = torch.randn(2, 256)
+    ops = torch.ops.minivllm
+    checks = ("test_schema", "test_faketensor")
+    torch.library.opcheck(ops.ggml_matmul.default, (x, raw, int(T.Q6_K), 0), test_utils=checks)
+    torch.library.opcheck(ops.ggml_dequantize.default, (raw, int(T.Q6_K), 256, torch.bfloat16, 0),
+                          test_utils=checks)
+    torch.library.opcheck(ops.ggml_dequant_matmul.default, (x, raw, int(T.Q6_K), 3),
+                          test_utils=checks)

@@ -26,11 +26,13 @@ from minivllm.engine.scheduler import SampledToken, ScheduledBatch
 from minivllm.engine.sequence import Sequence, blocks_for
 from minivllm.layers.attention import AttentionMetadata
 from minivllm.layers.attention.paged_decode import paged_decode_supported
+from minivllm.layers.cpu_kernels import cpu_kernels_available
 from minivllm.layers.onednn import prepack_model
 from minivllm.layers.quantization import check_quantization, quantize_model_int8
 from minivllm.layers.sampler import Sampler, SamplingBatch, gather_logprobs
 from minivllm.layers.stored_weights import pack_8bit_halves, stored_weight_kernel
 from minivllm.models.gguf import iter_state
+from minivllm.models.gguf_blocks import attach_blocks
 from minivllm.models.gguf_file import GGUFFile
 from minivllm.models.gguf_int4 import LM_HEAD_HIGH, LM_HEAD_LOW, read_int4_weights
 from minivllm.models.loader import attach_int4, load_model, quantize_linear_int4
@@ -197,10 +199,17 @@ class ModelRunner:
         source = gguf_source(config.model)
         # A GGUF is read in place (memory-mapped); model_dir then holds its config and tokenizer
         self.gguf = GGUFFile(source) if source else None
+        # checkpoint names of the weights kept as the GGUF's blocks, filled before loading
+        self.block_weights: set[str] = set()
         self.model, self.hf_config = load_model(
             model_dir, self.dtype, self.device, tp_rank=tp_rank, tp_size=tp_size,
-            weights=iter_state(self.gguf) if self.gguf else None,
+            weights=iter_state(self.gguf, skip=self.block_weights.__contains__)
+            if self.gguf else None,
+            attach=self._attach_blocks if self._keeps_blocks(tp_size) else None,
         )
+        if self.block_weights:
+            logger.info("%d GGUF tensors kept as stored blocks (no dense copy)",
+                        len(self.block_weights))
         # the kernel of the weights kept as stored: "int4", "qgemv" or None (dense)
         self.weight_kernel = self._quantize(tp_size)
         lm_head = getattr(self.model, "lm_head", None)
@@ -246,6 +255,19 @@ class ModelRunner:
             self.num_kv_blocks * self._bytes_per_block() / 1e9, self.device, self.kv_dtype,
         )
 
+    def _keeps_blocks(self, tp_size: int) -> bool:
+        """Whether a GGUF's K-quant and 8-bit tensors stay as stored blocks: on the CPU, one
+        process, the default quantization, and not when a dtype was asked for (an explicit
+        float32 is the dense path held token-exact to HF)."""
+        return (self.gguf is not None and self.device.type == "cpu" and tp_size == 1
+                and self.config.quantization is None and self.config.dtype in (None, "auto")
+                and cpu_kernels_available())
+
+    def _attach_blocks(self, model: torch.nn.Module) -> set[str]:
+        assert self.gguf is not None
+        self.block_weights.update(attach_blocks(model, self.gguf))
+        return self.block_weights
+
     def _quantize(self, tp_size: int) -> str | None:
         """Switch linear layers to the quantized kernels `config.quantization` asks for: by
         default a GGUF's 4-bit tensors (and a Q8_0 LM head) run as stored where a kernel for
@@ -270,7 +292,7 @@ class ModelRunner:
                                  f"device {self.device.type}, dtype {self.dtype}, "
                                  f"tensor_parallel_size {tp_size})")
             return None
-        weights = read_int4_weights(self.gguf) if self.gguf else {}
+        weights = read_int4_weights(self.gguf, exclude=self.block_weights) if self.gguf else {}
         if LM_HEAD_HIGH in weights and hasattr(self.model, "lm_head"):
             head = pack_8bit_halves(weights.pop(LM_HEAD_HIGH), weights.pop(LM_HEAD_LOW),
                                     self.dtype)

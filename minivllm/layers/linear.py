@@ -22,6 +22,7 @@ from torch import nn
 
 from minivllm.distributed import parallel_state
 from minivllm.distributed.heads import shard_heads
+from minivllm.layers.block_weight import BlockWeight
 from minivllm.layers.int4 import Int4Weight
 from minivllm.layers.onednn import OneDnnWeight, onednn_prepack_supported
 from minivllm.layers.quantization import int8_linear, pack_int8
@@ -94,6 +95,8 @@ class LinearBase(nn.Module):
         # 4-bit weights for small steps, in their kernel's layout, once set_int4() has run
         self.int4_weight: SmallStepWeight | None = None
         self.onednn_weight: OneDnnWeight | None = None  # once prepack_for_cpu() has run
+        # the GGUF's quantized blocks, once set_blocks() has run: then the only weight
+        self.block_weight: BlockWeight | None = None
 
     @property
     def shard_ids(self) -> tuple[int | str | None, ...]:
@@ -134,18 +137,36 @@ class LinearBase(nn.Module):
         self.int4_weight = pack_4bit(weight, self.weight.dtype)
         return self.int4_weight is not None
 
+    def set_blocks(self, weight: BlockWeight) -> None:
+        """Compute on `weight`, the whole `[out, in]` weight as a GGUF's quantized blocks
+        (minivllm/layers/block_weight.py), for every step size from now on; the dense weight,
+        not loaded yet, is dropped. Single-process only."""
+        if self.tp_size != 1:
+            raise ValueError("GGUF block weights are supported with tensor_parallel_size=1 only")
+        if weight.shape != tuple(self.weight.shape):
+            raise ValueError(f"block weight of shape {weight.shape} for a {type(self).__name__} "
+                             f"of shape {tuple(self.weight.shape)}")
+        self.block_weight = weight
+        # [0, in]: keeps the dtype and device for whoever asks, holds nothing
+        self.weight = nn.Parameter(self.weight.new_empty(0, self.weight.shape[1]),
+                                   requires_grad=False)
+
     def prepack_for_cpu(self) -> bool:
         """Keep a oneDNN-prepacked copy of the loaded dense bf16 weight for the dense steps
         (minivllm/layers/onednn.py); False (nothing done) where it does not apply."""
-        if self.int8_weight is not None or not onednn_prepack_supported(self.weight):
+        if (self.int8_weight is not None or self.block_weight is not None
+                or not onednn_prepack_supported(self.weight)):
             return False
         self.onednn_weight = OneDnnWeight(self.weight)
         return True
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """`x @ weight.T (+ bias)`: on the 4-bit weights for few rows when set, on the
-        int8 weights when quantized, else dense (oneDNN-prepacked when eager and packed)."""
-        if self.int4_weight is not None and self.int4_weight.fits(x):
+        """`x @ weight.T (+ bias)`: on the GGUF's blocks when set, on the 4-bit weights for
+        few rows when set, on the int8 weights when quantized, else dense (oneDNN-prepacked
+        when eager and packed)."""
+        if self.block_weight is not None:
+            out = self.block_weight.matmul(x)
+        elif self.int4_weight is not None and self.int4_weight.fits(x):
             out = self.int4_weight.matmul(x)
         elif self.int8_weight is not None:
             out = int8_linear(x, self.int8_weight)

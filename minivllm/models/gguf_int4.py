@@ -17,6 +17,8 @@ halves (`minivllm.layers.int4.split_int8`) under LM_HEAD_HIGH and LM_HEAD_LOW.
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType
@@ -114,16 +116,18 @@ def _lm_head_q8_0(reader: GGUFFile) -> GGUFTensor | None:
     return head if head is not None and head.tensor_type == GGMLQuantizationType.Q8_0 else None
 
 
-def read_int4_weights(reader: GGUFFile) -> dict[str, Int4Weight]:
+def read_int4_weights(reader: GGUFFile, exclude: Collection[str] = ()) -> dict[str, Int4Weight]:
     """Every 4-bit tensor of the file under its HF name (q/k rows un-permuted for llama, as
-    the dense loader does), from the memory-mapped blocks; a Q8_0 LM head's two halves
-    under LM_HEAD_HIGH and LM_HEAD_LOW."""
+    the dense loader does) but those named in `exclude`, from the memory-mapped blocks; a
+    Q8_0 LM head's two halves under LM_HEAD_HIGH and LM_HEAD_LOW."""
     arch = architecture(reader)
     weights: dict[str, Int4Weight] = {}
     for tensor in reader.tensors:
         if tensor.tensor_type not in INT4_TENSOR_TYPES:
             continue
         name = hf_tensor_name(tensor.name, arch)
+        if name in exclude:
+            continue
         weight = int4_from_tensor(tensor)
         if (heads := qk_heads(reader, name)) is not None:
             weight = Int4Weight(*(torch.from_numpy(unpermute_qk(t.numpy(), heads).copy())

@@ -8,7 +8,7 @@ Checkpoint names map to parameters explicitly: a name whose module is listed in 
 
 import json
 import logging
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -33,10 +33,13 @@ def load_model(
     tp_rank: int = 0,
     tp_size: int = 1,
     weights: Iterable[tuple[str, torch.Tensor]] | None = None,
+    attach: Callable[[nn.Module], set[str]] | None = None,
 ) -> tuple[nn.Module, PretrainedConfig]:
     """Read `model_dir/config.json`, build the model in `dtype` on `device`, load its weights
     (this rank's shard of them when `tp_size > 1`): `weights` (checkpoint name, tensor) when
-    given (a GGUF's), else the directory's safetensors.
+    given (a GGUF's), else the directory's safetensors. `attach(model)`, run before loading,
+    gives layers weights of another form and returns the checkpoint names it supplied, which
+    `weights` then need not hold.
 
     Returns `(model, hf_config)` with the model in eval mode and no parameter requiring grad.
     Raises `FileNotFoundError` for a missing config or weights, `ValueError` for an unsupported
@@ -52,7 +55,8 @@ def load_model(
     # Allocate parameters directly in the target dtype and device: no float32 copy on the side.
     with _default_dtype(dtype), torch.device(device):
         model = model_cls(hf_config, tp_size=tp_size, tp_rank=tp_rank)
-    load_weights(model, iter_safetensors(model_dir) if weights is None else weights)
+    supplied = attach(model) if attach is not None else set()
+    load_weights(model, iter_safetensors(model_dir) if weights is None else weights, supplied)
     model.requires_grad_(False)
     return model.eval(), hf_config
 
@@ -116,8 +120,10 @@ def _is_ignored(name: str, tied: bool) -> bool:
     return tied and name == "lm_head.weight"  # tied: the embedding is the head
 
 
-def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-    """Copy checkpoint tensors into `model`'s parameters through their weight loaders.
+def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
+                 supplied: set[str] | frozenset[str] = frozenset()) -> None:
+    """Copy checkpoint tensors into `model`'s parameters through their weight loaders;
+    `supplied` names the ones already given to the model in another form (skipped).
 
     Raises `ValueError` listing the checkpoint names the model needs but did not receive.
     Unknown names are logged and skipped.
@@ -129,7 +135,7 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) 
     unexpected: list[str] = []
     with torch.no_grad():
         for ckpt_name, tensor in weights:
-            if _is_ignored(ckpt_name, tied):
+            if _is_ignored(ckpt_name, tied) or ckpt_name in supplied:
                 continue
             param_name, shard_id = checkpoint_to_param_name(ckpt_name, packed)
             param = params.get(param_name)
@@ -152,7 +158,7 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) 
             loaded.add(ckpt_name)
     if unexpected:
         logger.warning("ignored %d unknown checkpoint weights: %s", len(unexpected), unexpected)
-    missing = sorted(expected_checkpoint_names(model, packed) - loaded)
+    missing = sorted(expected_checkpoint_names(model, packed) - loaded - supplied)
     if missing:
         shown = ", ".join(missing[:20]) + (", ..." if len(missing) > 20 else "")
         raise ValueError(f"checkpoint is missing {len(missing)} weight(s): {shown}")
@@ -173,7 +179,8 @@ def attach_int4(model: nn.Module, weights: dict[str, Int4Weight]) -> int:
     count = 0
     for module_name, parts in shards.items():
         module = model.get_submodule(module_name)
-        if isinstance(module, LinearBase) and set(parts) == set(module.shard_ids):
+        if (isinstance(module, LinearBase) and module.block_weight is None
+                and set(parts) == set(module.shard_ids)):
             count += module.set_int4(Int4Weight.cat([parts[i] for i in module.shard_ids]))
     return count
 
@@ -181,7 +188,8 @@ def attach_int4(model: nn.Module, weights: dict[str, Int4Weight]) -> int:
 def quantize_linear_int4(model: nn.Module) -> int:
     """Quantize every linear layer still without int4 weights from its dense weight
     (`quantization="int4"` on an HF checkpoint). Returns how many layers."""
-    layers = [m for m in model.modules() if isinstance(m, LinearBase) and m.int4_weight is None]
+    layers = [m for m in model.modules() if isinstance(m, LinearBase) and m.int4_weight is None
+              and m.block_weight is None]
     return sum(layer.set_int4(quantize_int4(layer.weight)) for layer in layers)
 
 

@@ -1,0 +1,81 @@
+"""A linear layer's weight kept as the GGUF stores it: ggml's quantized blocks, one copy.
+
+A layer whose checkpoint tensors are K-quants or 8-bit blocks (what Q4_K_M, Q5_K_M, Q6_K and
+Q8_0 files hold) keeps no dense weight: its `BlockWeight` is the file's rows of blocks (a view
+of the memory map, or for llama's permuted q/k rows a reordered copy), and every step size runs
+on them (`minivllm.layers.ggml_blocks`):
+
+- decode-sized steps (at most `INT_DOT_MAX_ROWS` rows): the activations rounded to 8 bits and
+  integer dot products, each weight row read once for the whole step;
+- prefill-sized steps: the weight dequantized a tile at a time into one reused buffer, each
+  tile multiplied by torch's matmul.
+
+A fused layer (qkv_proj, gate_up_proj) holds one segment per checkpoint tensor, each in its own
+type (Q4_K_M stores some `attn_v` in Q6_K), whose outputs are concatenated.
+
+Q4_0 and Q4_1 tensors are not in `BLOCK_TYPES`: they keep the 4-bit kernels of
+`minivllm.layers.stored_weights`, faster at one row on those types (docs/ggml-kernels.md).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from gguf import GGMLQuantizationType
+
+from minivllm.layers.ggml_blocks import dequant_matmul, ggml_matmul, row_bytes
+
+# The one table of which GGUF tensor types run as stored blocks, and up to how many rows a
+# step takes the integer-dot kernel (beyond: tile-by-tile dequantization and torch's matmul).
+BLOCK_TYPES = frozenset({
+    GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K, GGMLQuantizationType.Q6_K,
+    GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q5_0, GGMLQuantizationType.Q5_1,
+})
+INT_DOT_MAX_ROWS = 8
+
+
+@dataclass(frozen=True)
+class BlockSegment:
+    """Rows `[N, row_bytes]` (uint8) of one checkpoint tensor `[N, cols]` of type `qtype`."""
+
+    blocks: torch.Tensor
+    qtype: GGMLQuantizationType
+
+    @property
+    def rows(self) -> int:
+        return int(self.blocks.shape[0])
+
+
+class BlockWeight:
+    """The `[out, in]` weight of a linear layer as ggml blocks, segments stacked along out."""
+
+    def __init__(self, segments: list[BlockSegment], cols: int) -> None:
+        if not segments:
+            raise ValueError("a BlockWeight needs at least one segment")
+        for segment in segments:
+            expected = row_bytes(segment.qtype, cols)
+            if segment.blocks.dtype != torch.uint8 or tuple(segment.blocks.shape[1:]) != (
+                    expected,):
+                raise ValueError(f"{segment.qtype.name} rows of {cols} inputs are {expected} "
+                                 f"bytes; got blocks {tuple(segment.blocks.shape)}")
+        self.segments = segments
+        self.cols = cols
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return sum(s.rows for s in self.segments), self.cols
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.blocks.numel() for s in self.segments)
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """`x @ W.T`: `[..., in]` -> `[..., out]` in x's dtype (fp32 or bf16)."""
+        few_rows = x.numel() // x.shape[-1] <= INT_DOT_MAX_ROWS
+        outs = [
+            ggml_matmul(x, s.blocks, s.qtype).to(x.dtype) if few_rows
+            else dequant_matmul(x, s.blocks, s.qtype)
+            for s in self.segments
+        ]
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)

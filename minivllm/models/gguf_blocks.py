@@ -1,0 +1,64 @@
+"""A GGUF's quantized linear weights given to the model as stored blocks, no dense copy.
+
+`attach_blocks` runs after the model is built and before its weights are loaded: every linear
+layer whose checkpoint tensors all have a type in `BLOCK_TYPES` gets a `BlockWeight` over the
+memory-mapped file (`minivllm.layers.block_weight`) and drops its dense weight, never written;
+the names it returns are the checkpoint tensors the dense loader then skips. llama's q/k rows,
+permuted by llama.cpp's converter, are put back in HF's order by moving whole rows of blocks.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from minivllm.layers.block_weight import BLOCK_TYPES, BlockSegment, BlockWeight
+from minivllm.layers.linear import LinearBase
+from minivllm.models.gguf import hf_tensor_name, qk_heads, unpermute_qk
+from minivllm.models.gguf_arch import architecture
+from minivllm.models.gguf_file import GGUFFile, GGUFTensor
+from minivllm.models.loader import PackedMapping, checkpoint_to_param_name
+
+
+def _segment(reader: GGUFFile, tensor: GGUFTensor, hf_name: str) -> BlockSegment:
+    rows: np.ndarray = tensor.data  # [N, row_bytes], a read-only view of the map
+    if (heads := qk_heads(reader, hf_name)) is not None:
+        rows = np.ascontiguousarray(unpermute_qk(rows, heads))
+    with warnings.catch_warnings():  # read-only by design: the kernels never write weights
+        warnings.simplefilter("ignore", UserWarning)
+        blocks = torch.from_numpy(rows)
+    return BlockSegment(blocks, tensor.tensor_type)
+
+
+def attach_blocks(model: nn.Module, reader: GGUFFile) -> set[str]:
+    """Give each linear layer whose checkpoint tensors are all block-typed its BlockWeight;
+    returns the checkpoint names so supplied. A fused layer with a shard of another type
+    (e.g. a float v_proj) stays dense."""
+    arch = architecture(reader)
+    packed: PackedMapping = getattr(model, "packed_modules_mapping", {})
+    found: dict[str, dict[Any, tuple[str, GGUFTensor]]] = {}
+    for tensor in reader.tensors:
+        if tensor.tensor_type not in BLOCK_TYPES or len(tensor.shape) != 2:
+            continue
+        name = hf_tensor_name(tensor.name, arch)
+        param_name, shard_id = checkpoint_to_param_name(name, packed)
+        module_name, _, kind = param_name.rpartition(".")
+        if kind == "weight":
+            found.setdefault(module_name, {})[shard_id] = (name, tensor)
+    supplied: set[str] = set()
+    for module_name, parts in found.items():
+        try:
+            module = model.get_submodule(module_name)
+        except AttributeError:
+            continue
+        if not isinstance(module, LinearBase) or set(parts) != set(module.shard_ids):
+            continue
+        names = [parts[i][0] for i in module.shard_ids]
+        segments = [_segment(reader, parts[i][1], parts[i][0]) for i in module.shard_ids]
+        module.set_blocks(BlockWeight(segments, module.input_size))
+        supplied.update(names)
+    return supplied

@@ -1,0 +1,160 @@
+"""A GGUF's K-quant and 8-bit linear weights kept as stored blocks (what a Q4_K_M file holds):
+no dense copy of them is made, and the model computes what the dequantized weights compute, up
+to the 8-bit rounding of the activations, in prefill-sized and decode-sized steps alike."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as QT
+from support.gguf_files import gguf_writer
+from support.hf_reference import hf_prompt_logprobs
+
+from minivllm import LLM, SamplingParams
+from minivllm.layers.cpu_kernels import cpu_kernels_available
+from minivllm.layers.linear import LinearBase
+from minivllm.models.gguf import convert_gguf
+
+pytestmark = pytest.mark.skipif(not cpu_kernels_available(),
+                                reason="the block kernels need an x86 CPU with AVX2")
+
+HIDDEN, INTER, LAYERS, HEADS, KV_HEADS, HEAD_DIM = 256, 512, 2, 4, 2, 64
+# One Q4_K_M-like mix: 4-bit K-quants, a 6-bit v and down, an 8-bit o, and one Q4_0 tensor
+# that stays with the 4-bit kernels (its fused gate_up stays dense: one shard is not blocks).
+TYPES = {"attn_q": QT.Q4_K, "attn_k": QT.Q4_K, "attn_v": QT.Q6_K, "attn_output": QT.Q8_0,
+         "ffn_gate": QT.Q4_K, "ffn_up": QT.Q4_K, "ffn_down": QT.Q6_K}
+BLOCK_LAYERS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.down_proj")
+
+
+def _fp16(rng: np.random.Generator, n: int, scale: float) -> np.ndarray:
+    return np.abs(rng.standard_normal(n) * scale).astype(np.float16).view(np.uint8).reshape(n, 2)
+
+
+def _blocks(qtype: QT, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
+    """Random valid blocks `[rows, row_bytes]` with scales that keep weights near 0.1."""
+    elems, size = gguf.GGML_QUANT_SIZES[qtype]
+    n = rows * cols // elems
+    blocks = rng.integers(0, 256, size=(n, size), dtype=np.uint8)
+    if qtype == QT.Q4_K:
+        blocks[:, 0:2], blocks[:, 2:4] = _fp16(rng, n, 2e-4), _fp16(rng, n, 2e-4)
+    elif qtype == QT.Q6_K:
+        blocks[:, 208:210] = _fp16(rng, n, 3e-5)
+    elif qtype in (QT.Q8_0, QT.Q4_0):
+        blocks[:, 0:2] = _fp16(rng, n, 1e-3 if qtype == QT.Q8_0 else 1e-2)
+    return blocks.reshape(rows, -1)
+
+
+def _write(path: Path, layer1_up: QT) -> None:
+    from transformers import LlamaConfig
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    tokens = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", *bytes_to_unicode().values(), "he"]
+    cfg = LlamaConfig(vocab_size=len(tokens), hidden_size=HIDDEN, intermediate_size=INTER,
+                      num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+                      num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM,
+                      max_position_embeddings=256)
+    rng = np.random.default_rng(0)
+    writer = gguf_writer(path, "llama", cfg)
+    writer.add_key_length(HEAD_DIM)
+    writer.add_value_length(HEAD_DIM)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_merges(["h e"])
+    writer.add_token_types([3, 3, 3] + [1] * (len(tokens) - 3))
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    embed = (rng.standard_normal((len(tokens), HIDDEN)) * 0.5).astype(np.float32)
+    writer.add_tensor("token_embd.weight", embed)
+    writer.add_tensor("output_norm.weight", np.ones(HIDDEN, np.float32))
+    shapes = {"attn_q": (HEADS * HEAD_DIM, HIDDEN), "attn_k": (KV_HEADS * HEAD_DIM, HIDDEN),
+              "attn_v": (KV_HEADS * HEAD_DIM, HIDDEN), "attn_output": (HIDDEN, HEADS * HEAD_DIM),
+              "ffn_gate": (INTER, HIDDEN), "ffn_up": (INTER, HIDDEN), "ffn_down": (HIDDEN, INTER)}
+    for layer in range(LAYERS):
+        writer.add_tensor(f"blk.{layer}.attn_norm.weight", np.ones(HIDDEN, np.float32))
+        writer.add_tensor(f"blk.{layer}.ffn_norm.weight", np.ones(HIDDEN, np.float32))
+        for part, (rows, cols) in shapes.items():
+            qtype = layer1_up if (layer, part) == (1, "ffn_up") else TYPES[part]
+            writer.add_tensor(f"blk.{layer}.{part}.weight", _blocks(qtype, rows, cols, rng),
+                              raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.fixture(scope="module")
+def model_files(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """(the GGUF, its float32 HF conversion for the reference)."""
+    root = tmp_path_factory.mktemp("blocks")
+    _write(root / "m.gguf", layer1_up=QT.Q4_0)
+    return root / "m.gguf", convert_gguf(root / "m.gguf", root / "hf")
+
+
+@pytest.fixture(scope="module")
+def llm(model_files: tuple[Path, Path]) -> LLM:
+    return LLM(model=str(model_files[0]), num_kv_blocks=64, enforce_eager=True)
+
+
+def test_block_typed_layers_hold_no_dense_weight(llm: LLM) -> None:
+    """qkv, o and down (all shards block-typed) keep the file's blocks and an empty dense
+    weight; layer 1's gate_up, one shard Q4_0, stays off the block path."""
+    runner = llm.llm_engine.model_runner
+    layers = runner.model.model.layers
+    for i, layer in enumerate(layers):
+        for name in BLOCK_LAYERS:
+            module = layer.get_submodule(name)
+            assert isinstance(module, LinearBase)
+            assert module.block_weight is not None and module.weight.numel() == 0, (i, name)
+    assert layers[0].mlp.gate_up_proj.block_weight is not None
+    assert layers[1].mlp.gate_up_proj.block_weight is None
+    assert layers[1].mlp.gate_up_proj.weight.numel() == INTER * 2 * HIDDEN
+    assert len(runner.block_weights) == LAYERS * 7 - 2
+
+
+def _engine_logprobs(llm: LLM, prompt: list[int], new: int) -> tuple[list[int], list[float]]:
+    """(prompt + generated tokens, the engine's log-prob of every token after the first)."""
+    params = SamplingParams(temperature=0, max_tokens=new, ignore_eos=True, prompt_logprobs=0,
+                            logprobs=0)
+    out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
+    completion = out.outputs[0]
+    scores = [entry[tok].logprob for entry, tok in zip(out.prompt_logprobs[1:], prompt[1:],
+                                                        strict=True)]
+    scores += [entry[tok].logprob for entry, tok in zip(completion.logprobs,
+                                                         completion.token_ids, strict=True)]
+    return prompt + list(completion.token_ids), scores
+
+
+def test_prefill_and_decode_match_the_dequantized_model(llm: LLM,
+                                                        model_files: tuple[Path, Path]) -> None:
+    """Prompt tokens (a 40-row prefill: tile-by-tile dequantization) and generated tokens
+    (one-row steps: integer dot products) score as HF fp32 scores them on the dequantized
+    weights, within the error of 8-bit activations."""
+    prompt = [int(t) for t in np.random.default_rng(1).integers(3, 256, size=40)]
+    tokens, scores = _engine_logprobs(llm, prompt, new=8)
+    ref = hf_prompt_logprobs(str(model_files[1]), tuple(tokens))  # [T - 1, V]
+    expected = ref.gather(-1, torch.tensor(tokens[1:])[:, None])[:, 0]
+    diff = (torch.tensor(scores) - expected).abs()
+    assert diff[: len(prompt) - 1].max() < 0.1, diff
+    assert diff[len(prompt) - 1 :].max() < 0.1, diff
+    # the generated tokens are the reference's argmax, but where two are within the error
+    top2 = ref[len(prompt) - 1 :].topk(2, dim=-1).values
+    for step, tok in enumerate(tokens[len(prompt) :]):
+        margin = float(top2[step, 0] - top2[step, 1])
+        assert tok == int(ref[len(prompt) - 1 + step].argmax()) or margin < 0.1
+
+
+def test_dense_options_keep_dense_weights(model_files: tuple[Path, Path]) -> None:
+    """quantization="none" and an explicit dtype are the dense paths: no blocks kept."""
+    for options in ({"quantization": "none"}, {"dtype": "float32"}):
+        llm = LLM(model=str(model_files[0]), num_kv_blocks=16, enforce_eager=True, **options)
+        assert llm.llm_engine.model_runner.block_weights == set()
+        qkv = llm.llm_engine.model_runner.model.model.layers[0].self_attn.qkv_proj
+        assert qkv.block_weight is None and qkv.weight.numel() > 0
+        del llm

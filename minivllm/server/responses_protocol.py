@@ -20,9 +20,10 @@ from pydantic import BaseModel, ConfigDict, Field
 from minivllm.server.constraints import FieldError
 from minivllm.server.protocol import INFORMATIONAL_FIELDS, _Body
 
-# Sampling fields of ours (vLLM's extras, as chat has them) a Responses request may carry.
-SAMPLING_EXTRAS = ("seed", "top_k", "min_p", "repetition_penalty", "presence_penalty",
-                   "frequency_penalty", "stop", "ignore_eos", "min_tokens", "logit_bias")
+# Chat fields of ours (vLLM's extras, as chat has them) a Responses request may carry.
+CHAT_EXTRAS = ("seed", "top_k", "min_p", "repetition_penalty", "presence_penalty",
+               "frequency_penalty", "stop", "ignore_eos", "min_tokens", "logit_bias",
+               "structured_outputs")
 # Accepted and ignored on top of chat's informational fields: they do not change the answer
 # this server gives (`include` asks for extras we never produce; `truncation` "disabled" is
 # what we do: a prompt too long is a 400).
@@ -52,7 +53,7 @@ class ResponsesRequest(_Body):
 
     def unsupported_fields(self) -> list[str]:
         extra = self.model_extra or {}
-        allowed = INFORMATIONAL_FIELDS | _RESPONSES_INFORMATIONAL | set(SAMPLING_EXTRAS)
+        allowed = INFORMATIONAL_FIELDS | _RESPONSES_INFORMATIONAL | set(CHAT_EXTRAS)
         bad = [k for k in extra if k not in allowed]
         if extra.get("background"):
             bad.append("background")
@@ -71,7 +72,7 @@ def chat_body(req: ResponsesRequest, conversation: list[dict[str, Any]]) -> dict
     for name in ("temperature", "top_p", "parallel_tool_calls", "chat_template_kwargs"):
         if getattr(req, name) is not None:
             body[name] = getattr(req, name)
-    for name in SAMPLING_EXTRAS:
+    for name in CHAT_EXTRAS:
         if (req.model_extra or {}).get(name) is not None:
             body[name] = req.model_extra[name]  # type: ignore[index]
     if req.tools:

@@ -27,6 +27,7 @@ from minivllm.server import ServerThread, create_app
 from minivllm.server.responses_api import ResponsesAPI
 from minivllm.server.responses_protocol import ResponseObject
 from minivllm.server.responses_store import ResponseStore, StoreOptions
+from minivllm.server.serving import ChatOptions
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10},
                                             "unit": {"enum": ["c", "f"]}},
@@ -40,7 +41,7 @@ NAMED = {"type": "function", "name": "get_weather"}
 def live(tiny_llama_long_dir: Path) -> Iterator[tuple[str, openai.OpenAI, ResponsesAPI]]:
     engine = LLMEngine.from_options(model=str(tiny_llama_long_dir), max_model_len=1024,
                                     num_kv_blocks=256, block_size=16, device="cpu")
-    app = create_app(engine, "tiny", api_key="k",
+    app = create_app(engine, "tiny", api_key="k", chat=ChatOptions(reasoning_parser="qwen3"),
                      response_store=StoreOptions(max_responses=8, max_bytes=1 << 20))
     with ServerThread(app) as thread:
         client = openai.OpenAI(base_url=f"{thread.base_url}/v1", api_key="k", max_retries=0,
@@ -155,6 +156,24 @@ def test_the_stream_is_the_sdks_events_and_adds_up_to_the_response(live) -> None
     [call] = done.output
     assert call.arguments == args
     jsonschema.validate(json.loads(args), WEATHER)
+
+
+def test_thinking_is_a_reasoning_item_whole_and_streamed(live) -> None:
+    """With --reasoning-parser, `<think>` becomes a reasoning item before the message (a
+    regex makes the random model think)."""
+    _, client, _ = live
+    kw = dict(model="tiny", input="Why?", max_output_tokens=40, temperature=1.0,
+              extra_body={"seed": 3, "structured_outputs": {
+                  "regex": "<think>[a-z]{3}</think>[a-z]{2}"}})
+    r = client.responses.create(**kw)
+    reasoning, message = r.output
+    assert reasoning.type == "reasoning" and len(reasoning.content[0].text) == 3
+    assert message.type == "message" and len(r.output_text) == 2
+    assert r.usage.output_tokens_details.reasoning_tokens > 0
+    events = list(client.responses.create(stream=True, **kw))
+    thought = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
+    assert thought == reasoning.content[0].text
+    assert events[-1].response.output_text == r.output_text
 
 
 @pytest.mark.parametrize("body, status, param", [

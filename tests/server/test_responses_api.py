@@ -21,6 +21,7 @@ import openai
 import pytest
 from openai.types.responses import ResponseStreamEvent
 from pydantic import BaseModel, Field, TypeAdapter
+from support.server_helpers import wait_idle
 
 from minivllm.engine.llm_engine import LLMEngine
 from minivllm.server import ServerThread, create_app
@@ -233,6 +234,22 @@ def test_cancel_ends_a_running_response_and_its_continuation_is_refused(live) ->
     with pytest.raises(openai.BadRequestError):  # a finished one cannot be cancelled
         client.responses.cancel(client.responses.create(model="tiny", input="x",
                                                         max_output_tokens=1).id)
+
+
+def test_a_client_that_leaves_a_stream_aborts_its_request(live) -> None:
+    """Closing a stream mid-way aborts the engine's request at once; the stored response
+    says it was cancelled."""
+    base_url, client, api = live
+    with client.responses.create(model="tiny", input="x", max_output_tokens=900,
+                                 stream=True, extra_body={"ignore_eos": True}) as stream:
+        events = [next(stream) for _ in range(6)]
+    response_id = events[0].response.id
+    m = wait_idle(base_url, timeout=10)
+    assert m["minivllm:num_requests_running"] == 0
+    deadline = time.monotonic() + 10
+    while response_id in api.running and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert client.responses.retrieve(response_id).status == "cancelled"
 
 
 def test_the_store_is_bounded_in_count_and_bytes() -> None:

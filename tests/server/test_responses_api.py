@@ -231,6 +231,12 @@ def test_cancel_ends_a_running_response_and_its_continuation_is_refused(live) ->
     assert cancelled.status == "cancelled" and result["r"].status == "cancelled"
     with pytest.raises(openai.BadRequestError):
         client.responses.create(model="tiny", input="y", previous_response_id=response_id)
+    with client.responses.create(model="tiny", input="x", max_output_tokens=900, stream=True,
+                                 extra_body={"ignore_eos": True}) as stream:
+        first = next(stream)
+        assert client.responses.cancel(first.response.id).status == "cancelled"
+        last = list(stream)[-1]
+    assert last.type == "response.failed" and last.response.status == "cancelled"
     with pytest.raises(openai.BadRequestError):  # a finished one cannot be cancelled
         client.responses.cancel(client.responses.create(model="tiny", input="x",
                                                         max_output_tokens=1).id)

@@ -9,6 +9,7 @@ tool enforces it, their validity are checked.
 
 from __future__ import annotations
 
+import argparse
 import json
 import threading
 import time
@@ -25,9 +26,11 @@ from support.server_helpers import wait_idle
 
 from minivllm.engine.llm_engine import LLMEngine
 from minivllm.server import ServerThread, create_app
+from minivllm.server.engine_process import EngineProcess
 from minivllm.server.responses_api import ResponsesAPI
 from minivllm.server.responses_protocol import ResponseObject
 from minivllm.server.responses_store import ResponseStore, StoreOptions
+from minivllm.server.serve import response_store_options
 from minivllm.server.serving import ChatOptions
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10},
@@ -256,6 +259,35 @@ def test_a_client_that_leaves_a_stream_aborts_its_request(live) -> None:
     while response_id in api.running and time.monotonic() < deadline:
         time.sleep(0.01)
     assert client.responses.retrieve(response_id).status == "cancelled"
+
+
+@pytest.mark.slow  # an engine process takes tens of seconds to start on a busy CPU
+def test_over_an_engine_process(tiny_llama_long_dir: Path) -> None:
+    """`minivllm serve`'s way (the engine in a process of its own): answer, stream, cancel.
+    The Responses code only uses the server's shared steps, which test_server.py runs over
+    both engines; this checks the whole path once."""
+    engine = EngineProcess(dict(model=str(tiny_llama_long_dir), max_model_len=1024,
+                                num_kv_blocks=128, block_size=16, device="cpu"))
+    with ServerThread(create_app(engine, "tiny")) as thread:
+        client = openai.OpenAI(base_url=f"{thread.base_url}/v1", api_key="x", max_retries=0)
+        r = client.responses.create(model="tiny", input="Hi", max_output_tokens=4)
+        streamed = list(client.responses.create(model="tiny", input="Hi", max_output_tokens=4,
+                                                stream=True))
+        assert r.usage.output_tokens == streamed[-1].response.usage.output_tokens == 4
+        with client.responses.create(model="tiny", input="x", max_output_tokens=900,
+                                     stream=True, extra_body={"ignore_eos": True}) as stream:
+            first = next(stream)
+            assert client.responses.cancel(first.response.id).status == "cancelled"
+        assert wait_idle(thread.base_url, 10)["minivllm:num_requests_running"] == 0
+        client.close()
+
+
+def test_serve_flags_give_the_store_options() -> None:
+    assert response_store_options(argparse.Namespace()) == StoreOptions()
+    assert response_store_options(argparse.Namespace(no_response_store=True)).max_responses == 0
+    options = response_store_options(argparse.Namespace(response_store_max_responses=5,
+                                                        response_store_max_bytes=100))
+    assert (options.max_responses, options.max_bytes) == (5, 100)
 
 
 def test_the_store_is_bounded_in_count_and_bytes() -> None:

@@ -5,7 +5,9 @@ the OpenAI Agents SDK runs an agent with one function tool through OpenAIRespons
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator
+from typing import Any, Literal
 
 import openai
 import pytest
@@ -54,6 +56,40 @@ def test_openai_agents_runs_a_function_tool_loop(base_url: str) -> None:
     kinds = [item.type for item in result.new_items]
     assert kinds[:2] == ["tool_call_item", "tool_call_output_item"], kinds
     assert kinds[-1] == "message_output_item"
+
+
+@pytest.mark.default_model
+def test_openai_agents_streams_a_forced_tool_call(base_url: str) -> None:
+    """Runner.run_streamed reads our semantic events (the tool call arrives as
+    function_call_arguments deltas) and runs the tool."""
+    agents = pytest.importorskip("agents")
+    from agents.models.openai_responses import OpenAIResponsesModel
+
+    agents.set_tracing_disabled(True)
+    calls: list[str] = []
+
+    @agents.function_tool
+    def get_weather(city: Literal["Paris", "Rome"]) -> str:
+        """The weather in a city."""
+        calls.append(city)
+        return "sunny"
+
+    client = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="x", max_retries=0)
+    agent = agents.Agent(
+        name="weather", tools=[get_weather], tool_use_behavior="stop_on_first_tool",
+        model=OpenAIResponsesModel(MODEL, openai_client=client),
+        model_settings=agents.ModelSettings(tool_choice="get_weather", max_tokens=40),
+    )
+
+    async def run() -> Any:
+        result = agents.Runner.run_streamed(agent, "What is the weather in Paris?",
+                                            max_turns=2)
+        kinds = [event.type async for event in result.stream_events()]
+        assert "raw_response_event" in kinds
+        return result
+
+    result = asyncio.run(run())
+    assert calls and result.final_output == "sunny"
 
 
 @pytest.mark.default_model

@@ -39,7 +39,7 @@ from minivllm.server.responses_protocol import (
     new_id,
     response_of,
 )
-from minivllm.server.responses_store import ResponseStore, StoreOptions
+from minivllm.server.responses_store import ResponseStore, StoredResponse, StoreOptions
 from minivllm.server.responses_stream import EventWriter, assistant_message, output_items
 from minivllm.server.serving import OpenAIServer, json_response
 from minivllm.server.streaming import SSEResponse, text_delta
@@ -50,6 +50,7 @@ class _Running:
     """A response being generated: what cancel needs."""
 
     stream: RequestStream
+    response: ResponseObject  # the turn's, filled in by its handler when it ends
     cancelled: asyncio.Event = field(default_factory=asyncio.Event)
     task: asyncio.Future[Any] | None = None  # a non-streamed response's collection
 
@@ -102,7 +103,7 @@ class ResponsesAPI:
 
         return router
 
-    def _stored(self, response_id: str) -> Any:
+    def _stored(self, response_id: str) -> StoredResponse:
         entry = self.store.get(response_id)
         if entry is None:
             raise APIError(404, f"no response {response_id!r} in this server's store: unknown, "
@@ -127,18 +128,14 @@ class ResponsesAPI:
             if response_id not in self.running:
                 break
             await asyncio.sleep(0.01)
-        entry = self.store.get(response_id)
-        if entry is not None:
-            return entry.response
-        return ResponseObject(id=response_id, model=self.server.served_model_name,
-                              status="cancelled")
+        return running.response
 
     async def create(self, request: Request) -> Response:
         server = self.server
         req = await server.parse(request, ResponsesRequest)
         turn = await self._prepare(req)
         stream = await server.start(turn.response.id, [turn.prompt], turn.params)
-        running = _Running(stream)
+        running = _Running(stream, turn.response)
         self.running[turn.response.id] = running
         self._save(turn, [])
         if req.stream:

@@ -202,6 +202,15 @@ def test_bad_input_is_a_4xx_naming_the_field(live, body, status, param) -> None:
     assert r.json()["error"]["param"] == param
 
 
+def test_the_api_key_guards_every_route(live) -> None:
+    base_url, _, _ = live
+    assert httpx.post(f"{base_url}/v1/responses", json={"input": "x"}).status_code == 401
+    for method in ("GET", "DELETE"):
+        r = httpx.request(method, f"{base_url}/v1/responses/resp_x")
+        assert r.status_code == 401
+    assert httpx.post(f"{base_url}/v1/responses/resp_x/cancel").status_code == 401
+
+
 def test_get_delete_and_unknown_ids(live) -> None:
     _, client, _ = live
     r = client.responses.create(model="tiny", input="x", max_output_tokens=1)
@@ -231,6 +240,7 @@ def test_cancel_ends_a_running_response_and_its_continuation_is_refused(live) ->
     [response_id] = list(api.running)
     cancelled = client.responses.cancel(response_id)
     worker.join(10)
+    assert cancelled.id == response_id and cancelled.usage.output_tokens < 900
     assert cancelled.status == "cancelled" and result["r"].status == "cancelled"
     with pytest.raises(openai.BadRequestError):
         client.responses.create(model="tiny", input="y", previous_response_id=response_id)

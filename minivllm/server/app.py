@@ -1,6 +1,8 @@
 """The OpenAI-compatible HTTP server: the app factory and its routes over an AsyncLLMEngine.
 
-Routes: GET /v1/models, POST /v1/completions, POST /v1/chat/completions, POST /tokenize,
+Routes: GET /v1/models, POST /v1/completions, POST /v1/chat/completions, the Responses API
+(POST /v1/responses, GET, DELETE /v1/responses/{id}, POST /v1/responses/{id}/cancel,
+`responses_api.py`), POST /tokenize,
 POST /detokenize, GET /version (vLLM's), GET /health, GET /metrics, and with `lab=True` the
 live Engine Lab (GET /lab, /lab/api/*: the engine recorded between steps,
 `minivllm/lab/live.py`). Every error has OpenAI's shape `{"error": {message, type, param,
@@ -34,6 +36,8 @@ from minivllm.server.completions import create_completion
 from minivllm.server.engine_process import EngineProcess
 from minivllm.server.errors import APIError, install_error_handlers
 from minivllm.server.middleware import BodySizeLimitMiddleware
+from minivllm.server.responses_api import ResponsesAPI
+from minivllm.server.responses_store import StoreOptions
 from minivllm.server.serving import ChatOptions, OpenAIServer, json_response
 from minivllm.server.tokenize import detokenize, tokenize
 
@@ -50,6 +54,7 @@ def create_app(
     lab: bool = False,
     chat: ChatOptions | None = None,
     allowed_origins: list[str] | None = None,
+    response_store: StoreOptions | None = None,
 ) -> FastAPI:
     """An OpenAI-compatible app serving `engine` (an LLMEngine, stepped by a thread of this
     process, or an EngineProcess). Its engine loop starts with the app's lifespan and stops
@@ -57,6 +62,7 @@ def create_app(
     `lab`: record the engine between steps and serve the live lab page at /lab (without it
     nothing is recorded and /lab is 404). `chat`: the server's chat template, template kwargs
     and reasoning parser. `allowed_origins`: the browser origins CORS lets in (["*"]: any).
+    `response_store`: the Responses API store's bounds (`app.state.responses` holds it).
     """
     name = served_model_name or _default_name(engine)
     recorder = None
@@ -88,6 +94,8 @@ def create_app(
                            allow_headers=["*"])
     install_error_handlers(app)
     app.include_router(openai_routes(server))
+    app.state.responses = ResponsesAPI(server, response_store)
+    app.include_router(app.state.responses.routes())
     if recorder is not None:
         from minivllm.lab.live_routes import live_routes
 

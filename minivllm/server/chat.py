@@ -107,6 +107,14 @@ class _Call:
         return message, bool(calls)
 
 
+def finish_reason_of(engine_reason: str | None, has_calls: bool) -> str | None:
+    """A choice's finish_reason: "tool_calls" when it calls tools, unless max_tokens cut it
+    ("length": the client learns that the call's arguments may be incomplete)."""
+    if has_calls and engine_reason != "length":
+        return "tool_calls"
+    return engine_reason
+
+
 def _response(call: _Call, outputs: list[RequestOutput]) -> responses.ChatCompletionResponse:
     choices = []
     for index, output in enumerate(outputs):
@@ -116,7 +124,7 @@ def _response(call: _Call, outputs: list[RequestOutput]) -> responses.ChatComple
             index=index,
             message=message,
             logprobs=call.server.logprobs.chat(out, 0, call.num_top),
-            finish_reason="tool_calls" if has_calls else out.finish_reason,
+            finish_reason=finish_reason_of(out.finish_reason, has_calls),
         ))
     usage = usage_of(call.prompt_tokens, outputs, call.params.n)
     call.server.log_finished(
@@ -132,8 +140,8 @@ def _stream(call: _Call, include_usage: bool) -> AsyncIterator[str]:
 
     def choice(index: int, delta: str, logprobs: Any, finish_reason: str | None) -> str:
         message, has_calls = splitter.delta(index, delta, finish_reason is not None)
-        if has_calls:
-            finish_reason = "tool_calls"
+        if finish_reason is not None:
+            finish_reason = finish_reason_of(finish_reason, has_calls)
         if message is None and finish_reason is None and logprobs is None:
             return ""  # everything held back this step
         return call.chunk([responses.ChatChunkChoice(

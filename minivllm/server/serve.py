@@ -26,6 +26,7 @@ import uvicorn
 from minivllm.engine.llm_engine import LLMEngine
 from minivllm.server.app import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_WAITING_REQUESTS, create_app
 from minivllm.server.engine_process import EngineProcess
+from minivllm.server.responses_store import DEFAULT_MAX_BYTES, DEFAULT_MAX_RESPONSES, StoreOptions
 from minivllm.server.serving import ChatOptions
 
 logger = logging.getLogger("minivllm.server")
@@ -91,8 +92,22 @@ def serve(args: argparse.Namespace, engine_options: dict[str, Any]) -> int:
         chat=chat_options(args),
         allowed_origins=getattr(args, "allowed_origins", None),
         engine_process=getattr(args, "engine_process", True),
+        response_store=response_store_options(args),
     )
     return 0
+
+
+def response_store_options(args: argparse.Namespace) -> StoreOptions:
+    """--response-store-max-responses N, --response-store-max-bytes B, --no-response-store,
+    where the CLI has them."""
+    if getattr(args, "no_response_store", False):
+        return StoreOptions(max_responses=0)
+    count = getattr(args, "response_store_max_responses", None)
+    size = getattr(args, "response_store_max_bytes", None)
+    return StoreOptions(
+        max_responses=DEFAULT_MAX_RESPONSES if count is None else count,
+        max_bytes=DEFAULT_MAX_BYTES if size is None else size,
+    )
 
 
 def chat_options(args: argparse.Namespace) -> ChatOptions:
@@ -147,6 +162,7 @@ def run_server(
     chat: ChatOptions | None = None,
     allowed_origins: list[str] | None = None,
     engine_process: bool = True,
+    response_store: StoreOptions | None = None,
 ) -> None:
     """Build an engine from `engine_options` (LLMEngine.from_options) and serve it until
     SIGINT or SIGTERM. In-flight requests get `graceful_shutdown_s` to finish; the rest end
@@ -171,6 +187,7 @@ def run_server(
         lab=lab,
         chat=chat,
         allowed_origins=allowed_origins,
+        response_store=response_store,
     )
     name = app.state.server.served_model_name
     logger.info("serving %r on http://%s:%d/v1", name, host, port)

@@ -130,19 +130,16 @@ def with_fallback_prompt(
 
 
 def parse_calls(text: str, mode: Mode, named: str | None) -> tuple[str | None, list[Any]]:
-    """The message content and tool calls of a finished output."""
+    """The message content and tool calls of a finished output.
+
+    With `required` or a named function the output is the call: one cut short by max_tokens
+    is still returned as a call, its arguments the JSON written so far (vLLM's way), so that
+    a client that forced a call finds it where it looks. Such an output is never content,
+    even when it was cut before a tool's name."""
     if mode == "named":
-        try:
-            json.loads(text)
-        except json.JSONDecodeError:
-            return text, []  # cut short (max_tokens): no call to give
         return None, [_call(named or "", text)]
     if mode == "required":
-        try:
-            items = json.loads(text)
-            return None, [_call(i["name"], json.dumps(i["parameters"])) for i in items]
-        except (json.JSONDecodeError, KeyError, TypeError):
-            return text, []  # cut short (max_tokens): no call to give
+        return None, [_call(name, arguments) for name, arguments in _required_items(text)]
     if mode == "none":
         return text, []
     calls = []
@@ -156,6 +153,32 @@ def parse_calls(text: str, mode: Mode, named: str | None) -> tuple[str | None, l
         return text, []
     content = _CALL.sub("", text).strip()
     return content or None, calls
+
+
+# A `required` item as the grammar writes it (compact JSON, keys in schema order), possibly
+# cut short: its name, then whatever of its parameters was written.
+_REQUIRED_ITEM = re.compile(r'\{"name":("(?:[^"\\]|\\.)*")(?:,"parameters":(.*))?', re.DOTALL)
+
+
+def _required_items(text: str) -> list[tuple[str, str]]:
+    """(name, arguments) of each item of a `required` output, a JSON array of
+    `{"name", "parameters"}`, the last one possibly cut short."""
+    try:
+        return [(i["name"], json.dumps(i["parameters"])) for i in json.loads(text)]
+    except (json.JSONDecodeError, KeyError, TypeError):
+        pass
+    decoder, items, pos = json.JSONDecoder(), [], 1 if text.startswith("[") else len(text)
+    while pos < len(text):
+        try:
+            item, end = decoder.raw_decode(text, pos)
+            items.append((item["name"], json.dumps(item["parameters"])))
+        except (json.JSONDecodeError, KeyError, TypeError):
+            cut = _REQUIRED_ITEM.match(text, pos)
+            if cut is not None:
+                items.append((json.loads(cut.group(1)), cut.group(2) or ""))
+            break
+        pos = end + 1 if text[end:end + 1] == "," else len(text)
+    return items
 
 
 def _call(name: str, arguments: str) -> responses.ToolCallOut:
@@ -184,8 +207,7 @@ class ToolStream:
         if self.mode in ("named", "required"):
             if not finished:
                 return "", []
-            _, calls = parse_calls(self.text, self.mode, self.named)
-            return ("", calls) if calls else (self.text, [])
+            return "", parse_calls(self.text, self.mode, self.named)[1]
         if finished:
             _, calls = parse_calls(self.text, self.mode, self.named)
             if not calls:

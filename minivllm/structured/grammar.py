@@ -4,12 +4,19 @@ llguidance was chosen over xgrammar by measurement (docs/benchmarks.md,
 benchmarks/grammar_mask.py): on this CPU with a 49k vocabulary its mask is cheaper per token
 and a schema compiles in milliseconds rather than half a second, which matters when every
 request brings its own schema (tools).
+
+A JSON schema's objects are closed unless they say otherwise (`close_objects`): an object
+schema without `additionalProperties` admits only the properties it declares. That is vLLM's
+default (xgrammar's strict mode) and OpenAI's strict mode; llguidance alone follows the JSON
+Schema spec, where a small model fills an open object with keys of its own invention until
+max_tokens. A schema's own `additionalProperties` (true or a schema) is honoured.
 """
 
 from __future__ import annotations
 
 import functools
 import json
+from typing import Any
 
 import llguidance
 
@@ -57,7 +64,9 @@ def _grammar_of(kind: str, text: str) -> str:
         if not isinstance(schema, dict):
             raise GrammarError(kind, "a JSON schema must be an object")
         try:
-            return llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=_JSON_OPTIONS)
+            return llguidance.LLMatcher.grammar_from_json_schema(
+                close_objects(schema), overrides=_JSON_OPTIONS
+            )
         except ValueError as exc:
             raise GrammarError(kind, str(exc)) from None
     if kind == "regex":
@@ -70,3 +79,55 @@ def _grammar_of(kind: str, text: str) -> str:
         except ValueError as exc:
             raise GrammarError(kind, str(exc)) from None
     raise GrammarError(kind, f"unknown kind {kind!r}")
+
+
+# Keywords whose value is a schema, a list of schemas, or a name -> schema map.
+_SUBSCHEMA = ("items", "contains", "not", "if", "then", "else", "additionalItems")
+_SUBSCHEMA_LISTS = ("prefixItems", "anyOf", "oneOf")
+_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_COMPOSITION = ("allOf", "anyOf", "oneOf", "$ref")
+
+
+def close_objects(schema: Any) -> Any:
+    """A copy of `schema` where every object schema that does not state
+    `additionalProperties` (or `unevaluatedProperties`) has it false.
+
+    Left open, so as not to reject what the schema means: an object whose properties are
+    completed by a sibling `allOf`/`anyOf`/`oneOf`/`$ref`, and the members of `allOf` (each
+    holds only part of the properties)."""
+    return _close(schema, closable=True)
+
+
+def _close(schema: Any, closable: bool) -> Any:
+    if not isinstance(schema, dict):
+        return schema
+    out: dict[str, Any] = {}
+    for key, value in schema.items():
+        if key in _SUBSCHEMA or key == "additionalProperties":
+            if isinstance(value, list):  # draft 4's tuple `items`
+                out[key] = [_close(v, closable=True) for v in value]
+            else:
+                out[key] = _close(value, closable=True)
+        elif key in _SUBSCHEMA_LISTS and isinstance(value, list):
+            # anyOf/oneOf members extend their parent's properties when it has some
+            members_closable = key == "prefixItems" or "properties" not in schema
+            out[key] = [_close(v, members_closable) for v in value]
+        elif key == "allOf" and isinstance(value, list):
+            out[key] = [_close(v, closable=False) for v in value]
+        elif key in _SUBSCHEMA_MAPS and isinstance(value, dict):
+            out[key] = {name: _close(v, closable=True) for name, v in value.items()}
+        else:
+            out[key] = value
+    if closable and _is_open_object(schema):
+        out["additionalProperties"] = False
+    return out
+
+
+def _is_open_object(schema: dict[str, Any]) -> bool:
+    types = schema.get("type")
+    is_object = types == "object" or (isinstance(types, list) and "object" in types) or (
+        types is None and "properties" in schema
+    )
+    stated = "additionalProperties" in schema or "unevaluatedProperties" in schema
+    composed = any(k in schema for k in _COMPOSITION)
+    return is_object and not stated and not composed

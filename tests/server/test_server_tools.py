@@ -91,6 +91,53 @@ def test_streamed_tool_call_reassembles_to_the_non_streamed_one(server) -> None:
     assert (name, args, finish) == (whole.function.name, whole.function.arguments, "tool_calls")
 
 
+def test_a_forced_call_cut_by_max_tokens_is_still_a_tool_call(server) -> None:
+    """With tool_choice named or required the output is the call: cut by max_tokens it comes
+    back in tool_calls (finish_reason "length"), streamed or not, never as content."""
+    _, client = server
+    for choice, cut in (({"type": "function", "function": {"name": "get_weather"}}, 6),
+                        ("required", 20)):
+        kw = dict(model="tiny", messages=ASK, max_tokens=cut, temperature=1.0, seed=0,
+                  tools=TOOLS, tool_choice=choice)
+        out = client.chat.completions.create(**kw).choices[0]
+        assert out.finish_reason == "length" and out.message.content is None, out
+        [call] = out.message.tool_calls
+        assert call.function.name in SCHEMAS, call
+        finish, calls = None, []
+        for chunk in client.chat.completions.create(stream=True, **kw):
+            assert not chunk.choices[0].delta.content
+            calls += chunk.choices[0].delta.tool_calls or []
+            finish = chunk.choices[0].finish_reason or finish
+        assert finish == "length" and calls
+
+
+def test_cut_required_output_keeps_its_whole_calls_and_the_cut_one() -> None:
+    text = ('[{"name":"get_time","parameters":{"zone":"utc"}},'
+            '{"name":"get_weather","parameters":{"ci')
+    content, calls = parse_calls(text, "required", None)
+    assert content is None
+    assert [(c.function.name, c.function.arguments) for c in calls] == [
+        ("get_time", '{"zone": "utc"}'), ("get_weather", '{"ci')]
+    assert parse_calls('[{"name":"get_ti', "required", None) == (None, [])
+    [call] = parse_calls('{"city":"Par', "named", "get_weather")[1]
+    assert call.function.arguments == '{"city":"Par'
+
+
+def test_a_tool_schema_without_additional_properties_admits_only_its_own(server) -> None:
+    """Unstated additionalProperties is false (vLLM's default): a random model at
+    temperature 1 writes only the declared keys."""
+    _, client = server
+    person = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
+                                               "age": {"type": "integer"}}}
+    tools = [{"type": "function", "function": {"name": "add_person", "parameters": person}}]
+    for seed in range(4):
+        r = client.chat.completions.create(
+            model="tiny", messages=ASK, max_tokens=60, temperature=1.0, seed=seed, tools=tools,
+            tool_choice={"type": "function", "function": {"name": "add_person"}})
+        args = json.loads(r.choices[0].message.tool_calls[0].function.arguments)
+        assert set(args) <= {"name", "age"}, args
+
+
 def test_a_tool_result_turn_is_accepted(server) -> None:
     _, client = server
     history = [*ASK,

@@ -146,6 +146,12 @@ def add_serve_parser(sub: Any) -> None:
                    help="split <think>...</think> into message.reasoning_content")
     p.add_argument("--allowed-origins", nargs="+", default=None, metavar="ORIGIN",
                    help="browser origins CORS lets in ('*' for any); none by default")
+    p.add_argument("--response-store-max-responses", type=int, default=None,
+                   help="responses kept for GET and previous_response_id (default 1024)")
+    p.add_argument("--response-store-max-bytes", type=int, default=None,
+                   help="bytes the response store may hold (default 64 MiB)")
+    p.add_argument("--no-response-store", action="store_true",
+                   help="keep no responses (store: true is ignored)")
     add_engine_options(p)
     p.set_defaults(func=cmd_serve)
 

@@ -298,6 +298,13 @@ def test_serve_flags_give_the_store_options() -> None:
     options = response_store_options(argparse.Namespace(response_store_max_responses=5,
                                                         response_store_max_bytes=100))
     assert (options.max_responses, options.max_bytes) == (5, 100)
+    from minivllm.cli import build_parser
+
+    args = build_parser().parse_args(["serve", "--response-store-max-responses", "7",
+                                      "--response-store-max-bytes", "2048"])
+    assert response_store_options(args) == StoreOptions(max_responses=7, max_bytes=2048)
+    args = build_parser().parse_args(["serve", "--no-response-store"])
+    assert response_store_options(args).max_responses == 0
 
 
 def test_the_store_is_bounded_in_count_and_bytes() -> None:

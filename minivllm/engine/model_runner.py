@@ -207,6 +207,8 @@ class ModelRunner:
             if self.gguf else None,
             attach=self._attach_blocks if self._keeps_blocks(tp_size) else None,
         )
+        if self.gguf is not None:
+            self.gguf.release_pages()
         if self.block_weights:
             logger.info("%d GGUF tensors kept as stored blocks (no dense copy)",
                         len(self.block_weights))

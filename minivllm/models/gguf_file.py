@@ -218,3 +218,10 @@ class GGUFFile:
     def n_bytes(self) -> int:
         """The bytes of all tensors (what the weights take when every page is touched)."""
         return sum(t.n_bytes for t in self.tensors)
+
+    def release_pages(self) -> None:
+        """Drop the file's pages from this process's resident set (they stay in the OS page
+        cache): after a load, the tensors copied into the model need none, and those used as
+        stored fault theirs back in on first use. A no-op where madvise is not offered."""
+        if hasattr(mmap, "MADV_DONTNEED") and hasattr(self._map, "madvise"):
+            self._map.madvise(mmap.MADV_DONTNEED)

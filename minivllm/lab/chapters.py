@@ -31,7 +31,7 @@ def _runner_code() -> list[str]:
 
 
 def chapters() -> list[dict[str, object]]:
-    """[{chapter, code: ["minivllm/...py:LINE", ...]}] in order."""
+    """[{chapter, code: [{function, location: "minivllm/...py:LINE"}, ...]}] in order."""
     code = {
         "03": [source_of(Sequence.__init__), source_of(Scheduler.schedule),
                source_of(Scheduler.postprocess)],
@@ -42,4 +42,14 @@ def chapters() -> list[dict[str, object]]:
                source_of(BlockManager.commit)],
         "06": _runner_code(),
     }
-    return [{"chapter": name, "code": locations} for name, locations in code.items()]
+    return [
+        {"chapter": name, "code": [{"function": _function_at(loc), "location": loc}
+                                   for loc in locations]}
+        for name, locations in code.items()
+    ]
+
+
+def _function_at(location: str) -> str:
+    from minivllm.lab.source import function_source
+
+    return str(function_source(location)["function"])

@@ -72,10 +72,11 @@ def test_scenarios_carry_their_chapter_and_code_links(lab_client: TestClient) ->
     assert [c["chapter"] for c in listed["chapters"]] == ["03", "04", "05", "06"]
     names = set()
     for chapter in listed["chapters"]:
-        for location in chapter["code"]:
-            r = lab_client.get("/api/lab/source", params={"location": location})
-            assert r.status_code == 200, location
-            names.add(r.json()["function"])
+        for link in chapter["code"]:
+            r = lab_client.get("/api/lab/source", params={"location": link["location"]})
+            assert r.status_code == 200, link
+            assert r.json()["function"] == link["function"]
+            names.add(link["function"])
     assert {"Scheduler.schedule", "BlockManager.match_prefix", "hash_block",
             "slot_mapping_for", "prepare_inputs", "ModelRunner.run"} <= names
 

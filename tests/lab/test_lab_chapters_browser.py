@@ -119,7 +119,10 @@ def play(page, name: str, answer: str) -> str:
 
 def test_a_learner_plays_each_chapter_wrong_then_right(lesson_page) -> None:
     """Each scenario of chapters 04-06: a wrong prediction, graded wrong with both numbers and
-    the reason; then the right one, graded right. One screenshot per chapter for the docs."""
+    the reason; then the right one, graded right. One screenshot per chapter for the docs.
+    Then a code link and the engine options."""
+    from playwright.sync_api import expect
+
     page = lesson_page
     page.set_viewport_size(DESKTOP)
     set_language(page, "en")
@@ -144,6 +147,17 @@ def test_a_learner_plays_each_chapter_wrong_then_right(lesson_page) -> None:
                 IMG.mkdir(exist_ok=True)
                 page.evaluate(SCROLL_TO_RUN)
                 page.screenshot(path=str(path))
+    # Where to read the code: a link opens the function in the code pane.
+    tid(page, "code-link").first.click()
+    expect(tid(page, "code-pane")).to_contain_text("def ")
+    # The learner's own budget: 20 leaves room for the whole 10-token prompt.
+    open_scenario(page, "budget")
+    tid(page, "knob-budget").fill("20")
+    tid(page, "btn-apply").click()
+    expect(page.locator("#guide-intro")).to_contain_text("at most 20 tokens")
+    lock(page, "budget", "10")
+    run(page, ["plan"])
+    expect(tid(page, "predict-feedback")).to_contain_text("Correct.")
     assert page.errors == []
 
 

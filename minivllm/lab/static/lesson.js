@@ -82,10 +82,11 @@ export function codeLinks(chapter) {
   const entry = S.chapters.find((c) => c.chapter === chapter);
   if (!entry) return [];
   return [h("h3", { text: t("read_code") }), h("div", { class: "code-links" },
-    entry.code.map((loc) => h("button", {
+    entry.code.map((link) => h("button", {
       type: "button", class: "code-link", "data-testid": "code-link",
-      onclick: () => { S.codeLoc = loc; render(); },
-    }, h("code", { text: loc.replace(/^minivllm\//, "") }))))];
+      onclick: () => { S.codeLoc = link.location; render(); },
+    }, h("code", { text: link.function }), " ",
+    h("span", { class: "hint", text: link.location.replace(/^minivllm\//, "") }))))];
 }
 
 /** The runner's inputs of the step on screen (chapter 06): one row per token. */

@@ -2,9 +2,10 @@
 
 What it protects: the tabs are grouped by the server's chapters; in every new scenario a
 prediction locks (the input and its button are disabled, also after a reload), a wrong one is
-graded wrong and a right one right, and the feedback names both numbers and why; Plan and
-Commit never move the window; at 1280x800 and 390x844 nothing scrolls sideways; in Chinese
-the lesson shows no English validation text and no ASCII punctuation touching CJK.
+graded wrong and a right one right, and the feedback names both numbers and why; the KV pool
+outlines the slots a sequence's attention reads; Plan and Commit never move the window; at
+1280x800 and 390x844 nothing scrolls sideways; in Chinese the lesson shows no English
+validation text and no ASCII punctuation touching CJK.
 
 Skipped like test_lab_browser.py when chromium is missing (unless MINIVLLM_REQUIRE_BROWSER=1).
 MINIVLLM_LAB_SCREENSHOT=1 (or a missing file) writes docs/img/lab-ch04.png .. lab-ch06.png.
@@ -187,6 +188,9 @@ def test_lessons_lock_fit_the_phone_and_speak_chinese(lesson_page) -> None:
         expect(tid(page, "predict-feedback")).to_contain_text("Correct.")
         no_horizontal_overflow(page)
     expect(tid(page, "step-inputs")).to_be_visible()
+    # The paged attention read on the KV pool: B's 7 positions, through its block table.
+    expect(page.locator(".kvslot.read")).to_have_count(7)
+    expect(tid(page, "pool-reads")).to_contain_text("7 slots")
 
     set_language(page, "zh")
     texts = []

@@ -307,4 +307,5 @@ export const EN = {
   err_no_lesson: "This scenario takes its prediction on the page.",
   err_option_range: "{name} must be between 1 and {max}.",
   err_setup_refused: "The scenario cannot run with these engine options (too few KV blocks?).",
+  reads_slots: "Dashed: the {n} slots seq {seq}'s attention read in this step, through its block table.",
 };

@@ -308,4 +308,5 @@ export const ZH = {
   err_no_lesson: "这个场景在页面上做预测。",
   err_option_range: "{name} 必须在 1 到 {max} 之间。",
   err_setup_refused: "在这些引擎参数下无法运行这个场景（KV block 太少？）。",
+  reads_slots: "虚线框：这一步序列 {seq} 的注意力经由 block_table 读取的 {n} 个槽位。",
 };

@@ -5,9 +5,10 @@ The experiment drives the engine only through its public calls: `plan()` (Schedu
 `add_request()`. Every field change the page shows is a TraceEvent recorded by the engine's
 own tracer; the experiment adds snapshots ("frames", see `snapshot.py`) of the whole state
 after each action, and between the phases inside one action, so time travel never re-runs
-the engine.
+the engine. For chapter 06 it also keeps, per step, the runner's inputs of the plan it has
+just executed (`step_inputs.py`), and for chapters 04-06 the scenario's lesson (`lesson.py`).
 
-Pure Python: no torch here.
+No torch at import: `step_inputs` loads it only once a step runs (the runner has it already).
 """
 
 from __future__ import annotations

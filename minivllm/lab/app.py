@@ -8,6 +8,7 @@ status, and a refused request never changes the lab's state.
 from __future__ import annotations
 
 import threading
+from dataclasses import replace
 from pathlib import Path
 
 from fastapi import FastAPI, Query
@@ -17,8 +18,9 @@ from fastapi.staticfiles import StaticFiles
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from minivllm.lab.chapters import SCENARIOS, chapters
 from minivllm.lab.experiment import MAX_LEARNER_TOKENS, EngineFactory, Experiment, LabError
-from minivllm.lab.scenarios import SCENARIOS
+from minivllm.lab.scenarios import MAX_BATCHED_TOKENS, MAX_KV_BLOCKS, MAX_NUM_SEQS, EngineShape
 from minivllm.lab.snapshot import State
 from minivllm.lab.source import SourceNotFound, function_source
 
@@ -26,8 +28,35 @@ STATIC_DIR = Path(__file__).resolve().parent / "static"
 
 
 class ResetRequest(BaseModel):
+    """The scenario, and optionally the engine options the learner sets (else the scenario's
+    own); the experiment checks their ranges, with messages the page translates."""
+
     model_config = ConfigDict(extra="forbid")
     scenario: str = Field("seq8", description=f"one of {', '.join(SCENARIOS)}")
+    max_num_batched_tokens: int | None = None
+    num_kv_blocks: int | None = None
+    max_num_seqs: int | None = None
+
+    def shape(self, default: EngineShape) -> EngineShape:
+        options = {
+            "max_num_batched_tokens": (self.max_num_batched_tokens, MAX_BATCHED_TOKENS),
+            "num_kv_blocks": (self.num_kv_blocks, MAX_KV_BLOCKS),
+            "max_num_seqs": (self.max_num_seqs, MAX_NUM_SEQS),
+        }
+        chosen = {}
+        for name, (value, most) in options.items():
+            if value is None:
+                continue
+            if not 1 <= value <= most:
+                raise LabError(400, "option_range", f"{name} must be between 1 and {most}",
+                               name=name, max=most)
+            chosen[name] = value
+        return replace(default, **chosen)
+
+
+class PredictRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    answer: str = Field(..., max_length=40)
 
 
 class AddRequest(BaseModel):
@@ -52,40 +81,51 @@ class Lab:
             self._experiment = Experiment(SCENARIOS[self._default], self._factory)
         return self._experiment
 
-    def reset(self, scenario: str) -> State:
+    def reset(self, body: ResetRequest) -> State:
+        scenario = body.scenario
         if scenario not in SCENARIOS:
             known = ", ".join(SCENARIOS)
             raise LabError(400, "unknown_scenario", f"unknown scenario {scenario!r}; choose one "
                            f"of: {known}", name=scenario, known=known)
+        shape = body.shape(SCENARIOS[scenario].shape)
         with self._lock:
             # Built aside and swapped in only once set up: a failure keeps the old one.
-            experiment = Experiment(SCENARIOS[scenario], self._factory)
+            experiment = Experiment(SCENARIOS[scenario], self._factory, shape)
             self._experiment = experiment
-            return {**experiment.frames[-1], "frames": list(experiment.frames)}
+            return self._with_lesson({**experiment.frames[-1], "frames": list(experiment.frames)})
+
+    def _with_lesson(self, state: State) -> State:
+        """Every answer carries the lesson as it stands now (None in chapter 03)."""
+        return {**state, "lesson": self._current().lesson_state()}
 
     def state(self) -> State:
         with self._lock:
-            return self._current().frames[-1]
+            return self._with_lesson(self._current().frames[-1])
 
-    def history(self) -> list[State]:
+    def history(self) -> State:
         with self._lock:
-            return list(self._current().frames)
+            return self._with_lesson({"frames": list(self._current().frames)})
 
     def plan(self) -> State:
         with self._lock:
-            return self._current().plan()
+            return self._with_lesson(self._current().plan())
 
     def commit(self) -> State:
         with self._lock:
-            return self._current().commit()
+            return self._with_lesson(self._current().commit())
 
     def step(self) -> State:
         with self._lock:
-            return self._current().step()
+            return self._with_lesson(self._current().step())
 
     def add(self, prompt: str, max_tokens: int) -> State:
         with self._lock:
-            return self._current().add_text(prompt, max_tokens)
+            return self._with_lesson(self._current().add_text(prompt, max_tokens))
+
+    def predict(self, answer: str) -> State:
+        with self._lock:
+            self._current().predict(answer)
+            return self._with_lesson({})
 
 
 def _install_error_handlers(app: FastAPI) -> None:
@@ -112,6 +152,17 @@ def _install_error_handlers(app: FastAPI) -> None:
         return JSONResponse(error.to_dict(), status_code=exc.status_code)
 
 
+def scenario_list() -> dict[str, object]:
+    """The scenarios in the order of the page's tabs, each with its chapter; the chapters with
+    their "where to read the code" locations; the engine options a learner may set."""
+    return {
+        "scenarios": [{"name": s.name, "chapter": s.chapter} for s in SCENARIOS.values()],
+        "chapters": chapters(),
+        "limits": {"max_num_batched_tokens": MAX_BATCHED_TOKENS,
+                   "num_kv_blocks": MAX_KV_BLOCKS, "max_num_seqs": MAX_NUM_SEQS},
+    }
+
+
 def create_app(engine_factory: EngineFactory) -> FastAPI:
     """The lab app on engines built by `engine_factory(shape, tracer)`."""
     lab = Lab(engine_factory)
@@ -131,17 +182,21 @@ def create_app(engine_factory: EngineFactory) -> FastAPI:
         return lab.state()
 
     @app.get("/api/lab/history")
-    def history() -> dict[str, list[State]]:
-        return {"frames": lab.history()}
+    def history() -> State:
+        return lab.history()
 
     @app.get("/api/lab/scenarios")
-    def scenarios() -> dict[str, list[str]]:
-        """The scenario names, in the order of the page's tabs."""
-        return {"scenarios": list(SCENARIOS)}
+    def scenarios() -> dict[str, object]:
+        return scenario_list()
 
     @app.post("/api/lab/reset")
     def reset(body: ResetRequest | None = None) -> State:
-        return lab.reset((body or ResetRequest()).scenario)
+        return lab.reset(body or ResetRequest())
+
+    @app.post("/api/lab/predict")
+    def predict(body: PredictRequest) -> State:
+        """Lock the learner's prediction for the current scenario's question."""
+        return lab.predict(body.answer)
 
     @app.post("/api/lab/plan")
     def plan() -> State:

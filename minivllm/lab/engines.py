@@ -15,7 +15,7 @@ from functools import lru_cache
 
 from minivllm.engine.llm_engine import LLMEngine
 from minivllm.engine.tracing import Tracer
-from minivllm.lab.scenarios import SCENARIOS, EngineShape
+from minivllm.lab.scenarios import MAX_BATCHED_TOKENS, MAX_KV_BLOCKS, EngineShape
 
 LAB_MAX_MODEL_LEN = 512  # scenarios and the learner's requests stay far below this
 
@@ -24,8 +24,8 @@ class SharedModelEngines:
     """An EngineFactory over one loaded model."""
 
     def __init__(self, model: str | None, block_size: int) -> None:
-        pool = max(s.shape.num_kv_blocks for s in SCENARIOS.values())
-        budget = max(s.shape.max_num_batched_tokens for s in SCENARIOS.values())
+        # As big as any scenario or learner may ask for (see ResetRequest).
+        pool, budget = MAX_KV_BLOCKS, MAX_BATCHED_TOKENS
         self.base = LLMEngine.from_options(
             model=model,
             block_size=block_size,
@@ -49,6 +49,7 @@ class SharedModelEngines:
             self.base.config,
             num_kv_blocks=shape.num_kv_blocks,
             max_num_batched_tokens=shape.max_num_batched_tokens,
+            max_num_seqs=shape.max_num_seqs,
         )
         return LLMEngine(config, view, self.base.tokenizer, tracer)
 

@@ -5,9 +5,10 @@ The experiment drives the engine only through its public calls: `plan()` (Schedu
 `add_request()`. Every field change the page shows is a TraceEvent recorded by the engine's
 own tracer; the experiment adds snapshots ("frames", see `snapshot.py`) of the whole state
 after each action, and between the phases inside one action, so time travel never re-runs
-the engine.
+the engine. For chapter 06 it also keeps, per step, the runner's inputs of the plan it has
+just executed (`step_inputs.py`), and for chapters 04-06 the scenario's lesson (`lesson.py`).
 
-Pure Python: no torch here.
+No torch at import: `step_inputs` loads it only once a step runs (the runner has it already).
 """
 
 from __future__ import annotations
@@ -21,8 +22,10 @@ from minivllm.engine.llm_engine import LLMEngine
 from minivllm.engine.scheduler import ScheduledBatch
 from minivllm.engine.sequence import Sequence
 from minivllm.engine.tracing import Tracer
+from minivllm.lab.lesson import LessonState, PredictionError
 from minivllm.lab.scenarios import EngineShape, Scenario
 from minivllm.lab.snapshot import Snapshotter, State
+from minivllm.lab.step_inputs import step_inputs
 from minivllm.sampling_params import SamplingParams
 
 EngineFactory = Callable[[EngineShape, Tracer], LLMEngine]
@@ -51,13 +54,22 @@ class PhaseTracer(Tracer):
     """A Tracer that calls `on_enter(phase)` and `on_exit(phase)` around each engine phase.
 
     The engine runs `with tracer.phase("plan")`, then `"execute"`, then `"commit"`, so the
-    lab photographs the state in between.
+    lab photographs the state in between. `on_execute(batch)` hears of each plan the runner
+    has just executed.
     """
 
-    def __init__(self, on_enter: Callable[[str], None], on_exit: Callable[[str], None]) -> None:
+    def __init__(
+        self, on_enter: Callable[[str], None], on_exit: Callable[[str], None],
+        on_execute: Callable[[ScheduledBatch], None],
+    ) -> None:
         super().__init__()
         self._on_enter = on_enter
         self._on_exit = on_exit
+        self._on_execute = on_execute
+
+    def record_execute(self, batch: Any, samples: list[Any], runner: Any) -> None:
+        super().record_execute(batch, samples, runner)
+        self._on_execute(batch)
 
     def on_phase_enter(self, name: str) -> None:
         self._on_enter(name)
@@ -69,11 +81,16 @@ class PhaseTracer(Tracer):
 class Experiment:
     """One scenario on one fresh engine: set up, then driven click by click."""
 
-    def __init__(self, scenario: Scenario, factory: EngineFactory) -> None:
+    def __init__(
+        self, scenario: Scenario, factory: EngineFactory, shape: EngineShape | None = None
+    ) -> None:
+        """`shape`: the learner's engine options, else the scenario's own."""
         self.scenario = scenario
         self.id = uuid.uuid4().hex[:12]  # the page keeps a learner's predictions per experiment
-        self.tracer = PhaseTracer(self._on_phase_enter, self._on_phase_exit)
-        self.engine = factory(scenario.shape, self.tracer)
+        self.tracer = PhaseTracer(self._on_phase_enter, self._on_phase_exit, self._on_execute)
+        self.shape = shape or scenario.shape
+        self.engine = factory(self.shape, self.tracer)
+        self.inputs: dict[int, State] = {}  # step -> the runner's inputs (see step_inputs.py)
         self.block_size = self.engine.config.block_size
         self.seqs: list[Sequence] = []
         self.pending: ScheduledBatch | None = None
@@ -82,8 +99,35 @@ class Experiment:
         self._action = "setup"
         self._plan_framed = True
         self._snapshot = Snapshotter(self.engine)
-        scenario.setup(self)  # its frames are the first of the timeline; the last is the start
+        try:
+            scenario.setup(self)  # its frames come first in the timeline; the last is the start
+        except LabError as exc:
+            raise LabError(400, "setup_refused", f"the scenario cannot run on these engine "
+                           f"options: {exc.message}", detail=exc.message) from exc
         self._action = "reset"
+        self._setup_frames = len(self.frames)
+        self.lesson = (
+            None if scenario.lesson is None
+            else LessonState(scenario.chapter, scenario.lesson, self.frames[-1])
+        )
+
+    # ---- the lesson (chapters 04-06) ----------------------------------------------------------
+
+    def predict(self, answer: str) -> None:
+        """Lock the learner's prediction; refused once the engine has answered."""
+        if self.lesson is None:
+            raise LabError(409, "no_lesson", f"scenario {self.scenario.name!r} takes its "
+                           "prediction on the page", name=self.scenario.name)
+        try:
+            self.lesson.predict(answer, self.frames[self._setup_frames :])
+        except PredictionError as exc:
+            status = 400 if exc.code.startswith("bad_") else 409
+            raise LabError(status, exc.code, str(exc), **exc.params) from exc
+
+    def lesson_state(self) -> State | None:
+        if self.lesson is None:
+            return None
+        return self.lesson.to_dict(self.frames[self._setup_frames :])
 
     # ---- what the scenarios and the learner do ----------------------------------------------
 
@@ -192,6 +236,9 @@ class Experiment:
             self._plan_framed = True
             self._frame("plan")
 
+    def _on_execute(self, batch: ScheduledBatch) -> None:
+        self.inputs[self.tracer.step] = step_inputs(batch, self.block_size)
+
     def _on_phase_exit(self, name: str) -> None:
         if name == "execute":  # the KV written, nothing committed yet
             self._frame("execute")
@@ -205,6 +252,10 @@ class Experiment:
             "focus_seq_id": None if focus is None else focus.seq_id,
             **self._snapshot.state(self.seqs, stage),
             "pending_plan": self.pending is not None,
+            # The runner's inputs of this step, once it has run (the execute and commit frames).
+            "step_inputs": (
+                self.inputs.get(self.tracer.step) if stage in ("execute", "commit") else None
+            ),
         }
 
     def _frame(self, stage: str) -> None:

@@ -1,5 +1,5 @@
 """The lab's scenarios: which engine to build and which requests to queue before the learner
-takes over.
+takes over. This module holds chapter 03's (a Sequence's fields); `chapters.py` lists them all.
 
 Each scenario is one experiment with its own predict -> run -> explain flow (the words live
 in the page). The setup only uses the engine's public calls (`add_request`, `step`), so what
@@ -16,6 +16,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from minivllm.lab.lesson import Lesson
+
 
 class Driver(Protocol):
     """What a scenario's setup may do (the experiment provides it): the setup knows nothing
@@ -30,12 +32,19 @@ class Driver(Protocol):
     def step(self) -> Any: ...
 
 
+# The engine options a learner may set on reset: the lab's shared KV pool is this big.
+MAX_KV_BLOCKS = 64
+MAX_BATCHED_TOKENS = 256
+MAX_NUM_SEQS = 16
+
+
 @dataclass(frozen=True)
 class EngineShape:
     """The engine options a scenario needs; everything else comes from the lab's model."""
 
     num_kv_blocks: int
     max_num_batched_tokens: int
+    max_num_seqs: int = 16
 
 
 @dataclass(frozen=True)
@@ -44,6 +53,9 @@ class Scenario:
     shape: EngineShape
     setup: Callable[[Driver], None]
     focus: int  # index, in order of arrival, of the sequence the page selects first
+    chapter: str = "03"
+    # Graded on the server (chapters 04-06); chapter 03's page grades its own questions.
+    lesson: Lesson | None = None
 
 
 SEQ8_TEXT = "A request is a sequence of tokens."
@@ -94,13 +106,10 @@ def _finish(lab: Driver) -> None:
     lab.add_tokens(lab.prompt(FINISH_TEXT, 6), max_tokens=2)
 
 
-SCENARIOS: dict[str, Scenario] = {
-    s.name: s
-    for s in [
-        Scenario("seq8", EngineShape(16, 64), _seq8, focus=1),
-        Scenario("chunked", EngineShape(16, 8), _chunked, focus=0),
-        Scenario("prefix", EngineShape(16, 64), _prefix, focus=1),
-        Scenario("preempt", EngineShape(4, 64), _preempt, focus=1),
-        Scenario("finish", EngineShape(16, 64), _finish, focus=0),
-    ]
-}
+CHAPTER_03 = [
+    Scenario("seq8", EngineShape(16, 64), _seq8, focus=1),
+    Scenario("chunked", EngineShape(16, 8), _chunked, focus=0),
+    Scenario("prefix", EngineShape(16, 64), _prefix, focus=1),
+    Scenario("preempt", EngineShape(4, 64), _preempt, focus=1),
+    Scenario("finish", EngineShape(16, 64), _finish, focus=0),
+]

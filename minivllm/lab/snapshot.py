@@ -73,6 +73,7 @@ class Snapshotter:
             "blocks": self.blocks(seqs),
             "budget": {
                 "max_num_batched_tokens": engine.config.max_num_batched_tokens,
+                "max_num_seqs": engine.config.max_num_seqs,
                 "planned_tokens": sum(s.num_scheduled_tokens for s in scheduler.running),
             },
             "events": [{"index": i, **e.to_dict()} for i, e in enumerate(self.events)],

@@ -68,3 +68,27 @@ def _enclosing_function(path: str, line: int) -> tuple[str, int, int] | None:
 
     visit(tree, "")
     return best
+
+
+def function_line(file: str, qualname: str) -> str:
+    """'file:LINE' of the def of `qualname` ("Class.method" or "function") in a package file,
+    found by parsing it (no import: the runner's module loads torch)."""
+    path = (PACKAGE_ROOT / file).resolve()
+    tree = ast.parse("\n".join(_read(str(path))))
+
+    def find(node: ast.AST, prefix: str) -> int | None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                name = f"{prefix}{child.name}"
+                if name == qualname and not isinstance(child, ast.ClassDef):
+                    return child.lineno
+                if qualname.startswith(name + "."):
+                    found = find(child, name + ".")
+                    if found is not None:
+                        return found
+        return None
+
+    line = find(tree, "")
+    if line is None:
+        raise SourceNotFound(f"no function {qualname!r} in {file}")
+    return f"{file}:{line}"

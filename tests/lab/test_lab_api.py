@@ -10,13 +10,14 @@ from pathlib import Path
 
 import pytest
 from fastapi.testclient import TestClient
+from support.fake_lab import fake_lab_engine
 from support.fake_runner import FakeModelRunner
 
 from minivllm.config import EngineConfig
 from minivllm.engine.llm_engine import LLMEngine
-from minivllm.engine.tracing import Tracer
 from minivllm.lab.app import create_app
-from minivllm.lab.scenarios import SCENARIOS, SEQ8_TEXT, EngineShape
+from minivllm.lab.chapters import SCENARIOS
+from minivllm.lab.scenarios import SEQ8_TEXT
 
 ROOT = Path(__file__).resolve().parents[2]
 SEQ_KEYS = {
@@ -44,14 +45,7 @@ STATE_KEYS = {
 EVENT_KEYS = {"step", "phase", "actor", "seq_id", "field", "before", "after", "source"}
 
 
-def fake_factory(shape: EngineShape, tracer: Tracer) -> LLMEngine:
-    config = EngineConfig(
-        block_size=4,
-        num_kv_blocks=shape.num_kv_blocks,
-        max_num_batched_tokens=shape.max_num_batched_tokens,
-        max_model_len=256,
-    )
-    return LLMEngine(config, FakeModelRunner(shape.num_kv_blocks, 4), None, tracer)
+fake_factory = fake_lab_engine
 
 
 @pytest.fixture
@@ -100,6 +94,7 @@ def test_seq8_follows_the_seed(client: TestClient) -> None:
     assert seq(s1)["block_table"] == [2, 3]
     assert s1["pending_plan"] and s1["budget"] == {
         "max_num_batched_tokens": 64,
+        "max_num_seqs": 16,
         "planned_tokens": 8,
     }
     assert [f["frame"]["stage"] for f in s1["frames"]] == ["plan"]
@@ -359,7 +354,8 @@ def test_page_and_its_hooks_are_served(client: TestClient) -> None:
     assert all(client.get(f"/static/{c}.css").status_code == 200 for c in ["lab", "state"])
     assert '<script type="module" src="/static/main.js">' in html
     # The tabs come from the server's list, not from a copy in the page.
-    assert client.get("/api/lab/scenarios").json() == {"scenarios": list(SCENARIOS)}
+    listed = client.get("/api/lab/scenarios").json()["scenarios"]
+    assert [s["name"] for s in listed] == list(SCENARIOS)
     assert '"/api/lab/scenarios"' in scripts["main"].text
     for hook in [
         "btn-plan",
@@ -374,7 +370,8 @@ def test_page_and_its_hooks_are_served(client: TestClient) -> None:
         assert f'data-testid="{hook}"' in html, hook
     for hook in ["scenario-${name}", "predict-choice-${key}", "field-${field}"]:
         assert hook in js, hook
-    assert set(SCENARIOS) == {"seq8", "chunked", "prefix", "preempt", "finish"}
+    chapter_03 = {name for name, s in SCENARIOS.items() if s.chapter == "03"}
+    assert chapter_03 == {"seq8", "chunked", "prefix", "preempt", "finish"}
 
 
 @pytest.mark.default_model

@@ -18,7 +18,11 @@ export const S = {
   frames: [],
   cursor: 0,
   selected: null, // seq_id shown in the sequence card; null = the scenario's focus
-  scenarios: [], // names, from /api/lab/scenarios
+  scenarios: [], // [{name, chapter}], from /api/lab/scenarios
+  chapters: [], // [{chapter, code: ["minivllm/...py:LINE"]}]
+  limits: {}, // the engine options a learner may set, and their maxima
+  lesson: null, // the server-graded question of chapters 04-06 (null in chapter 03)
+  resetWith: () => {}, // main.js: reset a scenario with the learner's engine options
   answers: {}, // this experiment's prediction, explain check and sentence (see saveAnswers)
   busy: false,
   playing: false,

@@ -5,6 +5,7 @@ import {
   FIELDS, GROW_FIELDS, PHASES, S, $, actions, breakable, fill, focusOf, h, last, lastSetupIndex,
   render, saveAnswers, t,
 } from "./core.js";
+import { codeLinks, renderLesson } from "./lesson.js";
 
 function firstLearnerFrame(pred) {
   return S.frames.find((f) => f.frame.action !== "setup" && pred(f)) || null;
@@ -132,6 +133,7 @@ function answer(key, value) {
 export function renderGuide() {
   const f = startFrame();
   const name = last().scenario;
+  if (S.lesson) { renderLesson(name, S.lesson); return; }
   const guide = GUIDES[name];
   $("guide-title").textContent = t(`s_${name}_title`);
   $("guide-intro").textContent = guide.intro(f);
@@ -176,6 +178,7 @@ export function renderGuide() {
   }
   if (name === "seq8") parts.push(...seq8Explain());
   parts.push(...sentenceBox());
+  parts.push(...codeLinks("03"));
   fill($("explain-body"), ...parts);
 }
 

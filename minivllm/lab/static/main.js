@@ -24,6 +24,7 @@ function post(path, body) {
 }
 
 function absorb(data, replace, follow = true) {
+  if ("lesson" in data) S.lesson = data.lesson;
   const frames = data.frames || [data];
   S.frames = replace ? frames : S.frames.concat(frames);
   if (replace) loadAnswers();
@@ -47,13 +48,14 @@ async function act(path, body, replace = false) {
   }
 }
 
-function resetScenario(name) {
+function resetScenario(name, options = {}) {
   S.playing = false; // a tab clicked during Play stops it, then switches
   S.selected = null;
   S.pickPos = null;
   S.pickSlot = null;
-  return act("/api/lab/reset", { scenario: name }, true);
+  return act("/api/lab/reset", { scenario: name, ...options }, true);
 }
+S.resetWith = resetScenario;
 
 // ---- play: the current scenario, forward in time ----------------------------------------
 
@@ -100,12 +102,29 @@ function applyI18n() {
   $("add-prompt").placeholder = t("add_placeholder");
 }
 
+/** The chapter a scenario belongs to, from the server's list. */
+function chapterOf(name) {
+  const s = S.scenarios.find((x) => x.name === name);
+  return s ? s.chapter : "03";
+}
+
 function renderScenarios() {
   const current = last().scenario;
-  fill($("scenarios"), ...S.scenarios.map((name) => h("button", {
+  const groups = [];
+  for (const { name, chapter } of S.scenarios) {
+    let group = groups.find((g) => g.chapter === chapter);
+    if (!group) groups.push(group = { chapter, names: [] });
+    group.names.push(name);
+  }
+  fill($("scenarios"), ...groups.map((g) => h("div", {
+    class: `chapter-group ${g.chapter === chapterOf(current) ? "current" : ""}`,
+    "data-testid": `chapter-${g.chapter}`,
+  }, h("span", { class: "chapter-name", text: `${g.chapter} · ${t(`chapter_${g.chapter}`)}` }),
+  h("span", { class: "chapter-tabs" }, g.names.map((name) => h("button", {
     type: "button", class: `scenario ${name === current ? "current" : ""}`,
     "data-testid": `scenario-${name}`, onclick: () => resetScenario(name),
-  }, t(`s_${name}_tab`))));
+  }, t(`s_${name}_tab`)))))));
+  $("subtitle").textContent = t(`subtitle_${chapterOf(current)}`);
   const f = last();
   $("real").textContent = t(f.model.runner === "ModelRunner" ? "real_note" : "real_fake",
                             { runner: `${f.model.runner}, block_size ${f.block_size}` });
@@ -211,10 +230,12 @@ setRenderer(render);
 
 (async function start() {
   try {
-    const [{ frames }, { scenarios }] = await Promise.all([
+    const [history, listed] = await Promise.all([
       api("GET", "/api/lab/history"), api("GET", "/api/lab/scenarios")]);
-    S.scenarios = scenarios;
-    absorb({ frames }, true);
+    S.scenarios = listed.scenarios;
+    S.chapters = listed.chapters;
+    S.limits = listed.limits;
+    absorb(history, true);
     render();
     document.body.dataset.ready = "1";
   } catch (err) {

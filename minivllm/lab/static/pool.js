@@ -33,6 +33,11 @@ export function renderPool(f) {
   const bs = f.block_size;
   const sel = selectedId(f);
   const pieces = piecesOf(f);
+  // The paged attention read of this step (chapter 06): the slots the selected sequence's
+  // attention reads through its block table, once the runner has run.
+  const x = f.step_inputs;
+  const row = x ? x.seq_ids.indexOf(sel) : -1;
+  const reads = new Set(row >= 0 ? x.read_slots[row] : []);
   const blocks = f.blocks.map((b) => h("div", {
     class: `kvblock ${b.free ? "free" : ""} ${b.ref_count > 1 ? "shared" : ""} ${b.seq_ids.includes(sel) ? "mine" : ""}`,
     "data-testid": `kv-block-${b.block_id}`,
@@ -42,7 +47,7 @@ export function renderPool(f) {
   h("div", { class: "kv-slots" }, b.slots.map((s) => {
     const piece = s.token_id === null ? "" : showPiece(pieceOf(f, s, pieces)) ?? s.token_id;
     return h("button", {
-      type: "button", class: `kvslot ${s.state} ${S.pickSlot === s.slot ? "picked" : ""}`,
+      type: "button", class: `kvslot ${s.state} ${S.pickSlot === s.slot ? "picked" : ""} ${reads.has(s.slot) ? "read" : ""}`,
       "data-testid": `kv-slot-${s.slot}`, title: `slot ${s.slot}`,
       onclick: () => { S.pickSlot = s.slot; if (s.owners.length) { S.selected = s.owners[0].seq_id; S.pickPos = s.owners[0].pos; } render(); },
     }, h("span", { class: "kv-n", text: s.slot }), h("span", { class: "kv-t", text: piece }));
@@ -51,6 +56,8 @@ export function renderPool(f) {
     b.hash ? h("span", { class: "hash", title: b.hash, text: ` #${b.hash.slice(0, 6)}` }) : null)));
   fill($("pool"), 
     h("div", { class: "pool-sum", text: `${t("free_blocks", { free: f.num_free_blocks, n: f.num_blocks })} · block_size ${bs}` }),
+    reads.size ? h("div", { class: "hint", "data-testid": "pool-reads",
+                            text: t("reads_slots", { seq: sel, n: reads.size }) }) : null,
     h("div", { class: "pool-grid" }, blocks));
   fill($("kv-legend"), ...SLOT_STATES.map((s) => h("span", { class: `key kv-key ${s}` }, t(`state_${s}`))));
 

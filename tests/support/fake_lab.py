@@ -1,0 +1,25 @@
+"""The lab's engine on the fake runner (block_size 4, no tokenizer), for the lab tests."""
+
+from __future__ import annotations
+
+from minivllm.config import EngineConfig
+from minivllm.engine.llm_engine import LLMEngine
+from minivllm.engine.tracing import Tracer
+from minivllm.lab.scenarios import EngineShape
+from support.fake_runner import FakeModelRunner
+
+LAB_BLOCK_SIZE = 4
+
+
+
+def fake_lab_engine(shape: EngineShape, tracer: Tracer) -> LLMEngine:
+    """A lab engine of `shape` on the fake runner (block_size 4, no tokenizer)."""
+    config = EngineConfig(
+        block_size=LAB_BLOCK_SIZE,
+        num_kv_blocks=shape.num_kv_blocks,
+        max_num_batched_tokens=shape.max_num_batched_tokens,
+        max_num_seqs=shape.max_num_seqs,
+        max_model_len=256,
+    )
+    runner = FakeModelRunner(shape.num_kv_blocks, LAB_BLOCK_SIZE)
+    return LLMEngine(config, runner, None, tracer)

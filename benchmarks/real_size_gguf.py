@@ -86,16 +86,22 @@ def main() -> None:
     src, bin_dir = llama_cpp_dirs()
     hf_dir = args.out_dir / f"{args.shape}-hf"
     bf16 = args.out_dir / f"{args.shape}-bf16.gguf"
-    if not bf16.exists():
-        write_checkpoint(args.shape, hf_dir)
-        subprocess.run([sys.executable, str(src / "convert_hf_to_gguf.py"), str(hf_dir),
-                        "--outtype", "bf16", "--outfile", str(bf16)], check=True)
+    outputs = {quant: args.out_dir / f"{args.shape}-{quant}.gguf" for quant in args.quant}
+    # the converter writes bf16 and Q8_0 itself; other types come from llama-quantize
+    direct = {"bf16": bf16} | {q: p for q, p in outputs.items() if q.upper() == "Q8_0"}
+    if any(not p.exists() for p in direct.values()):
+        if not hf_dir.exists():
+            write_checkpoint(args.shape, hf_dir)
+        for outtype, path in direct.items():
+            if not path.exists():
+                subprocess.run([sys.executable, str(src / "convert_hf_to_gguf.py"),
+                                str(hf_dir), "--outtype", outtype.lower(), "--outfile",
+                                str(path)], check=True)
         shutil.rmtree(hf_dir)
-    for quant in args.quant:
-        if not (bin_dir / "llama-quantize").is_file():
-            sys.exit(f"no llama-quantize in {bin_dir}: run benchmarks/build_llama_cpp.sh first")
-        out = args.out_dir / f"{args.shape}-{quant}.gguf"
+    for quant, out in outputs.items():
         if not out.exists():
+            if not (bin_dir / "llama-quantize").is_file():
+                sys.exit(f"no llama-quantize in {bin_dir}: run benchmarks/build_llama_cpp.sh")
             subprocess.run([str(bin_dir / "llama-quantize"), str(bf16), str(out), quant],
                            check=True, stdout=subprocess.DEVNULL)
         print(f"{out}: {out.stat().st_size / 1e6:.0f} MB", flush=True)

@@ -210,8 +210,12 @@ class ModelRunner:
         if self.gguf is not None:
             self.gguf.release_pages()
         if self.block_weights:
-            logger.info("%d GGUF tensors kept as stored blocks (no dense copy)",
-                        len(self.block_weights))
+            stored = sum(m.block_weight.nbytes for m in self.model.modules()
+                         if getattr(m, "block_weight", None) is not None)
+            dense = sum(p.numel() * p.element_size() for p in self.model.parameters())
+            logger.info("weights: %d GGUF tensors kept as stored blocks (%.2f GB, no dense "
+                        "copy), %.2f GB dense", len(self.block_weights), stored / 1e9,
+                        dense / 1e9)
         # the kernel of the weights kept as stored: "int4", "qgemv" or None (dense)
         self.weight_kernel = self._quantize(tp_size)
         lm_head = getattr(self.model, "lm_head", None)

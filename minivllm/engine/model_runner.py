@@ -263,10 +263,11 @@ class ModelRunner:
 
     def _keeps_blocks(self, tp_size: int) -> bool:
         """Whether a GGUF's K-quant and 8-bit tensors stay as stored blocks: on the CPU, one
-        process, the default quantization, and not when a dtype was asked for (an explicit
-        float32 is the dense path held token-exact to HF)."""
+        process, the default quantization, and not when float32 was asked for (that is the
+        dense path held token-exact to HF)."""
+        explicit_fp32 = self.config.dtype not in (None, "auto") and self.dtype == torch.float32
         return (self.gguf is not None and self.device.type == "cpu" and tp_size == 1
-                and self.config.quantization is None and self.config.dtype in (None, "auto")
+                and self.config.quantization is None and not explicit_fp32
                 and cpu_kernels_available())
 
     def _attach_blocks(self, model: torch.nn.Module) -> set[str]:

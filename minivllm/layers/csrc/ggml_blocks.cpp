@@ -63,7 +63,7 @@ bool known(int64_t qtype) {
   }
 }
 
-inline Geometry geometry(int qtype) {
+constexpr Geometry geometry(int qtype) {
   switch (qtype) {
     case kQ4_0: return {32, 18, 1, true, false};
     case kQ4_1: return {32, 20, 1, false, true};
@@ -79,7 +79,11 @@ inline Geometry geometry(int qtype) {
 inline float fp16(const uint8_t* p) {
   uint16_t bits;
   std::memcpy(&bits, p, 2);
+#ifdef __F16C__
+  return _cvtsh_ss(bits);  // one instruction where the build allows it (it does: -mf16c)
+#else
   return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
+#endif
 }
 
 // Q4_K / Q5_K: the 6-bit scale and min of group j from the 12 packed bytes q.

@@ -9,8 +9,8 @@ call's time):
 - `dense fp32` / `dense bf16`: `F.linear` on a dense weight (what a dequantized model runs);
 - `ggml Q4_K`, `ggml Q6_K`, `ggml Q8_0`: `ggml_matmul` on the raw blocks (fp32 activations,
   int8-quantized inside), the path for decode-sized steps;
-- `dequant Q4_K`: `dequant_matmul` in bf16 (tile-by-tile dequantization, then torch's matmul),
-  the path for prefill-sized steps;
+- `dequant Q4_K fp32` / `bf16`: `dequant_matmul` (tile-by-tile dequantization into a scratch
+  buffer in x's dtype, then torch's matmul), the path for prefill-sized steps;
 - `qgemv 4-bit`: our earlier kernel on repacked Q4_1-like groups of 32 (fp32 activations);
 - `int4 bf16`: torch's packed int4 kernel (bf16 activations).
 
@@ -83,8 +83,8 @@ def kernels(k: int, n: int, rows: int) -> dict[str, tuple[Callable[[], object], 
         blocks = copies_of(lambda q=qtype: random_blocks(q, n, k, rng), nbytes)
         add(f"ggml {qtype.name}", blocks, nbytes, lambda w, q=qtype: ggml_matmul(x32, w, q))
         if qtype == T.Q4_K:
-            add("dequant Q4_K bf16", blocks, nbytes,
-                lambda w: dequant_matmul(x16, w, T.Q4_K))
+            add("dequant Q4_K fp32", blocks, nbytes, lambda w: dequant_matmul(x32, w, T.Q4_K))
+            add("dequant Q4_K bf16", blocks, nbytes, lambda w: dequant_matmul(x16, w, T.Q4_K))
     int4 = quantize_int4(dense)
     add("qgemv 4-bit", copies_of(lambda: QGemvWeight.from_int4(int4), n * k * 5 // 8),
         n * k * 5 // 8, lambda w: w.matmul(x32))

@@ -18,6 +18,7 @@ from minivllm.layers.ggml_blocks import (
     available_isas,
     block_geometry,
     dequant_matmul,
+    dequant_scratch_bytes,
     ggml_dequantize,
     ggml_matmul,
 )
@@ -163,6 +164,22 @@ def test_dequant_matmul_tiles(qtype: T, dtype: torch.dtype) -> None:
         assert y.dtype == dtype and y.shape == (17, n)
         torch.testing.assert_close(y, expected, rtol=1e-5 if dtype == torch.float32 else 2e-2,
                                    atol=1e-4 if dtype == torch.float32 else 2e-2)
+
+
+def test_dequant_matmul_keeps_one_tile() -> None:
+    """The only dense memory `dequant_matmul` keeps is one tile of rows, reused by weights of
+    any size: never a dense copy of a weight."""
+    k = 256
+    small = torch.from_numpy(random_blocks(T.Q4_K, 8, k))
+    large = torch.from_numpy(random_blocks(T.Q4_K, 200, k))
+    x = torch.randn(3, k)
+    dequant_matmul(x.bfloat16(), small, T.Q4_K)  # a bf16 buffer: the next call starts anew
+    dequant_matmul(x, small, T.Q4_K, tile_rows=64)  # one tile: N = 8 rows of fp32
+    assert dequant_scratch_bytes() == 8 * k * 4
+    dequant_matmul(x, large, T.Q4_K, tile_rows=16)  # grown to 16 rows
+    kept = dequant_scratch_bytes()
+    dequant_matmul(x, large, T.Q4_K, tile_rows=16)
+    assert dequant_scratch_bytes() == kept == 16 * k * 4
 
 
 def test_bad_input_is_a_clear_error() -> None:

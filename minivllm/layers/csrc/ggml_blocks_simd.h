@@ -4,8 +4,8 @@
 // where the integer dot product of a group is one `vpdpbusd` instead of `vpmaddubsw` +
 // `vpmaddwd`. Both give the same integers; only that instruction differs.
 //
-// Needs from the including file: the block decoders' scalar parts (`Geometry`, `fp16`,
-// `k_scale_min`), QuantizedRows, kGroup.
+// Needs from the including file: the block kinds' numbers (kQ4_0 ...), `geometry`, `fp16`,
+// `block_scales`, QuantizedRows, kGroup.
 
 // 32 bytes at p.
 inline __m256i load32(const uint8_t* p) {

@@ -100,6 +100,12 @@ def _isa(isa: str) -> int:
     return ISAS[isa]
 
 
+def dequant_scratch_bytes() -> int:
+    """Bytes of `dequant_matmul`'s scratch buffer on the calling thread (0 before its first
+    call): the one dense buffer it keeps, sized by its largest tile, not by any weight."""
+    return int(torch.ops.minivllm.ggml_scratch_bytes()) if cpu_kernels_available() else 0
+
+
 def ggml_dequantize(blocks: torch.Tensor, qtype: GGMLQuantizationType | int | str, cols: int,
                     dtype: torch.dtype = torch.float32, isa: str = "auto") -> torch.Tensor:
     """The dense `[N, cols]` weight in `dtype`; fp32 values equal gguf-py's bit for bit (bf16:

@@ -18,6 +18,7 @@ from minivllm.layers.ggml_blocks import (
     available_isas,
     block_geometry,
     dequant_matmul,
+    dequant_scratch_bytes,
     ggml_dequantize,
     ggml_matmul,
 )
@@ -51,17 +52,11 @@ def random_blocks(qtype: T, n: int, k: int, seed: int = 0) -> np.ndarray:
     return blocks.reshape(n, -1)
 
 
-def reference(blocks: np.ndarray, qtype: T, x: torch.Tensor) -> torch.Tensor:
-    """What the kernel computes, in float64: the weights as gguf-py dequantizes them, the
-    activations rounded to int8 per group of 32 (nearest even) for the codes' products and
-    exact for the min terms (the weights with their codes zeroed)."""
-    n, k = blocks.shape[0], x.shape[-1]
+def dense_parts(blocks: np.ndarray, qtype: T, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The weights as gguf-py dequantizes them, and their mins alone (the blocks with their
+    codes zeroed; zeros for the kinds without mins), `[N, K]` float64 each."""
+    n = blocks.shape[0]
     w = torch.from_numpy(dequantize(blocks, qtype).reshape(n, k)).double()
-    groups = x.float().reshape(-1, k // 32, 32)  # [M, K / 32, 32]
-    amax = groups.abs().amax(dim=-1, keepdim=True)
-    # 127 / amax as one division (torch's `127.0 / t` multiplies by a reciprocal: other ties)
-    inverse = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
-    xq = ((groups * inverse).round() * (amax / 127.0)).reshape(-1, k).double()  # [M, K]
     mins = torch.zeros_like(w)
     if qtype in CODE_BYTES:
         start, end = CODE_BYTES[qtype]
@@ -69,6 +64,18 @@ def reference(blocks: np.ndarray, qtype: T, x: torch.Tensor) -> torch.Tensor:
         zeroed = blocks.reshape(n, k // elems, nbytes).copy()
         zeroed[..., start:end] = 0
         mins = torch.from_numpy(dequantize(zeroed.reshape(n, -1), qtype).reshape(n, k)).double()
+    return w, mins
+
+
+def reference(w: torch.Tensor, mins: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """What the kernel computes, in float64: the activations rounded to int8 per group of 32
+    (nearest even) for the codes' products, exact for the min terms."""
+    k = x.shape[-1]
+    groups = x.float().reshape(-1, k // 32, 32)  # [M, K / 32, 32]
+    amax = groups.abs().amax(dim=-1, keepdim=True)
+    # 127 / amax as one division (torch's `127.0 / t` multiplies by a reciprocal: other ties)
+    inverse = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
+    xq = ((groups * inverse).round() * (amax / 127.0)).reshape(-1, k).double()  # [M, K]
     return xq @ (w - mins).T + x.double().reshape(-1, k) @ mins.T
 
 
@@ -97,15 +104,16 @@ def test_matmul_matches_reference(qtype: T, isa: str) -> None:
     k, n = k_of(qtype), 13
     blocks = random_blocks(qtype, n, k, seed=1)
     raw = torch.from_numpy(blocks)
+    w, mins = dense_parts(blocks, qtype, k)
     torch.manual_seed(0)
     for m in (1, 2, 3, 4, 5, 9):
         x = torch.randn(m, k)
         y = ggml_matmul(x, raw, qtype, isa=isa)
         assert y.shape == (m, n) and y.dtype == torch.float32
-        expected = reference(blocks, qtype, x)
+        expected = reference(w, mins, x)
         scale = expected.abs().max()
         assert (y.double() - expected).abs().max() <= 2e-5 * scale, (m, qtype.name)
-        dense = x.double() @ torch.from_numpy(dequantize(blocks, qtype)).double().reshape(n, k).T
+        dense = x.double() @ w.T
         assert (y.double() - dense).abs().max() <= 3e-2 * dense.abs().max()
 
 
@@ -137,7 +145,7 @@ def test_shapes_and_dtypes() -> None:
     x = torch.randn(2, 3, k)
     y = ggml_matmul(x.bfloat16(), raw, "Q4_K")
     assert y.shape == (2, 3, 5) and y.dtype == torch.float32
-    expected = reference(blocks, T.Q4_K, x.bfloat16().float()).reshape(2, 3, 5)
+    expected = reference(*dense_parts(blocks, T.Q4_K, k), x.bfloat16().float()).reshape(2, 3, 5)
     assert (y.double() - expected).abs().max() <= 2e-5 * expected.abs().max()
     assert ggml_matmul(x[0], raw[:1], T.Q4_K).shape == (3, 1)
     assert ggml_matmul(torch.empty(0, k), raw, T.Q4_K).shape == (0, 5)
@@ -156,6 +164,22 @@ def test_dequant_matmul_tiles(qtype: T, dtype: torch.dtype) -> None:
         assert y.dtype == dtype and y.shape == (17, n)
         torch.testing.assert_close(y, expected, rtol=1e-5 if dtype == torch.float32 else 2e-2,
                                    atol=1e-4 if dtype == torch.float32 else 2e-2)
+
+
+def test_dequant_matmul_keeps_one_tile() -> None:
+    """The only dense memory `dequant_matmul` keeps is one tile of rows, reused by weights of
+    any size: never a dense copy of a weight."""
+    k = 256
+    small = torch.from_numpy(random_blocks(T.Q4_K, 8, k))
+    large = torch.from_numpy(random_blocks(T.Q4_K, 200, k))
+    x = torch.randn(3, k)
+    dequant_matmul(x.bfloat16(), small, T.Q4_K)  # a bf16 buffer: the next call starts anew
+    dequant_matmul(x, small, T.Q4_K, tile_rows=64)  # one tile: N = 8 rows of fp32
+    assert dequant_scratch_bytes() == 8 * k * 4
+    dequant_matmul(x, large, T.Q4_K, tile_rows=16)  # grown to 16 rows
+    kept = dequant_scratch_bytes()
+    dequant_matmul(x, large, T.Q4_K, tile_rows=16)
+    assert dequant_scratch_bytes() == kept == 16 * k * 4
 
 
 def test_bad_input_is_a_clear_error() -> None:

@@ -63,7 +63,7 @@ bool known(int64_t qtype) {
   }
 }
 
-inline Geometry geometry(int qtype) {
+constexpr Geometry geometry(int qtype) {
   switch (qtype) {
     case kQ4_0: return {32, 18, 1, true, false};
     case kQ4_1: return {32, 20, 1, false, true};
@@ -79,7 +79,11 @@ inline Geometry geometry(int qtype) {
 inline float fp16(const uint8_t* p) {
   uint16_t bits;
   std::memcpy(&bits, p, 2);
+#ifdef __F16C__
+  return _cvtsh_ss(bits);  // one instruction where the build allows it (it does: -mf16c)
+#else
   return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
+#endif
 }
 
 // Q4_K / Q5_K: the 6-bit scale and min of group j from the 12 packed bytes q.
@@ -346,6 +350,12 @@ at::Tensor ggml_dequantize(const at::Tensor& blocks, int64_t qtype, int64_t cols
   return out;
 }
 
+// The calling thread's scratch buffer for ggml_dequant_matmul's tiles.
+at::Tensor& dequant_scratch() {
+  thread_local at::Tensor scratch;
+  return scratch;
+}
+
 // x @ W.T for prefill-sized steps: W dequantized `tile_rows` rows at a time into one scratch
 // buffer (per thread, reused by every layer and call, grown when needed), each tile multiplied
 // by torch's matmul. No dense copy of W outlives the call.
@@ -360,7 +370,7 @@ at::Tensor ggml_dequant_matmul(const at::Tensor& x, const at::Tensor& blocks, in
   const at::Tensor xc = x.contiguous();
   at::Tensor y = at::empty({x.size(0), n_out}, x.options());
   const int64_t tile = std::min(tile_rows, std::max<int64_t>(n_out, 1));
-  thread_local at::Tensor scratch;
+  at::Tensor& scratch = dequant_scratch();
   if (!scratch.defined() || scratch.scalar_type() != x.scalar_type() ||
       scratch.numel() < tile * k) {
     scratch = at::empty({tile * k}, x.options());
@@ -382,6 +392,10 @@ TORCH_LIBRARY_FRAGMENT(minivllm, m) {
   m.def("ggml_dequantize(Tensor blocks, int qtype, int cols, ScalarType dtype, int isa) -> Tensor");
   m.def("ggml_dequant_matmul(Tensor x, Tensor blocks, int qtype, int tile_rows) -> Tensor");
   m.def("ggml_vnni() -> bool", [] { return vnni_available(); });
+  m.def("ggml_scratch_bytes() -> int", [] {
+    const at::Tensor& scratch = dequant_scratch();
+    return static_cast<int64_t>(scratch.defined() ? scratch.nbytes() : 0);
+  });
 }
 
 TORCH_LIBRARY_IMPL(minivllm, CPU, m) {

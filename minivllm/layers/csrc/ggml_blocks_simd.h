@@ -4,8 +4,8 @@
 // where the integer dot product of a group is one `vpdpbusd` instead of `vpmaddubsw` +
 // `vpmaddwd`. Both give the same integers; only that instruction differs.
 //
-// Needs from the including file: the block decoders' scalar parts (`Geometry`, `fp16`,
-// `k_scale_min`), QuantizedRows, kGroup.
+// Needs from the including file: the block kinds' numbers (kQ4_0 ...), `geometry`, `fp16`,
+// `block_scales`, QuantizedRows, kGroup.
 
 // 32 bytes at p.
 inline __m256i load32(const uint8_t* p) {
@@ -41,42 +41,37 @@ inline __m256i high_bits(__m256i v, int shift, int width_mask) {
 // Group j's 32 codes of the block at b, as int8 in input order. For the signed kinds
 // (Q4_0, Q5_0, Q8_0, Q6_K) the codes are centred (q - 8, q - 16, q, q - 32); for the others
 // they are the stored 0..15 / 0..31, the offset being the block's min.
-inline __m256i group_codes(int qtype, const uint8_t* b, int j) {
-  switch (qtype) {
-    case kQ4_0:
-      return _mm256_sub_epi8(nibbles16(b + 2), _mm256_set1_epi8(8));
-    case kQ4_1:
-      return nibbles16(b + 4);
-    case kQ5_0: {
-      uint32_t qh;
-      std::memcpy(&qh, b + 2, 4);
-      return _mm256_sub_epi8(_mm256_or_si256(nibbles16(b + 6), bit4_of(qh)), _mm256_set1_epi8(16));
-    }
-    case kQ5_1: {
-      uint32_t qh;
-      std::memcpy(&qh, b + 4, 4);
-      return _mm256_or_si256(nibbles16(b + 8), bit4_of(qh));
-    }
-    case kQ8_0:
-      return load32(b + 2);
-    case kQ4_K: {  // qs at 16: groups 2i and 2i + 1 are the low and high nibbles of qs[32i..]
-      const __m256i v = load32(b + 16 + 32 * (j / 2));
-      return _mm256_and_si256(j & 1 ? _mm256_srli_epi16(v, 4) : v, _mm256_set1_epi8(0x0F));
-    }
-    case kQ5_K: {  // qh[32] at 16 (bit j of qh[l]: input l of group j), qs at 48 as Q4_K's
-      const __m256i v = load32(b + 48 + 32 * (j / 2));
-      const __m256i low = _mm256_and_si256(j & 1 ? _mm256_srli_epi16(v, 4) : v,
-                                           _mm256_set1_epi8(0x0F));
-      return _mm256_or_si256(low, high_bits(load32(b + 16), j, 1));
-    }
-    default: {  // kQ6_K: ql[128] at 0, qh[64] at 128; a half of 128 inputs is 4 groups
-      const int half = j / 4, jj = j % 4;
-      const __m256i v = load32(b + 64 * half + 32 * (jj & 1));
-      const __m256i low = _mm256_and_si256(jj >= 2 ? _mm256_srli_epi16(v, 4) : v,
-                                           _mm256_set1_epi8(0x0F));
-      const __m256i high = high_bits(load32(b + 128 + 32 * half), 2 * jj, 3);
-      return _mm256_sub_epi8(_mm256_or_si256(low, high), _mm256_set1_epi8(32));
-    }
+template <int QT>
+inline __m256i group_codes(const uint8_t* b, int j) {
+  if constexpr (QT == kQ4_0) {
+    return _mm256_sub_epi8(nibbles16(b + 2), _mm256_set1_epi8(8));
+  } else if constexpr (QT == kQ4_1) {
+    return nibbles16(b + 4);
+  } else if constexpr (QT == kQ5_0) {
+    uint32_t qh;
+    std::memcpy(&qh, b + 2, 4);
+    return _mm256_sub_epi8(_mm256_or_si256(nibbles16(b + 6), bit4_of(qh)), _mm256_set1_epi8(16));
+  } else if constexpr (QT == kQ5_1) {
+    uint32_t qh;
+    std::memcpy(&qh, b + 4, 4);
+    return _mm256_or_si256(nibbles16(b + 8), bit4_of(qh));
+  } else if constexpr (QT == kQ8_0) {
+    return load32(b + 2);
+  } else if constexpr (QT == kQ4_K) {  // qs at 16: groups 2i, 2i + 1: low, high nibbles of qs[32i..]
+    const __m256i v = load32(b + 16 + 32 * (j / 2));
+    return _mm256_and_si256(j & 1 ? _mm256_srli_epi16(v, 4) : v, _mm256_set1_epi8(0x0F));
+  } else if constexpr (QT == kQ5_K) {  // qh[32] at 16 (bit j of qh[l]: input l of group j), qs at 48
+    const __m256i v = load32(b + 48 + 32 * (j / 2));
+    const __m256i low = _mm256_and_si256(j & 1 ? _mm256_srli_epi16(v, 4) : v,
+                                         _mm256_set1_epi8(0x0F));
+    return _mm256_or_si256(low, high_bits(load32(b + 16), j, 1));
+  } else {  // kQ6_K: ql[128] at 0, qh[64] at 128; a half of 128 inputs is 4 groups
+    const int half = j / 4, jj = j % 4;
+    const __m256i v = load32(b + 64 * half + 32 * (jj & 1));
+    const __m256i low = _mm256_and_si256(jj >= 2 ? _mm256_srli_epi16(v, 4) : v,
+                                         _mm256_set1_epi8(0x0F));
+    const __m256i high = high_bits(load32(b + 128 + 32 * half), 2 * jj, 3);
+    return _mm256_sub_epi8(_mm256_or_si256(low, high), _mm256_set1_epi8(32));
   }
 }
 
@@ -130,82 +125,148 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
+// A block's scales and mins as block_scales writes them (scales[2j], scales[2j + 1]: group
+// j's halves; mins[j]), the same fp32 values, with vector code for the K kinds' packed 6-bit
+// scales and Q6_K's int8 ones. For Q4_K / Q5_K it also returns the 8 mins as one vector.
+template <int QT>
+inline __m256 simd_block_scales(const uint8_t* b, float* scales, float* mins) {
+  if constexpr (QT == kQ4_K || QT == kQ5_K) {
+    uint32_t lo, mid, hi;  // bytes 0-3: scales 0-3 (+ high bits of 4-7), 4-7: mins, 8-11: low
+    std::memcpy(&lo, b + 4, 4);
+    std::memcpy(&mid, b + 8, 4);
+    std::memcpy(&hi, b + 12, 4);
+    const uint32_t sc_high = (hi & 0x0F0F0F0Fu) | ((lo >> 2) & 0x30303030u);
+    const uint32_t m_high = ((hi >> 4) & 0x0F0F0F0Fu) | ((mid >> 2) & 0x30303030u);
+    const __m128i sc = _mm_setr_epi32(static_cast<int>(lo & 0x3F3F3F3Fu), static_cast<int>(sc_high), 0, 0);
+    const __m128i m = _mm_setr_epi32(static_cast<int>(mid & 0x3F3F3F3Fu), static_cast<int>(m_high), 0, 0);
+    const __m256 scale8 = _mm256_mul_ps(_mm256_set1_ps(fp16(b)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(sc)));
+    const __m256 min8 = _mm256_mul_ps(_mm256_set1_ps(-fp16(b + 2)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(m)));
+    _mm256_storeu_ps(scales, _mm256_permutevar8x32_ps(scale8, _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3)));
+    _mm256_storeu_ps(scales + 8, _mm256_permutevar8x32_ps(scale8, _mm256_setr_epi32(4, 4, 5, 5, 6, 6, 7, 7)));
+    _mm256_storeu_ps(mins, min8);
+    return min8;
+  } else if constexpr (QT == kQ6_K) {
+    const __m256 d = _mm256_set1_ps(fp16(b + 208));
+    for (int half = 0; half < 2; ++half) {
+      const __m128i eight = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 192 + 8 * half));
+      _mm256_storeu_ps(scales + 8 * half, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(eight))));
+    }
+    _mm256_storeu_ps(mins, _mm256_setzero_ps());
+    return _mm256_setzero_ps();
+  } else {
+    block_scales(QT, b, scales, mins);
+    return _mm256_setzero_ps();
+  }
+}
+
 // Output column n (its weight row `w`, `blocks` blocks) for the `Rows` activation rows
-// [row0, row0 + Rows): y[r * ldy]. A group's codes are unpacked once for all the rows.
-template <int Rows>
-void dot_row(int qtype, const Geometry& geo, const uint8_t* w, int64_t blocks,
-             const QuantizedRows& xq, int64_t row0, int64_t k, float* y, int64_t ldy) {
-  const bool is_signed = geo.is_signed;
-  const int groups = geo.groups;
+// [row0, row0 + Rows): y[r * ldy]. A group's codes are unpacked once for all the rows; each
+// row has two accumulators (even and odd groups) so that consecutive groups do not wait on
+// one another's multiply-add.
+template <int QT, int Rows>
+void dot_row(const uint8_t* w, int64_t blocks, const QuantizedRows& xq, int64_t row0, int64_t k,
+             float* y, int64_t ldy) {
+  constexpr Geometry geo = geometry(QT);
+  constexpr bool is_signed = geo.is_signed;
+  constexpr int groups = geo.groups;
+  constexpr bool k_mins = QT == kQ4_K || QT == kQ5_K;  // a vector of 8 mins a block
   const int64_t row_groups = k / kGroup;
   const int8_t* codes = xq.codes.data() + row0 * k;
   const float* steps = xq.steps.data() + row0 * row_groups;
   const float* sums = xq.sums.data() + row0 * row_groups;
-  __m256 acc[Rows];
+  __m256 acc[Rows][2], min_acc[Rows];
   float min_term[Rows];
   for (int r = 0; r < Rows; ++r) {
-    acc[r] = _mm256_setzero_ps();
+    acc[r][0] = acc[r][1] = min_acc[r] = _mm256_setzero_ps();
     min_term[r] = 0.0f;
   }
-  float scales[16], mins[8];
+  alignas(32) float scales[16], mins[8];
   for (int64_t blk = 0; blk < blocks; ++blk) {
     const uint8_t* b = w + blk * geo.bytes;
-    block_scales(qtype, b, scales, mins);
+    const __m256 min8 = simd_block_scales<QT>(b, scales, mins);
+    if constexpr (k_mins) {  // the block's 8 groups: min * (the exact sum of their inputs)
+      for (int r = 0; r < Rows; ++r) {
+        min_acc[r] = _mm256_fmadd_ps(min8, _mm256_loadu_ps(sums + r * row_groups + blk * 8), min_acc[r]);
+      }
+    }
+#pragma GCC unroll 8
     for (int j = 0; j < groups; ++j) {
       const int64_t g = blk * groups + j;  // the group's index along the row
-      const __m256i q = group_codes(qtype, b, j);
+      const __m256i q = group_codes<QT>(b, j);
       const __m256i magnitude = is_signed ? _mm256_abs_epi8(q) : q;
-      // the per-lane weight scale: lanes 0-3 sum inputs 0..15, lanes 4-7 inputs 16..31
-      const __m256 scale = _mm256_setr_m128(_mm_set1_ps(scales[2 * j]),
-                                            _mm_set1_ps(scales[2 * j + 1]));
+      // Q6_K's per-lane scale: lanes 0-3 sum inputs 0..15, lanes 4-7 inputs 16..31
+      __m256 halves = _mm256_setzero_ps();
+      if constexpr (QT == kQ6_K) {
+        halves = _mm256_setr_m128(_mm_set1_ps(scales[2 * j]), _mm_set1_ps(scales[2 * j + 1]));
+      }
 #pragma GCC unroll 4
       for (int r = 0; r < Rows; ++r) {
         __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + r * k + g * kGroup));
-        if (is_signed) x = _mm256_sign_epi8(x, q);  // |w| * (x * sign w) == w * x
+        if constexpr (is_signed) x = _mm256_sign_epi8(x, q);  // |w| * (x * sign w) == w * x
         const __m256 dot = _mm256_cvtepi32_ps(dot_u8s8(magnitude, x));
-        acc[r] = _mm256_fmadd_ps(dot, _mm256_mul_ps(scale, _mm256_set1_ps(steps[r * row_groups + g])),
-                                 acc[r]);
-        if (geo.has_min) min_term[r] += mins[j] * sums[r * row_groups + g];
+        const float step = steps[r * row_groups + g];
+        const __m256 scale = QT == kQ6_K ? _mm256_mul_ps(halves, _mm256_set1_ps(step))
+                                         : _mm256_set1_ps(scales[2 * j] * step);
+        acc[r][j & 1] = _mm256_fmadd_ps(dot, scale, acc[r][j & 1]);
+        if constexpr (geo.has_min && !k_mins) min_term[r] += mins[0] * sums[r * row_groups + g];
       }
     }
   }
-  for (int r = 0; r < Rows; ++r) y[r * ldy] = hsum(acc[r]) + min_term[r];
+  for (int r = 0; r < Rows; ++r) {
+    y[r * ldy] = hsum(_mm256_add_ps(_mm256_add_ps(acc[r][0], acc[r][1]), min_acc[r])) + min_term[r];
+  }
 }
 
 // Output columns [begin, end) for every row of xq.
+template <int QT>
+void matmul_columns_of(const uint8_t* weights, int64_t row_bytes, const QuantizedRows& xq,
+                       int64_t rows, int64_t k, float* y, int64_t n_out, int64_t begin,
+                       int64_t end) {
+  const int64_t blocks = k / geometry(QT).elems;
+  for (int64_t n = begin; n < end; ++n) {
+    const uint8_t* w = weights + n * row_bytes;
+    float* yn = y + n;
+    int64_t r0 = 0;
+    for (; r0 + 4 <= rows; r0 += 4) dot_row<QT, 4>(w, blocks, xq, r0, k, yn + r0 * n_out, n_out);
+    switch (rows - r0) {
+      case 3: dot_row<QT, 3>(w, blocks, xq, r0, k, yn + r0 * n_out, n_out); break;
+      case 2: dot_row<QT, 2>(w, blocks, xq, r0, k, yn + r0 * n_out, n_out); break;
+      case 1: dot_row<QT, 1>(w, blocks, xq, r0, k, yn + r0 * n_out, n_out); break;
+      default: break;
+    }
+  }
+}
+
 inline void matmul_columns(int qtype, const uint8_t* weights, int64_t row_bytes,
                            const QuantizedRows& xq, int64_t rows, int64_t k, float* y,
                            int64_t n_out, int64_t begin, int64_t end) {
-  const Geometry geo = geometry(qtype);
-  const int64_t blocks = k / geo.elems;
-  for (int64_t n = begin; n < end; ++n) {
-    const uint8_t* w = weights + n * row_bytes;
-    int64_t r0 = 0;
-    for (; r0 + 4 <= rows; r0 += 4) dot_row<4>(qtype, geo, w, blocks, xq, r0, k, y + r0 * n_out + n, n_out);
-    switch (rows - r0) {
-      case 3: dot_row<3>(qtype, geo, w, blocks, xq, r0, k, y + r0 * n_out + n, n_out); break;
-      case 2: dot_row<2>(qtype, geo, w, blocks, xq, r0, k, y + r0 * n_out + n, n_out); break;
-      case 1: dot_row<1>(qtype, geo, w, blocks, xq, r0, k, y + r0 * n_out + n, n_out); break;
-      default: break;
-    }
+  switch (qtype) {
+#define MINIVLLM_GGML_CASE(QT) \
+    case QT: return matmul_columns_of<QT>(weights, row_bytes, xq, rows, k, y, n_out, begin, end);
+    MINIVLLM_GGML_CASE(kQ4_0) MINIVLLM_GGML_CASE(kQ4_1) MINIVLLM_GGML_CASE(kQ5_0)
+    MINIVLLM_GGML_CASE(kQ5_1) MINIVLLM_GGML_CASE(kQ8_0) MINIVLLM_GGML_CASE(kQ4_K)
+    MINIVLLM_GGML_CASE(kQ5_K) MINIVLLM_GGML_CASE(kQ6_K)
+#undef MINIVLLM_GGML_CASE
+    default: return;
   }
 }
 
 // Weight rows [begin, end) as floats: out[(n - begin) * k + i], fp32 or (bf16 == true) the
 // fp32 values rounded to bf16, nearest-even. Each value is `scale * q + min` computed as
 // gguf-py computes it (a product, then a sum: no fused multiply-add), so fp32 is bit-exact.
-inline void dequantize_rows(int qtype, const uint8_t* weights, int64_t row_bytes, int64_t k,
-                            int64_t begin, int64_t end, void* out, bool bf16) {
-  const Geometry geo = geometry(qtype);
+template <int QT>
+void dequantize_rows_of(const uint8_t* weights, int64_t row_bytes, int64_t k, int64_t begin,
+                        int64_t end, void* out, bool bf16) {
+  constexpr Geometry geo = geometry(QT);
   const int64_t blocks = k / geo.elems;
-  float scales[16], mins[8];
+  alignas(32) float scales[16], mins[8];
   for (int64_t n = begin; n < end; ++n) {
     const uint8_t* w = weights + n * row_bytes;
     for (int64_t blk = 0; blk < blocks; ++blk) {
       const uint8_t* b = w + blk * geo.bytes;
-      block_scales(qtype, b, scales, mins);
+      simd_block_scales<QT>(b, scales, mins);
       for (int j = 0; j < geo.groups; ++j) {
-        const __m256i q = group_codes(qtype, b, j);
+        const __m256i q = group_codes<QT>(b, j);
         const __m256 min = _mm256_set1_ps(mins[j]);
         const int64_t at = (n - begin) * k + blk * geo.elems + j * kGroup;
         const __m128i halves[2] = {_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1)};
@@ -228,5 +289,18 @@ inline void dequantize_rows(int qtype, const uint8_t* weights, int64_t row_bytes
         }
       }
     }
+  }
+}
+
+inline void dequantize_rows(int qtype, const uint8_t* weights, int64_t row_bytes, int64_t k,
+                            int64_t begin, int64_t end, void* out, bool bf16) {
+  switch (qtype) {
+#define MINIVLLM_GGML_CASE(QT) \
+    case QT: return dequantize_rows_of<QT>(weights, row_bytes, k, begin, end, out, bf16);
+    MINIVLLM_GGML_CASE(kQ4_0) MINIVLLM_GGML_CASE(kQ4_1) MINIVLLM_GGML_CASE(kQ5_0)
+    MINIVLLM_GGML_CASE(kQ5_1) MINIVLLM_GGML_CASE(kQ8_0) MINIVLLM_GGML_CASE(kQ4_K)
+    MINIVLLM_GGML_CASE(kQ5_K) MINIVLLM_GGML_CASE(kQ6_K)
+#undef MINIVLLM_GGML_CASE
+    default: return;
   }
 }

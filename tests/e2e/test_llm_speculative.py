@@ -88,3 +88,15 @@ def test_sampled_speculation_keeps_the_targets_distribution(tiny_llama_dir, monk
     monkeypatch.setattr(rejection_sampler, "accept", accept_all)
     wrong = second_tokens(spec_llm, prompt, n)
     assert total_variation(plain, wrong) > 0.3
+
+
+def test_seeded_sampling_with_speculation_is_reproducible_whatever_the_batch(tiny_llama_dir):
+    """A seeded request's draws depend on (seed, position) only, drafts or not."""
+    llm = cached_llm(str(tiny_llama_dir), True, seed=1)
+    params = SamplingParams(temperature=0.7, seed=1234, max_tokens=16, ignore_eos=True)
+    before = llm.llm_engine.stats()["spec_decode_num_drafts"]
+    alone = llm.generate([PROMPTS[0]], params, use_tqdm=False)[0].outputs[0].token_ids
+    assert llm.llm_engine.stats()["spec_decode_num_drafts"] > before
+    noise = SamplingParams(temperature=1.0, max_tokens=9, ignore_eos=True)
+    batch = llm.generate(PROMPTS, [params, noise, noise, noise], use_tqdm=False)
+    assert batch[0].outputs[0].token_ids == alone

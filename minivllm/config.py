@@ -6,6 +6,7 @@ once, by building a new config with `dataclasses.replace`; nothing writes to a c
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -22,6 +23,72 @@ def cli_flag(name: str, negated: bool = False) -> str:
     if negated:
         return "--no-" + name.removeprefix("enable_").replace("_", "-")
     return "--" + name.replace("_", "-")
+
+
+SPECULATIVE_METHODS = ("ngram",)
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding, vLLM's `speculative_config` shape: `method="ngram"` proposes up
+    to `num_speculative_tokens` tokens per decoding sequence by prompt lookup (the last n tokens,
+    n from `prompt_lookup_max` down to `prompt_lookup_min`, found earlier in the prompt or
+    output), and the target model verifies them all in one step."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 4
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(
+                f"speculative_config method {self.method!r} is not supported; supported: "
+                f"{', '.join(SPECULATIVE_METHODS)}"
+            )
+        for name in ["num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"]:
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(
+                    f"speculative_config {name} must be a positive integer, got {value!r}"
+                )
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(
+                f"speculative_config prompt_lookup_min ({self.prompt_lookup_min}) must not "
+                f"exceed prompt_lookup_max ({self.prompt_lookup_max})"
+            )
+
+    @classmethod
+    def parse(cls, value: object) -> SpeculativeConfig | None:
+        """From None, a SpeculativeConfig, a dict of vLLM's keys, or that dict as JSON (the
+        CLI's `--speculative-config '{...}'`)."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"speculative_config is not valid JSON: {exc}") from None
+        if not isinstance(value, dict):
+            raise ValueError(
+                f"speculative_config must be a dict such as {{\"method\": \"ngram\", "
+                f"\"num_speculative_tokens\": 4}}, got {value!r}"
+            )
+        options = dict(value)
+        if "model" in options and options.get("method") in (None, "draft_model"):
+            raise ValueError(
+                "speculative_config with a draft model is not supported yet; use "
+                '{"method": "ngram", ...}'
+            )
+        if "method" not in options:
+            raise ValueError('speculative_config needs a "method" (supported: "ngram")')
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise ValueError(
+                f"unknown speculative_config key(s) {unknown}; known: {sorted(known)}"
+            )
+        return cls(**options)
 
 
 @dataclass(frozen=True)
@@ -62,6 +129,10 @@ class EngineConfig:
         "auto", "sampling defaults of requests that leave a field unset: auto (the model's "
         "generation_config.json, as vLLM), vllm (vLLM's neutral defaults) or a folder holding "
         "a generation_config.json")
+    speculative_config: SpeculativeConfig | None = _option(
+        None, "speculative decoding, vLLM's shape as JSON: '{\"method\": \"ngram\", "
+        "\"num_speculative_tokens\": 4, \"prompt_lookup_min\": 2, \"prompt_lookup_max\": 4}' "
+        "(prompt lookup; greedy and sampled requests)")
     # filled from the model when the engine is built
     eos_token_ids: tuple[int, ...] = _option((), "end-of-sequence token ids", cli=False)
 
@@ -95,6 +166,15 @@ class EngineConfig:
         if self.quantization not in (None, "int4", "int8", "none"):
             raise ValueError(
                 f"quantization must be None, 'int4', 'int8' or 'none', got {self.quantization!r}"
+            )
+        # A dict or JSON string (the Python API's and the CLI's shape) becomes the frozen
+        # SpeculativeConfig once, here, during construction.
+        object.__setattr__(
+            self, "speculative_config", SpeculativeConfig.parse(self.speculative_config)
+        )
+        if self.speculative_config is not None and self.tensor_parallel_size > 1:
+            raise ValueError(
+                "speculative_config with tensor_parallel_size > 1 is not supported yet"
             )
 
     @classmethod

@@ -39,11 +39,11 @@ def make_engine() -> Iterator[Callable[..., LLMEngine]]:
     engines: list[LLMEngine] = []
 
     def make(num_blocks: int = 64, trace: bool = False, vocab_size: int = 1000,
-             **options: object) -> LLMEngine:
+             order: int | None = None, **options: object) -> LLMEngine:
         options.setdefault("block_size", 4)
         options.setdefault("max_model_len", 512)
         config = EngineConfig(**options)  # type: ignore[arg-type]
-        runner = FaultyRunner(FakeModelRunner(num_blocks, config.block_size, vocab_size))
+        runner = FaultyRunner(FakeModelRunner(num_blocks, config.block_size, vocab_size, order))
         engine = LLMEngine(config, runner, tracer=Tracer() if trace else None)
         engines.append(engine)
         return engine

@@ -271,6 +271,22 @@ class LLMEngine:
                 seq.finish_reason = FinishReason.STOP
             else:
                 self.scheduler.finish(seq, FinishReason.STOP)
+            self._drop_tokens_past_stop(seq, sp.stop_strings, start)
+
+    def _drop_tokens_past_stop(self, seq: Sequence, stops: tuple[str, ...], start: int) -> None:
+        """Keep the completion tokens only up to the one that completed the stop string: a
+        speculative step appends several tokens, and some may follow the stop."""
+        sp = seq.sampling_params
+        n = seq.num_completion_tokens
+        while n > 1:
+            text = self.tokenizer.decode(
+                seq.completion_token_ids[: n - 1], skip_special_tokens=sp.skip_special_tokens
+            )
+            if not any(text.find(s, start) >= 0 for s in stops):
+                break
+            n -= 1
+        if n < seq.num_completion_tokens:
+            seq.truncate(seq.num_prompt_tokens + n)
 
     def make_output(self, request: _Request) -> RequestOutput:
         seq = request.seq
@@ -316,7 +332,7 @@ class LLMEngine:
     # ---- introspection ----------------------------------------------------------------------
 
     def stats(self) -> dict[str, float]:
-        """Counters for metrics: queue sizes, KV usage, prefix cache, preemptions."""
+        """Counters for metrics: queue sizes, KV usage, prefix cache, preemptions, speculation."""
         bm = self.scheduler.block_manager
         return {
             "num_requests_running": len(self.scheduler.running),
@@ -325,6 +341,9 @@ class LLMEngine:
             "prefix_cache_queries": bm.prefix_queries,
             "prefix_cache_hits": bm.prefix_hits,
             "num_preemptions": self.scheduler.num_preemptions,
+            "spec_decode_num_drafts": self.scheduler.num_spec_drafts,
+            "spec_decode_num_draft_tokens": self.scheduler.num_spec_draft_tokens,
+            "spec_decode_num_accepted_tokens": self.scheduler.num_spec_accepted_tokens,
         }
 
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from minivllm.config import EngineConfig
@@ -29,6 +30,7 @@ from minivllm.layers.attention.paged_decode import paged_decode_supported
 from minivllm.layers.cpu_kernels import cpu_kernels_available
 from minivllm.layers.onednn import prepack_model
 from minivllm.layers.quantization import check_quantization, quantize_model_int8
+from minivllm.layers.rejection_sampler import verify
 from minivllm.layers.sampler import Sampler, SamplingBatch, gather_logprobs
 from minivllm.layers.stored_weights import pack_8bit_halves, stored_weight_kernel
 from minivllm.models.gguf import iter_state
@@ -102,8 +104,9 @@ class StepInputs:
     input_ids: torch.Tensor  # [num_tokens] int64
     positions: torch.Tensor  # [num_tokens] int64
     meta: AttentionMetadata
-    # [num_samples + num_prompt_rows] int64: the last token of each sampling sequence, then
-    # the tokens whose logits give prompt logprobs
+    # [num_samples + num_prompt_rows] int64: the last token of each sampling sequence (and
+    # each of its draft tokens, with speculation), then the tokens whose logits give prompt
+    # logprobs
     logits_indices: torch.Tensor
     sampling: SamplingBatch
     # (sequence, first prompt position scored, how many): one run of rows after the samples'
@@ -119,7 +122,7 @@ def prepare_inputs(batch: ScheduledBatch, block_size: int, device: torch.device)
     seq_lens: list[int] = []
     for seq in batch.seqs:
         start, n = seq.num_cached_tokens, seq.num_scheduled_tokens
-        input_ids.extend(seq.token_ids[start : start + n])
+        input_ids.extend(seq.planned_token_ids[start : start + n])
         positions.extend(range(start, start + n))
         slots.extend(slot_mapping_for(seq.block_table, start, n, block_size))
         query_lens.append(n)
@@ -130,8 +133,9 @@ def prepare_inputs(batch: ScheduledBatch, block_size: int, device: torch.device)
     for n in query_lens:
         starts.append(starts[-1] + n)
     sampling_set = {id(s) for s in batch.sample_seqs}
-    logits_indices = [
-        starts[i + 1] - 1 for i, s in enumerate(batch.seqs) if id(s) in sampling_set
+    logits_indices = [  # a sequence with k drafts samples from its last k + 1 tokens
+        row for i, s in enumerate(batch.seqs) if id(s) in sampling_set
+        for row in range(starts[i + 1] - 1 - len(s.spec_token_ids), starts[i + 1])
     ]
     # The logits at position p score the prompt token at p + 1.
     prompt_runs = []
@@ -156,16 +160,39 @@ def prepare_inputs(batch: ScheduledBatch, block_size: int, device: torch.device)
         seq_lens_cpu=seq_lens,
         block_size=block_size,
     )
-    bitmask = batch.token_bitmask
-    sampling = SamplingBatch(
-        params=[s.sampling_params for s in batch.sample_seqs],
-        positions=[s.num_tokens for s in batch.sample_seqs],
-        token_ids=[s.token_ids for s in batch.sample_seqs],
-        num_prompt_tokens=[s.num_prompt_tokens for s in batch.sample_seqs],
-        token_bitmask=None if bitmask is None else torch.from_numpy(bitmask),  # [rows, words]
-    )
     return StepInputs(tensor(input_ids), tensor(positions), meta, tensor(logits_indices),
-                      sampling, prompt_runs)
+                      sampling_batch(batch), prompt_runs)
+
+
+def sampling_batch(batch: ScheduledBatch) -> SamplingBatch:
+    """The sampler's rows: one per sampling sequence, or with draft tokens one per draft plus
+    one, row j seeing the drafts before it as the sequence's tokens."""
+    seqs = batch.sample_seqs
+    bitmask = batch.token_bitmask
+    if not any(s.spec_token_ids for s in seqs):
+        return SamplingBatch(
+            params=[s.sampling_params for s in seqs],
+            positions=[s.num_tokens for s in seqs],
+            token_ids=[s.token_ids for s in seqs],
+            num_prompt_tokens=[s.num_prompt_tokens for s in seqs],
+            token_bitmask=None if bitmask is None else torch.from_numpy(bitmask),  # [rows, W]
+        )
+    rows = [len(s.spec_token_ids) + 1 for s in seqs]
+    if bitmask is not None:  # constrained sequences have no drafts: their one row repeats
+        bitmask = np.repeat(bitmask, rows, axis=0)  # [sum(rows), W]
+    return SamplingBatch(
+        params=[s.sampling_params for s, n in zip(seqs, rows) for _ in range(n)],
+        positions=[s.num_tokens + j for s, n in zip(seqs, rows) for j in range(n)],
+        # Copies only where penalties read them.
+        token_ids=[
+            s.token_ids + s.spec_token_ids[:j] if j and s.sampling_params.has_penalties
+            else s.token_ids
+            for s, n in zip(seqs, rows) for j in range(n)
+        ],
+        num_prompt_tokens=[s.num_prompt_tokens for s, n in zip(seqs, rows) for _ in range(n)],
+        token_bitmask=None if bitmask is None else torch.from_numpy(bitmask),
+        draft_token_ids=[list(s.spec_token_ids) for s in seqs],
+    )
 
 
 LOGITS_ROWS = 512  # logits computed per LM-head call: 512 x 49k x 4 B = 100 MB for SmolLM2
@@ -382,7 +409,7 @@ class ModelRunner:
         if self.compiled_decode is not None and self.compiled_decode.applies(inputs.meta):
             forward = self.compiled_decode
         hidden = forward(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
-        num_samples = len(batch.sample_seqs)
+        num_samples = len(inputs.sampling.params)  # rows: drafts add one each
         slices = compute_logits_in_slices(self.model, hidden, inputs.logits_indices)
         if inputs.prompt_logprob_runs:
             logits = self._take_prompt_logprobs(batch, inputs, slices, num_samples)
@@ -390,10 +417,13 @@ class ModelRunner:
             logits = torch.cat(list(slices)) if num_samples else None
         if logits is None:
             return []
-        out = self.sampler(logits, inputs.sampling)  # logits: [num_samples, V]
-        if out.logprobs is None:
-            return [SampledToken(t) for t in out.token_ids]
-        return [SampledToken(t, lp) for t, lp in zip(out.token_ids, out.logprobs)]
+        if inputs.sampling.draft_token_ids is None:
+            out = self.sampler(logits, inputs.sampling)  # logits: [num_samples, V]
+        else:
+            out = verify(self.sampler, logits, inputs.sampling)  # logits: [draft rows, V]
+        logprobs = out.logprobs or [None] * len(out.token_ids)
+        accepted = out.num_accepted or [0] * len(out.token_ids)
+        return [SampledToken(t, lp, n) for t, lp, n in zip(out.token_ids, logprobs, accepted)]
 
 
 def _available_ram() -> float:

@@ -9,6 +9,12 @@ first), then waiting ones first come first served, all within one token budget, 
 prompt is prefilled in chunks and never stalls the decodes. When blocks run out, the most
 recently admitted running sequence is preempted by recompute.
 
+Speculative decoding (`config.speculative_config`): a decoding sequence may get draft tokens
+from the proposer (`spec_decode.py`) in its plan, `num_scheduled_tokens = 1 + drafts`, counted
+in the budget and given blocks like any token, but only where they fit without preempting
+anyone. The commit appends the accepted drafts and the target's token and advances
+`num_cached_tokens` by accepted + 1; a rejected draft's slot is overwritten by a later step.
+
 Pure Python: no torch here.
 """
 
@@ -27,6 +33,7 @@ from minivllm.engine.sequence import (
     blocks_for,
     check_invariants,
 )
+from minivllm.engine.spec_decode import NgramProposer
 from minivllm.logprobs import Logprob
 
 
@@ -50,7 +57,8 @@ class ScheduledBatch:
 
     def __post_init__(self) -> None:
         self.sample_seqs = [
-            s for s in self.seqs if s.num_cached_tokens + s.num_scheduled_tokens == s.num_tokens
+            s for s in self.seqs
+            if s.num_cached_tokens + s.num_scheduled_tokens == s.num_tokens + len(s.spec_token_ids)
         ]
 
     @property
@@ -75,6 +83,9 @@ class SampledToken:
     token_id: int
     # When logprobs were asked for: the sampled token's and the top-N's Logprob, by token id.
     logprobs: dict[int, Logprob] | None = None
+    # With draft tokens in the plan: how many of them the target accepted; `token_id` is the
+    # target's token after them (a correction, or the bonus when all were accepted).
+    num_accepted: int = 0
 
 
 class Scheduler:
@@ -92,6 +103,12 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        spec = config.speculative_config
+        self.proposer = NgramProposer(spec) if spec is not None else None
+        # vLLM's spec-decode counters: steps of a sequence with drafts, drafts, accepted ones.
+        self.num_spec_drafts = 0
+        self.num_spec_draft_tokens = 0
+        self.num_spec_accepted_tokens = 0
 
     # ---- requests -------------------------------------------------------------------
 
@@ -135,7 +152,10 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            num_new = min(seq.num_uncached_tokens, budget)
+            drafts = self._propose(seq, budget)
+            if drafts and not self.block_manager.can_allocate(seq, 1 + len(drafts)):
+                drafts = []  # speculation never preempts anyone
+            num_new = 1 + len(drafts) if drafts else min(seq.num_uncached_tokens, budget)
             while not self.block_manager.can_allocate(seq, num_new):
                 victim = self.running[-1]  # the most recently admitted
                 self._preempt(victim)
@@ -146,6 +166,8 @@ class Scheduler:
                 break
             self.block_manager.allocate(seq, num_new)
             seq.num_scheduled_tokens = num_new
+            if drafts:
+                seq.spec_token_ids = drafts
             budget -= num_new
             scheduled.append(seq)
             i += 1
@@ -175,6 +197,22 @@ class Scheduler:
 
         return ScheduledBatch(scheduled, preempted)
 
+    def _propose(self, seq: Sequence, budget: int) -> list[int]:
+        """Draft tokens for a decoding sequence, as many as the budget, its max_tokens and
+        max_model_len leave room for after its one certain token; [] when not speculating."""
+        if self.proposer is None or seq.num_uncached_tokens != 1:
+            return []
+        sp = seq.sampling_params
+        # Logprobs and grammars follow one token per step (one entry, one matcher advance).
+        if sp.logprobs is not None or sp.structured_outputs is not None:
+            return []
+        room = min(
+            budget - 1,
+            self.max_completion_tokens(seq) - seq.num_completion_tokens - 1,
+            self.max_model_len - seq.num_tokens - 1,
+        )
+        return self.proposer.propose(seq.token_ids, room) if room > 0 else []
+
     def _preempt(self, seq: Sequence) -> None:
         """RUNNING -> WAITING by recompute: blocks freed, progress forgotten."""
         self.running.remove(seq)
@@ -182,6 +220,7 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         seq.num_cached_tokens = 0
         seq.num_scheduled_tokens = 0
+        seq.spec_token_ids = []
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
@@ -194,28 +233,50 @@ class Scheduler:
             raise ValueError(
                 f"expected {len(batch.sample_seqs)} samples, the runner gave {len(samples)}"
             )
+        sampled = {id(seq): sample for seq, sample in zip(batch.sample_seqs, samples)}
         for seq in batch.seqs:
             if seq.is_finished:  # aborted while the plan was pending
                 continue
             before = seq.num_cached_tokens
-            seq.num_cached_tokens += seq.num_scheduled_tokens
+            sample = sampled.get(id(seq))
+            # Drafts' KV was written but only the accepted ones' is committed.
+            num_accepted = 0 if sample is None else sample.num_accepted
+            drafts = seq.spec_token_ids
+            if not 0 <= num_accepted <= len(drafts):
+                raise ValueError(f"{num_accepted} accepted of {len(drafts)} drafts for {seq}")
+            seq.num_cached_tokens += seq.num_scheduled_tokens - len(drafts) + num_accepted
             seq.num_scheduled_tokens = 0
+            reason = None if sample is None else self._append(seq, sample, drafts)
+            if drafts:
+                seq.spec_token_ids = []
+                self.num_spec_drafts += 1
+                self.num_spec_draft_tokens += len(drafts)
+                self.num_spec_accepted_tokens += num_accepted
             self.block_manager.commit(seq, before)
             if seq.seq_id in batch.prompt_logprobs:
                 first, entries = batch.prompt_logprobs[seq.seq_id]
                 # A recompute after preemption covers positions already committed: skip them.
                 skip = 1 + len(seq.prompt_logprobs) - first
                 seq.prompt_logprobs.extend(entries[max(skip, 0):])
-        for seq, sample in zip(batch.sample_seqs, samples):
-            if seq.is_finished:
-                continue
-            seq.append_token(sample.token_id)
-            if seq.sampling_params.logprobs is not None and sample.logprobs is not None:
-                seq.logprobs.append(sample.logprobs)
-            reason = self._stop_reason(seq, sample.token_id)
             if reason is not None:
                 self.finish(seq, reason)
         return batch.seqs
+
+    def _append(
+        self, seq: Sequence, sample: SampledToken, drafts: list[int]
+    ) -> FinishReason | None:
+        """Append the accepted drafts, then the sampled token, up to the first one that ends
+        the sequence (an EOS among the drafts ends it there: the rest is dropped)."""
+        for token_id in [*drafts[: sample.num_accepted], sample.token_id]:
+            seq.append_token(token_id)
+            reason = self._stop_reason(seq, token_id)
+            if reason is not None:
+                # The KV of dropped drafts counts no more.
+                seq.num_cached_tokens = min(seq.num_cached_tokens, seq.num_tokens)
+                break
+        if seq.sampling_params.logprobs is not None and sample.logprobs is not None:
+            seq.logprobs.append(sample.logprobs)
+        return reason
 
     def discard(self, batch: ScheduledBatch, reason: FinishReason = FinishReason.ERROR) -> None:
         """Drop a plan whose execution failed: nothing advances; its sequences end."""
@@ -223,6 +284,7 @@ class Scheduler:
             if seq.is_finished:
                 continue
             seq.num_scheduled_tokens = 0
+            seq.spec_token_ids = []
             self.finish(seq, reason)
 
     def _stop_reason(self, seq: Sequence, token_id: int) -> FinishReason | None:
@@ -248,6 +310,7 @@ class Scheduler:
             self.waiting.remove(seq)
         self.block_manager.free(seq)
         seq.num_scheduled_tokens = 0
+        seq.spec_token_ids = []
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
 

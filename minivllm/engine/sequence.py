@@ -4,6 +4,9 @@ Who writes each field (the tutorial chapter's rule: scheduled is not cached):
 - `token_ids`, `num_tokens`: set from the prompt at creation; `append_token()` after a sample.
 - `num_prompt_tokens`: fixed at creation.
 - `num_scheduled_tokens`: the Scheduler's plan for this step (`Scheduler.schedule`).
+- `spec_token_ids`: with speculative decoding, the draft tokens the plan runs after the last
+  token (`num_scheduled_tokens` = 1 + their number); written by the Scheduler at plan time,
+  cleared by the commit. They are not in `token_ids` until the target accepts them.
 - `num_cached_tokens`: committed KV progress, advanced only by `Scheduler.postprocess` after the
   ModelRunner has executed the plan (and, once, by a prefix-cache hit at admission).
 - `block_table`: the BlockManager, when the plan needs blocks and when the sequence frees them.
@@ -57,6 +60,7 @@ class Sequence:
         self.num_prompt_tokens = len(self.token_ids)
         self.num_cached_tokens = 0
         self.num_scheduled_tokens = 0
+        self.spec_token_ids: list[int] = []
         self.block_table: list[int] = []
         self.sampling_params = sampling_params or SamplingParams()
         self.finish_reason: FinishReason | None = None
@@ -101,6 +105,11 @@ class Sequence:
         """Tokens whose KV is not committed yet: what the scheduler still has to plan."""
         return self.num_tokens - self.num_cached_tokens
 
+    @property
+    def planned_token_ids(self) -> list[int]:
+        """The tokens this step's plan reads: `token_ids`, then any draft tokens."""
+        return self.token_ids + self.spec_token_ids if self.spec_token_ids else self.token_ids
+
     def num_blocks(self, block_size: int) -> int:
         """Blocks needed to hold all `num_tokens` tokens."""
         return blocks_for(self.num_tokens, block_size)
@@ -109,6 +118,15 @@ class Sequence:
         """Record a sampled token. Changes only the token record, never cached or scheduled."""
         self.token_ids.append(token_id)
         self.num_tokens += 1
+
+    def truncate(self, num_tokens: int) -> None:
+        """Drop the completion tokens past `num_tokens` (a finished sequence whose stop string
+        ended inside the last step's run of accepted tokens)."""
+        assert self.num_prompt_tokens <= num_tokens <= self.num_tokens, (self, num_tokens)
+        del self.token_ids[num_tokens:]
+        self.num_tokens = num_tokens
+        self.num_cached_tokens = min(self.num_cached_tokens, num_tokens)
+        del self.logprobs[num_tokens - self.num_prompt_tokens :]
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
@@ -121,7 +139,11 @@ def check_invariants(seq: Sequence, block_size: int) -> None:
     where = repr(seq)
     assert 0 <= seq.num_cached_tokens <= seq.num_tokens, where
     assert seq.num_scheduled_tokens >= 0, where
-    assert seq.num_cached_tokens + seq.num_scheduled_tokens <= seq.num_tokens, where
+    num_planned = seq.num_tokens + len(seq.spec_token_ids)
+    assert seq.num_cached_tokens + seq.num_scheduled_tokens <= num_planned, where
+    if seq.spec_token_ids:  # drafts follow the last token, in one decode step
+        assert seq.num_cached_tokens == seq.num_tokens - 1, where
+        assert seq.num_scheduled_tokens == 1 + len(seq.spec_token_ids), where
     assert seq.num_tokens == len(seq.token_ids), where
     assert seq.num_prompt_tokens <= seq.num_tokens, where
     if seq.status == SequenceStatus.RUNNING:
@@ -130,6 +152,7 @@ def check_invariants(seq: Sequence, block_size: int) -> None:
     else:
         assert seq.block_table == [], where
         assert seq.num_scheduled_tokens == 0, where
+        assert seq.spec_token_ids == [], where
     if seq.status == SequenceStatus.WAITING:
         assert seq.num_cached_tokens == 0, where
     if seq.status == SequenceStatus.FINISHED:

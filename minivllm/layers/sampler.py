@@ -40,6 +40,10 @@ class SamplingBatch:
     # Structured outputs: int32 [N, ceil(V / 32)], bit j of word w allows token 32w + j (all
     # ones for an unconstrained row); None when no row is constrained.
     token_bitmask: torch.Tensor | None = None
+    # Speculative decoding: each sequence's draft tokens, when any sequence has some. A
+    # sequence with k drafts owns k + 1 consecutive rows (see rejection_sampler.py); None: one
+    # row per sequence.
+    draft_token_ids: list[list[int]] | None = None
 
     @property
     def all_greedy(self) -> bool:
@@ -58,6 +62,8 @@ class SamplerOutput:
     # When any row asked for logprobs: per row, the sampled token's entry (its own and the
     # top-N's Logprob, ranks filled; decoded_token is the engine's), None for a row that did not.
     logprobs: list[dict[int, Logprob] | None] | None = None
+    # With draft tokens: per sequence, how many the target accepted (before its token).
+    num_accepted: list[int] | None = None
 
 
 def gather_logprobs(
@@ -157,14 +163,15 @@ def apply_penalties(
 
 
 def _uniforms(batch: SamplingBatch, device: torch.device,
-              generator: torch.Generator) -> torch.Tensor:
+              generator: torch.Generator, stream: int = 0) -> torch.Tensor:
     """One u ~ U[0, 1) per row, [N] float64: seeded rows from their own (seed, position)
-    generator, the others from the engine's."""
+    generator (`stream` > 0: another independent draw for the same position), the others
+    from the engine's."""
     u = torch.rand(len(batch.params), dtype=torch.float64, device=device, generator=generator)
     for row, (params, position) in enumerate(zip(batch.params, batch.positions)):
         if params.seed is not None:
             g = torch.Generator(device=device)
-            g.manual_seed((params.seed * _MIX + position) % (2**63))
+            g.manual_seed((params.seed * _MIX + position + stream * _MIX * _MIX) % (2**63))
             u[row] = torch.rand(1, dtype=torch.float64, device=device, generator=g)[0]
     return u
 
@@ -202,7 +209,7 @@ class Sampler:
         logits = logits.float()
         wants_logprobs = batch.max_logprobs is not None
         raw_logprobs = logits.log_softmax(dim=-1) if wants_logprobs else None  # [N, V]
-        logits = self._process(logits, batch)
+        logits = self.process(logits, batch)
 
         if batch.all_greedy:
             tokens = logits.argmax(dim=-1)  # [N]
@@ -218,7 +225,11 @@ class Sampler:
             token_list, [e if k is not None else None for e, k in zip(entries, asked)]
         )
 
-    def _process(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    def uniforms(self, batch: SamplingBatch, stream: int = 0) -> torch.Tensor:
+        """[N] float64 uniforms, one per row (see `_uniforms`)."""
+        return _uniforms(batch, self.device, self.generator, stream)
+
+    def process(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         """The structured-output mask, logit bias, the min_tokens ban and the penalties;
         `logits` itself when none apply. The grammar wins: a row the other rules would leave
         with no token at all (min_tokens banning the EOS its grammar needs) keeps the grammar's
@@ -275,9 +286,16 @@ class Sampler:
         return logits
 
     def _sample(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        greedy = torch.tensor([p.greedy for p in batch.params], device=logits.device)  # [N]
+        probs = self.probabilities(logits, batch)  # [N, V]
+        sampled = sample_from(probs, self.uniforms(batch))  # [N]
+        return torch.where(greedy, logits.argmax(dim=-1), sampled)
+
+    def probabilities(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """The distribution a row samples from: processed logits through temperature, top-k,
+        top-p and min-p (greedy rows at temperature 1, unused). [N, V] -> [N, V]."""
         device = logits.device
         params = batch.params
-        greedy = torch.tensor([p.greedy for p in params], device=device)  # [N]
         temperature = torch.tensor(
             [1.0 if p.greedy else p.temperature for p in params], device=device
         )
@@ -289,6 +307,4 @@ class Sampler:
             scaled = apply_top_p(scaled, torch.tensor([p.top_p for p in params], device=device))
         if any(p.min_p > 0.0 for p in params):
             scaled = apply_min_p(scaled, torch.tensor([p.min_p for p in params], device=device))
-        probs = scaled.softmax(dim=-1)  # [N, V]
-        sampled = sample_from(probs, _uniforms(batch, device, self.generator))  # [N]
-        return torch.where(greedy, logits.argmax(dim=-1), sampled)
+        return scaled.softmax(dim=-1)  # [N, V]

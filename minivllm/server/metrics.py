@@ -24,6 +24,9 @@ _COUNTERS = {
     "prefix_cache_queries": "Prompt tokens looked up in the prefix cache.",
     "prefix_cache_hits": "Prompt tokens found in the prefix cache.",
     "num_preemptions": "Sequences preempted (by recompute) since start.",
+    "spec_decode_num_drafts": "Speculative steps of a sequence (steps that verified drafts).",
+    "spec_decode_num_draft_tokens": "Draft tokens proposed and verified.",
+    "spec_decode_num_accepted_tokens": "Draft tokens the target model accepted.",
 }
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 

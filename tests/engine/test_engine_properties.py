@@ -1,9 +1,10 @@
 """Property tests: random workloads keep every invariant after every step.
 
-Random arrivals, aborts, token budgets, pool sizes, block sizes and shared prefixes. After
-every step: the sequence invariants hold and each block's ref_count equals the number of
-block tables holding it. In the end every request ends exactly once, each non-aborted one
-with exactly the tokens the fake model gives it alone, and no block leaks.
+Random arrivals, aborts, token budgets, pool sizes, block sizes, shared prefixes and
+speculative decoding (n-gram drafts, on a fake model that repeats itself so drafts are
+accepted). After every step: the sequence invariants hold and each block's ref_count equals
+the number of block tables holding it. In the end every request ends exactly once, each
+non-aborted one with exactly the tokens the fake model gives it alone, and no block leaks.
 """
 
 from __future__ import annotations
@@ -42,10 +43,11 @@ ops = st.lists(
     budget=st.integers(1, 48),
     max_num_seqs=st.integers(1, 6),
     prefix_caching=st.booleans(),
+    speculative_tokens=st.sampled_from([0, 1, 3]),
     script=ops,
 )
 def test_random_workloads_keep_the_invariants(
-    block_size, pool_tokens, budget, max_num_seqs, prefix_caching, script
+    block_size, pool_tokens, budget, max_num_seqs, prefix_caching, speculative_tokens, script
 ):
     num_blocks = max(2, pool_tokens // block_size)  # small pools, to force preemption
     config = EngineConfig(
@@ -54,8 +56,12 @@ def test_random_workloads_keep_the_invariants(
         max_num_seqs=max_num_seqs,
         max_model_len=48,
         enable_prefix_caching=prefix_caching,
+        speculative_config={"method": "ngram", "num_speculative_tokens": speculative_tokens,
+                            "prompt_lookup_min": 1} if speculative_tokens else None,
     )
-    engine = LLMEngine(config, FakeModelRunner(num_blocks, block_size))
+    # With speculation, a model of the last token over 12 ids: outputs cycle, drafts hit.
+    vocab, order = (12, 1) if speculative_tokens else (1000, None)
+    engine = LLMEngine(config, FakeModelRunner(num_blocks, block_size, vocab, order))
     added: dict[str, tuple[list[int], int]] = {}
     aborted: set[str] = set()
     finished: dict[str, object] = {}
@@ -69,7 +75,7 @@ def test_random_workloads_keep_the_invariants(
     seqs = []
     for op in script:
         if op[0] == "add":
-            prompt = PREFIXES[op[1]] + op[2]
+            prompt = [t % vocab for t in PREFIXES[op[1]] + op[2]]
             params = SamplingParams(temperature=0.0, max_tokens=op[3])
             try:
                 seq = engine.add_request(prompt, params)
@@ -99,5 +105,5 @@ def test_random_workloads_keep_the_invariants(
     assert not set(finished) & aborted
     for request_id, out in finished.items():
         prompt, max_tokens = added[request_id]
-        assert out.outputs[0].token_ids == reference_completion(prompt, max_tokens)
+        assert out.outputs[0].token_ids == reference_completion(prompt, max_tokens, vocab, order)
     assert_no_leaks(engine)

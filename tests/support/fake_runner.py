@@ -3,7 +3,9 @@
 It guards the paging logic: `run` writes each scheduled token id into a fake KV cache at the
 slot the block table gives, then "samples" the next token from the context it reads back
 through the block table. A wrong block table, slot, or prefix-cache hit changes the output,
-and a context slot never written (scheduled but not computed) fails loudly. Faults are
+and a context slot never written (scheduled but not computed) fails loudly. With speculative
+decoding it verifies a plan's draft tokens as the real runner does, greedily, so a commit that
+kept a rejected draft's KV reads a stale slot and fails too. Faults are
 injected the one way every test uses: wrap it in `support.faults.FaultyRunner`.
 """
 
@@ -14,18 +16,25 @@ from array import array
 import xxhash
 
 from minivllm.engine.scheduler import SampledToken, ScheduledBatch
+from minivllm.engine.spec_decode import accept_greedy
 
 
-def next_token(context: list[int], vocab_size: int) -> int:
-    """The fake model: the next token is a hash of the whole context."""
-    return xxhash.xxh64_intdigest(array("q", context).tobytes()) % vocab_size
+def next_token(context: list[int], vocab_size: int, order: int | None = None) -> int:
+    """The fake model: the next token is a hash of the whole context, or with `order` of its
+    last `order` tokens only (a model that soon repeats itself, so n-gram drafts hit)."""
+    tail = context if order is None else context[-order:]
+    return xxhash.xxh64_intdigest(array("q", tail).tobytes()) % vocab_size
 
 
 class FakeModelRunner:
-    def __init__(self, num_kv_blocks: int, block_size: int, vocab_size: int = 1000) -> None:
+    def __init__(
+        self, num_kv_blocks: int, block_size: int, vocab_size: int = 1000,
+        order: int | None = None,
+    ) -> None:
         self.num_kv_blocks = num_kv_blocks
         self.block_size = block_size
         self.vocab_size = vocab_size
+        self.order = order
         self.kv: list[int | None] = [None] * (num_kv_blocks * block_size)
 
     def slot(self, block_table: list[int], pos: int) -> int:
@@ -35,20 +44,29 @@ class FakeModelRunner:
         for seq in batch.seqs:
             assert seq.num_scheduled_tokens > 0, "zero-length query scheduled"
             start = seq.num_cached_tokens
+            tokens = seq.planned_token_ids
             for pos in range(start, start + seq.num_scheduled_tokens):
-                self.kv[self.slot(seq.block_table, pos)] = seq.token_ids[pos]
+                self.kv[self.slot(seq.block_table, pos)] = tokens[pos]
         samples = []
         for seq in batch.sample_seqs:
             n = seq.num_cached_tokens + seq.num_scheduled_tokens
             context = [self.kv[self.slot(seq.block_table, p)] for p in range(n)]
-            assert context == seq.token_ids[:n], f"KV cache disagrees with tokens of {seq}"
-            samples.append(SampledToken(next_token(context, self.vocab_size)))
+            assert context == seq.planned_token_ids, f"KV cache disagrees with tokens of {seq}"
+            drafts = seq.spec_token_ids
+            targets = [  # the target's token after the last token and after each draft
+                next_token(context[: seq.num_tokens + j], self.vocab_size, self.order)
+                for j in range(len(drafts) + 1)
+            ]
+            accepted = accept_greedy(drafts, targets)
+            samples.append(SampledToken(targets[accepted], num_accepted=accepted))
         return samples
 
 
-def reference_completion(prompt: list[int], max_tokens: int, vocab_size: int = 1000) -> list[int]:
+def reference_completion(
+    prompt: list[int], max_tokens: int, vocab_size: int = 1000, order: int | None = None
+) -> list[int]:
     """What the fake model generates for `prompt`, computed without any engine."""
     tokens = list(prompt)
     for _ in range(max_tokens):
-        tokens.append(next_token(tokens, vocab_size))
+        tokens.append(next_token(tokens, vocab_size, order))
     return tokens[len(prompt) :]

@@ -1,0 +1,65 @@
+"""Speculative decoding's engine-side half: the n-gram (prompt lookup) proposer and the greedy
+acceptance rule.
+
+Each step the Scheduler asks the proposer for up to k draft tokens per decoding sequence and
+plans 1 + k tokens for it (its last token and the drafts), so the ModelRunner runs all of them
+through the target model in one step and writes k + 1 KV slots. The runner returns the target's
+tokens; the commit (`Scheduler.postprocess`) appends the accepted drafts plus the target's own
+next token and advances `num_cached_tokens` by accepted + 1: the KV of rejected drafts stays in
+its slots, uncommitted, and is overwritten by a later step. Scheduled is not cached, even after
+execute.
+
+Pure Python and numpy: no torch here.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numpy.lib.stride_tricks import sliding_window_view
+
+from minivllm.config import SpeculativeConfig
+
+
+class NgramProposer:
+    """Prompt lookup: find the sequence's last n tokens earlier in its prompt or output (n from
+    `prompt_lookup_max` down to `prompt_lookup_min`, the most recent occurrence) and propose
+    the tokens that followed them there."""
+
+    def __init__(self, config: SpeculativeConfig) -> None:
+        self.num_speculative_tokens = config.num_speculative_tokens
+        self.min_n = config.prompt_lookup_min
+        self.max_n = config.prompt_lookup_max
+
+    def propose(self, token_ids: list[int], max_tokens: int) -> list[int]:
+        """Up to `min(num_speculative_tokens, max_tokens)` draft tokens to follow `token_ids`;
+        [] when no n-gram matches."""
+        k = min(self.num_speculative_tokens, max_tokens)
+        if k <= 0 or len(token_ids) <= self.min_n:
+            return []
+        return propose_ngram(np.asarray(token_ids, dtype=np.int64), self.min_n, self.max_n, k)
+
+
+def propose_ngram(tokens: np.ndarray, min_n: int, max_n: int, k: int) -> list[int]:
+    """The reference rule on an int array: for n = max_n .. min_n, the latest start i < L - n
+    with tokens[i : i + n] == tokens[L - n :] proposes tokens[i + n : i + n + k]."""
+    length = tokens.shape[0]
+    for n in range(min(max_n, length - 1), min_n - 1, -1):
+        suffix = tokens[length - n :]  # [n]
+        # Windows that start before the suffix itself, so a match has a token after it.
+        windows = sliding_window_view(tokens[: length - 1], n)  # [L - n, n]
+        hits = np.flatnonzero((windows == suffix).all(axis=1))
+        if hits.size:
+            start = int(hits[-1]) + n
+            return tokens[start : start + k].tolist()
+    return []
+
+
+def accept_greedy(drafts: list[int], targets: list[int]) -> int:
+    """How many drafts greedy verification accepts: the longest prefix of `drafts` equal to the
+    target's argmax at the same positions (`targets` has one more entry, the bonus)."""
+    accepted = 0
+    for draft, target in zip(drafts, targets):
+        if draft != target:
+            break
+        accepted += 1
+    return accepted

@@ -1,0 +1,119 @@
+"""Verifying draft tokens against the target model: vLLM's acceptance rules for a draft that
+proposes one token with certainty (n-gram prompt lookup).
+
+Rows: a sequence with k drafts owns k + 1 consecutive rows of the step's logits, row j scoring
+the token after draft j (row 0: after the sequence's last token). Every row is processed like
+an ordinary sampling row (mask, bias, min_tokens, penalties over the tokens before it), so the
+acceptance tests the distribution the request would sample from.
+
+- Greedy: accept the longest prefix of drafts equal to the rows' argmax; the token after it is
+  the argmax of the first row not accepted (the bonus row when all were).
+- Sampled (Leviathan et al. / Chen et al.): the draft distribution q puts all its mass on the
+  draft d, so d is accepted with probability min(1, p(d) / q(d)) = p(d); on a rejection the
+  token is drawn from norm(max(0, p - q)), which is p with d removed and renormalized; after
+  k acceptances the bonus token is drawn from the last row's p. The output is distributed
+  exactly as the target's.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from minivllm.engine.spec_decode import accept_greedy
+from minivllm.layers.sampler import (
+    Sampler,
+    SamplerOutput,
+    SamplingBatch,
+    gather_logprobs,
+    sample_from,
+)
+
+
+def verify(sampler: Sampler, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+    """Accept or reject each sequence's drafts, and pick the target's token after them.
+
+    logits: [R, V] raw, R = sum(k + 1) over the sequences of `batch.draft_token_ids`; `batch`
+    has one entry per row (params, positions, token ids with the drafts before the row).
+    Returns one token per sequence, with `num_accepted`; logprobs (when asked for) are of that
+    token, from its own row."""
+    drafts = batch.draft_token_ids
+    assert drafts is not None, "verify needs draft tokens"
+    logits = logits.float()
+    raw_logprobs = logits.log_softmax(dim=-1) if batch.max_logprobs is not None else None
+    processed = sampler.process(logits, batch)  # [R, V]
+    starts, row = [], 0
+    for d in drafts:
+        starts.append(row)
+        row += len(d) + 1
+    assert row == logits.shape[0], (row, logits.shape)
+    greedy = [batch.params[start].greedy for start in starts]
+    probs = None if all(greedy) else sampler.probabilities(processed, batch)  # [R, V]
+    # A draft row's acceptance draw, and a second, independent one for its rejection; a
+    # bonus row samples with its first draw, as a step without drafts would.
+    first = sampler.uniforms(batch)  # [R]
+    is_draft = torch.ones(row, dtype=torch.bool, device=first.device)
+    is_draft[[start + len(d) for start, d in zip(starts, drafts)]] = False
+    second = torch.where(is_draft, sampler.uniforms(batch, stream=1), first)  # [R]
+    tokens, accepted, rows = accept(processed, probs, drafts, greedy, first, second)
+    if raw_logprobs is None:
+        return SamplerOutput(tokens, num_accepted=accepted)
+    asked = [batch.params[r].logprobs for r in rows]
+    chosen = torch.tensor(rows, dtype=torch.int64, device=raw_logprobs.device)
+    token_tensor = torch.tensor(tokens, dtype=torch.int64, device=raw_logprobs.device)
+    entries = gather_logprobs(raw_logprobs[chosen], token_tensor, [k or 0 for k in asked])
+    return SamplerOutput(
+        tokens, [e if k is not None else None for e, k in zip(entries, asked)], accepted
+    )
+
+
+def accept(
+    logits: torch.Tensor,
+    probs: torch.Tensor | None,
+    drafts: list[list[int]],
+    greedy: list[bool],
+    u_accept: torch.Tensor,
+    u_resample: torch.Tensor,
+) -> tuple[list[int], list[int], list[int]]:
+    """Per sequence: (the token after its accepted drafts, how many drafts it accepted, the row
+    that token came from).
+
+    logits: [R, V] processed logits (argmax for greedy rows); probs: [R, V] the rows' final
+    distribution (None if every sequence is greedy); drafts: per sequence; greedy: per
+    sequence; u_accept, u_resample: [R] uniforms."""
+    argmax = logits.argmax(dim=-1).tolist()  # [R]
+    starts, row = [], 0
+    for d in drafts:
+        starts.append(row)
+        row += len(d) + 1
+    draft_prob: list[float] = []
+    recovered: list[int] = []
+    if probs is not None:
+        draft_rows = torch.tensor(
+            [start + j for start, d in zip(starts, drafts) for j in range(len(d))],
+            dtype=torch.int64, device=probs.device,
+        )
+        draft_ids = torch.tensor(
+            [t for d in drafts for t in d], dtype=torch.int64, device=probs.device
+        )
+        draft_prob = probs[draft_rows, draft_ids].tolist()  # p(d) of each draft
+        # Each draft row without its draft (the rejection's distribution); bonus rows as is.
+        zero = torch.zeros((), dtype=probs.dtype, device=probs.device)
+        residual = probs.index_put((draft_rows, draft_ids), zero)  # [R, V]
+        recovered = sample_from(residual, u_resample).tolist()  # [R]
+    accept_u = u_accept.tolist()
+    tokens, accepted, rows = [], [], []
+    flat = 0  # index of the sequence's first draft in draft_prob
+    for start, d, is_greedy in zip(starts, drafts, greedy):
+        if is_greedy:
+            n = accept_greedy(d, argmax[start : start + len(d) + 1])
+            token = argmax[start + n]
+        else:
+            n = 0
+            while n < len(d) and accept_u[start + n] < draft_prob[flat + n]:
+                n += 1
+            token = recovered[start + n]
+        flat += len(d)
+        tokens.append(token)
+        accepted.append(n)
+        rows.append(start + n)
+    return tokens, accepted, rows

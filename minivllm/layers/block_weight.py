@@ -32,7 +32,7 @@ BLOCK_TYPES = frozenset({
     GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K, GGMLQuantizationType.Q6_K,
     GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q5_0, GGMLQuantizationType.Q5_1,
 })
-INT_DOT_MAX_ROWS = 8
+INT_DOT_MAX_ROWS = 32  # where the two cross on AVX2, docs/ggml-kernels.md
 
 
 @dataclass(frozen=True)

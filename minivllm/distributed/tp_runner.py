@@ -37,7 +37,8 @@ from minivllm.config import EngineConfig
 from minivllm.distributed import parallel_state
 from minivllm.distributed.heads import shard_heads
 from minivllm.distributed.messages import ShutdownMessage, StepMessage, send
-from minivllm.engine.model_runner import ModelRunner, prepare_inputs, resolve_device
+from minivllm.engine.device import resolve_device
+from minivllm.engine.model_runner import ModelRunner, prepare_inputs
 from minivllm.engine.scheduler import SampledToken, ScheduledBatch
 
 logger = logging.getLogger(__name__)

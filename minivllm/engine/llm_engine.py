@@ -276,10 +276,12 @@ class LLMEngine:
     def _drop_tokens_past_stop(self, seq: Sequence, stops: tuple[str, ...], start: int) -> None:
         """Keep the completion tokens only up to the one that completed the stop string: a
         speculative step appends several tokens, and some may follow the stop."""
-        sp = seq.sampling_params
+        sp, tokenizer = seq.sampling_params, self.tokenizer
+        if tokenizer is None:  # stop strings need a tokenizer: none were matched
+            return
         n = seq.num_completion_tokens
         while n > 1:
-            text = self.tokenizer.decode(
+            text = tokenizer.decode(
                 seq.completion_token_ids[: n - 1], skip_special_tokens=sp.skip_special_tokens
             )
             if not any(text.find(s, start) >= 0 for s in stops):

@@ -23,6 +23,7 @@ from minivllm.config import EngineConfig
 from minivllm.distributed import parallel_state
 from minivllm.distributed.heads import shard_heads
 from minivllm.engine.compiled_decode import CompiledDecode, compile_decode_step
+from minivllm.engine.device import resolve_device, resolve_dtype
 from minivllm.engine.scheduler import SampledToken, ScheduledBatch
 from minivllm.engine.sequence import Sequence, blocks_for
 from minivllm.layers.attention import AttentionMetadata
@@ -41,44 +42,7 @@ from minivllm.models.loader import attach_int4, load_model, quantize_linear_int4
 
 logger = logging.getLogger(__name__)
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEFAULT_CPU_KV_GB = 2.0  # cap of the default CPU KV budget (a share of free RAM below it)
-
-
-def resolve_device(config: EngineConfig) -> torch.device:
-    if config.device is None:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(config.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device='cuda' was asked for but torch sees no CUDA device")
-    return device
-
-
-def cpu_has_native_bf16() -> bool:
-    """Whether torch runs AVX-512 kernels on a CPU with the BF16 instructions (forcing
-    `ATEN_CPU_CAPABILITY=avx2` answers no, as on an AVX2-only CPU)."""
-    capability = torch.backends.cpu.get_cpu_capability()
-    return capability.startswith("AVX512") and torch.cpu._is_avx512_bf16_supported()
-
-
-def resolve_dtype(config: EngineConfig, device: torch.device) -> torch.dtype:
-    """The compute dtype: the one asked for, else ("auto") bf16 on CUDA and on CPUs with
-    native bf16, fp32 on other CPUs and for int8 weights (fp32 activations)."""
-    if config.dtype not in (None, "auto"):
-        return DTYPES[config.dtype]
-    if device.type == "cuda":
-        return torch.bfloat16
-    if config.quantization == "int8" or not cpu_has_native_bf16():
-        return torch.float32
-    return torch.bfloat16
-
-
-def kv_cache_dtype(device: torch.device, dtype: torch.dtype) -> torch.dtype:
-    """The KV cache's dtype: the model's. Its layers hand the attention K and V in that dtype
-    (rotary included), so the cache holds them as computed, bf16 costing half the bytes of
-    fp32 to store and to read at decode. The attention maths are another matter
-    (`attention_dtype`: fp32 on the CPU)."""
-    return dtype
 
 
 def gguf_source(model: str | None) -> Path | None:
@@ -220,7 +184,9 @@ class ModelRunner:
         self.model_dir = model_dir
         self.device = resolve_device(config)
         self.dtype = resolve_dtype(config, self.device)
-        self.kv_dtype = kv_cache_dtype(self.device, self.dtype)
+        # the cache holds K and V as the layers compute them (rotary included): bf16 costs half
+        # of fp32 to store and to read; the attention maths are fp32 on the CPU regardless
+        self.kv_dtype = self.dtype
         self.block_size = config.block_size
         torch.manual_seed(config.seed)
         source = gguf_source(config.model)

@@ -84,7 +84,7 @@ def test_forced_avx2_kernels_pick_fp32_and_int4_still_matches_dense():
     script = (
         "import torch\n"
         "from minivllm.config import EngineConfig\n"
-        "from minivllm.engine.model_runner import resolve_dtype\n"
+        "from minivllm.engine.device import resolve_dtype\n"
         "from minivllm.layers.int4 import PackedInt4, quantize_int4\n"
         "assert torch.backends.cpu.get_cpu_capability() == 'AVX2'\n"
         "assert resolve_dtype(EngineConfig(), torch.device('cpu')) == torch.float32\n"

@@ -1,0 +1,38 @@
+"""Where and in what precision the model runs: the device and the compute dtype, decided once
+from the engine's config and the machine."""
+
+from __future__ import annotations
+
+import torch
+
+from minivllm.config import EngineConfig
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(config: EngineConfig) -> torch.device:
+    if config.device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(config.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' was asked for but torch sees no CUDA device")
+    return device
+
+
+def cpu_has_native_bf16() -> bool:
+    """Whether torch runs AVX-512 kernels on a CPU with the BF16 instructions (forcing
+    `ATEN_CPU_CAPABILITY=avx2` answers no, as on an AVX2-only CPU)."""
+    capability = torch.backends.cpu.get_cpu_capability()
+    return capability.startswith("AVX512") and torch.cpu._is_avx512_bf16_supported()
+
+
+def resolve_dtype(config: EngineConfig, device: torch.device) -> torch.dtype:
+    """The compute dtype: the one asked for, else ("auto") bf16 on CUDA and on CPUs with
+    native bf16, fp32 on other CPUs and for int8 weights (fp32 activations)."""
+    if config.dtype not in (None, "auto"):
+        return DTYPES[config.dtype]
+    if device.type == "cuda":
+        return torch.bfloat16
+    if config.quantization == "int8" or not cpu_has_native_bf16():
+        return torch.float32
+    return torch.bfloat16

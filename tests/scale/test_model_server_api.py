@@ -85,3 +85,54 @@ def test_vllm_metric_names_alias_ours(base_url: str) -> None:
     for name in ("prefix_cache_queries", "prefix_cache_hits", "num_preemptions"):
         assert idle[f"vllm:{name}_total{label}"] == idle[f"minivllm:{name}_total"], name
     assert idle[f"vllm:prefix_cache_queries_total{label}"] > 0
+
+
+# The bodies vllm-router forwards (captured from vllm-router 0.1.17 in front of a recording
+# server): the client's fields plus SGLang's and vLLM's extras at their defaults.
+ROUTER_CHAT = {
+    "model": MODEL, "messages": [{"role": "user", "content": "hello"}], "stream": False,
+    "max_tokens": 5, "logprobs": False, "no_stop_trim": False, "ignore_eos": False,
+    "continue_final_message": False, "skip_special_tokens": True, "separate_reasoning": True,
+    "stream_reasoning": True, "return_hidden_states": False, "include_reasoning": True,
+}
+ROUTER_COMPLETION = {
+    "model": MODEL, "prompt": "hello", "max_tokens": 5, "stream": False, "echo": False,
+    "no_stop_trim": False, "ignore_eos": False, "skip_special_tokens": True,
+    "return_hidden_states": False,
+}
+# Before forwarding a chat request, its cache-aware policy asks the worker for its tokens.
+ROUTER_TOKENIZE = {
+    "model": MODEL, "continue_final_message": False,
+    "messages": [{"role": "user", "content": "hello"}],
+}
+
+
+def test_requests_as_the_routers_forward_them(base_url: str) -> None:
+    """Chat, streamed chat, completion and tokenize bodies exactly as vllm-router sends them
+    are served (not a 400 for the extras it adds)."""
+    with httpx.Client(base_url=base_url, headers=_auth(), timeout=60) as http:
+        chat = http.post("/v1/chat/completions", json=ROUTER_CHAT)
+        assert chat.status_code == 200, chat.text
+        assert chat.json()["usage"]["completion_tokens"] > 0
+        streamed = http.post("/v1/chat/completions", json={**ROUTER_CHAT, "stream": True})
+        assert streamed.status_code == 200, streamed.text
+        assert streamed.text.rstrip().endswith("data: [DONE]")
+        completion = http.post("/v1/completions", json=ROUTER_COMPLETION)
+        assert completion.status_code == 200, completion.text
+        tokens = http.post("/tokenize", json=ROUTER_TOKENIZE)
+        assert tokens.status_code == 200, tokens.text
+        assert tokens.json()["count"] == len(tokens.json()["tokens"]) > 0
+
+
+@pytest.mark.parametrize("field,value", [
+    ("no_stop_trim", True), ("continue_final_message", True), ("return_hidden_states", True),
+    ("separate_reasoning", False), ("no_stop_trim", 0),
+])
+def test_router_fields_off_their_default_are_refused(base_url: str, field: str,
+                                                     value: object) -> None:
+    """A router extra at any value but the one this server implements is a 400 naming it,
+    not an answer that silently differs from what was asked."""
+    r = httpx.post(f"{base_url}/v1/chat/completions", headers=_auth(),
+                   json={**ROUTER_CHAT, field: value}, timeout=60)
+    assert r.status_code == 400, r.text
+    assert field in r.json()["error"]["message"]

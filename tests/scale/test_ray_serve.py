@@ -1,0 +1,165 @@
+"""Replicas on Ray Serve, on a local Ray cluster: two replicas of a tiny checkpoint, one CPU
+each, behind Serve's proxy on a loopback port. Marked `scale` (a Ray cluster takes a minute to
+start on two busy cores): `make test-scale` runs it.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import openai
+import pytest
+
+ray = pytest.importorskip("ray")
+from ray import serve  # noqa: E402
+
+from minivllm.scale.ray_serve import REPLICA_HEADER, ReplicaOptions, build_app  # noqa: E402
+
+pytestmark = pytest.mark.scale
+
+API_KEY = "ray-key"
+MODEL = "tiny-llama"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def base_url(tiny_llama_long_dir: Path) -> Iterator[str]:
+    ray.init(num_cpus=2, include_dashboard=True, log_to_driver=False)
+    port = _free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    options = ReplicaOptions(
+        dict(model=str(tiny_llama_long_dir), max_model_len=4096, num_kv_blocks=256,
+             block_size=16, max_num_seqs=16, device="cpu", dtype="float32"),
+        served_model_name=MODEL, api_key=API_KEY, num_cpus=1,
+    )
+    serve.run(build_app(options, num_replicas=2, graceful_shutdown_s=2), name="minivllm",
+              route_prefix="/")
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+def _client(base_url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{base_url}/v1", api_key=API_KEY, max_retries=0, timeout=120)
+
+
+def _stream(client: openai.OpenAI, max_tokens: int) -> tuple[str, openai.Stream]:
+    """A streamed completion: the replica that serves it and its stream of chunks."""
+    raw = client.completions.with_raw_response.create(
+        model=MODEL, prompt="Ray replicas", max_tokens=max_tokens, stream=True,
+        temperature=0, stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+    )
+    return raw.headers[REPLICA_HEADER], raw.parse()
+
+
+def test_both_replicas_serve_concurrent_streams(base_url: str) -> None:
+    """Concurrent streamed requests through Serve's proxy spread over both replicas (named by
+    the response header) and each completes with every token."""
+    client = _client(base_url)
+    served: list[tuple[str, int]] = []
+    errors: list[BaseException] = []
+
+    def one() -> None:
+        try:
+            replica, chunks = _stream(client, 24)
+            served.append((replica, [c.usage for c in chunks][-1].completion_tokens))
+        except BaseException as exc:  # reported below, with the others
+            errors.append(exc)
+
+    threads = [threading.Thread(target=one) for _ in range(12)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    assert not errors, errors
+    assert len(served) == 12
+    assert all(n == 24 for _, n in served), served
+    assert len({replica for replica, _ in served}) == 2, served
+    # The API key is each replica's own check, behind the proxy too.
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"{base_url}/v1", api_key="wrong", max_retries=0).models.list()
+
+
+def _replica_pid(replica: str) -> int:
+    from ray.util.state import list_actors
+
+    for actor in list_actors(filters=[("state", "=", "ALIVE")], limit=1000):
+        if actor.name and replica in actor.name:
+            return actor.pid
+    raise AssertionError(f"no live actor for replica {replica}")
+
+
+def _running_replicas() -> int:
+    status = serve.status().applications["minivllm"].deployments["MinivllmReplica"]
+    return status.replica_states.get("RUNNING", 0)
+
+
+def test_killed_replica_is_replaced_and_its_streams_end(base_url: str) -> None:
+    """SIGKILL one replica's process mid-stream: its in-flight streams end with an error (none
+    hangs), the other replica's finish, Serve starts a replacement, later requests succeed."""
+    client = _client(base_url)
+    streams = [_stream(client, 3000) for _ in range(6)]
+    by_replica: dict[str, list[Iterator]] = {}
+    for replica, stream in streams:
+        chunks = iter(stream)
+        next(chunks)  # the request is running on its replica
+        by_replica.setdefault(replica, []).append(chunks)
+    assert len(by_replica) == 2, list(by_replica)
+    victim, survivor = sorted(by_replica, key=lambda r: -len(by_replica[r]))
+    os.kill(_replica_pid(victim), signal.SIGKILL)
+
+    outcomes: dict[int, str] = {}
+
+    def drain(i: int, chunks: Iterator, limit: int | None) -> None:
+        n = 0
+        try:
+            for _ in chunks:
+                n += 1
+                if limit is not None and n >= limit:
+                    outcomes[i] = "streaming"
+                    return
+            outcomes[i] = "ended"
+        except openai.APIError as exc:
+            outcomes[i] = f"error: {type(exc).__name__}"
+
+    jobs = [(chunks, None) for chunks in by_replica[victim]]
+    jobs += [(chunks, 50) for chunks in by_replica[survivor]]
+    threads = [threading.Thread(target=drain, args=(i, c, lim), daemon=True)
+               for i, (c, lim) in enumerate(jobs)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert len(outcomes) == len(jobs), f"a stream hung: {outcomes}"
+    victim_outcomes = [outcomes[i] for i in range(len(by_replica[victim]))]
+    survivor_outcomes = [outcomes[i] for i in range(len(by_replica[victim]), len(jobs))]
+    # The proxy drops the dead replica's connections: the client sees an error, not a
+    # stream that ends as if complete, nor one that waits for ever.
+    assert all(o.startswith("error") for o in victim_outcomes), victim_outcomes
+    assert all(o == "streaming" for o in survivor_outcomes), survivor_outcomes
+    for _, stream in streams:
+        stream.close()  # the survivor's: a disconnect aborts them
+
+    deadline = time.monotonic() + 240
+    while _running_replicas() < 2:
+        assert time.monotonic() < deadline, "Serve did not replace the dead replica"
+        time.sleep(1)
+    served = set()
+    for _ in range(8):
+        replica, chunks = _stream(client, 4)
+        assert [c.usage for c in chunks][-1].completion_tokens == 4
+        served.add(replica)
+    assert victim not in served

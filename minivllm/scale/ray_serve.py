@@ -215,7 +215,7 @@ def serve_on_ray(args: argparse.Namespace, engine_options: dict[str, Any]) -> in
     app = build_app(options, num_replicas=args.num_replicas, memory_bytes=memory,
                     autoscaling_config=autoscaling, graceful_shutdown_s=args.shutdown_timeout)
     # Joins RAY_ADDRESS, or a cluster `ray start` left on this machine, or starts one.
-    ray.init(address=os.environ.get("RAY_ADDRESS"))
+    ray.init(address=os.environ.get("RAY_ADDRESS") or None)
     serve.start(http_options={"host": args.host, "port": args.port})
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -158,7 +158,9 @@ def build_app(
 def app_builder(args: dict[str, str]) -> Any:
     """For `serve run minivllm.scale.ray_serve:app_builder model=PATH num_replicas=2
     replica_cpus=1 ...`: the remaining key=value pairs are engine options (as on the CLI)."""
-    from minivllm.cli import engine_fields
+    from dataclasses import fields
+
+    from minivllm.config import EngineConfig
 
     args = dict(args)
     num_replicas = int(args.pop("num_replicas", 1))
@@ -166,7 +168,7 @@ def app_builder(args: dict[str, str]) -> Any:
     api_key = args.pop("api_key", None)
     name = args.pop("served_model_name", None)
     autoscaling = args.pop("autoscaling_config", None)
-    types = {f.name: f.type for f in engine_fields()}
+    types = {f.name: f.type for f in fields(EngineConfig) if f.metadata.get("cli", False)}
     unknown = sorted(set(args) - set(types))
     if unknown:
         raise ValueError(f"unknown options {unknown}; engine options are {sorted(types)}")

@@ -19,7 +19,9 @@ started on this machine by `ray start`, else a new local one. What Ray does, not
   `graceful_shutdown_timeout_s`, then the app's lifespan stops the engine.
 
 Every response names the replica that served it (`x-minivllm-replica`), and /metrics answers
-for that replica. Streaming, the API key and aborts on disconnect are the app's own.
+for that replica; each replica's queue and KV gauges also go to Ray's metrics, tagged with
+the replica, for a per-replica scrape of every node's metrics export port. Streaming, the
+API key and aborts on disconnect are the app's own.
 Ray is an optional extra (`pip install 'minivllm[ray]'`): nothing else imports this module.
 """
 
@@ -31,6 +33,7 @@ import logging
 import os
 import signal
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -113,6 +116,7 @@ class MinivllmReplica:
         )
         app.add_middleware(_ReplicaHeader, replica=self.replica_id)
         self.server = app.state.server
+        _export_engine_gauges(self.server, self.replica_id)
         logger.info("replica %s serving %r", self.replica_id, self.server.served_model_name)
         return app
 
@@ -120,6 +124,30 @@ class MinivllmReplica:
         """Serve's health probe: a replica whose engine loop stopped is replaced."""
         if self.server is not None and not self.server.async_engine.is_running:
             raise RuntimeError("the engine loop is not running")
+
+
+# The engine gauges each replica copies into Ray's metrics, tagged with the replica: every
+# node's metrics export port then serves them per replica (`ray_minivllm_<name>`), where the
+# proxy's /metrics can only answer for the one replica a scrape happens to reach.
+_RAY_GAUGES = ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc")
+_RAY_GAUGE_PERIOD_S = 1.0
+
+
+def _export_engine_gauges(server: Any, replica_id: str) -> None:
+    from ray.util.metrics import Gauge
+
+    gauges = {name: Gauge(f"minivllm_{name}", f"minivllm:{name} of one replica",
+                          tag_keys=("replica",)) for name in _RAY_GAUGES}
+    tags = {"replica": replica_id}
+
+    def copy() -> None:
+        while True:
+            stats = server.async_engine.stats
+            for name, gauge in gauges.items():
+                gauge.set(float(stats.get(name, 0)), tags=tags)
+            time.sleep(_RAY_GAUGE_PERIOD_S)
+
+    threading.Thread(target=copy, name="minivllm-ray-gauges", daemon=True).start()
 
 
 def build_app(

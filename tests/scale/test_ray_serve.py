@@ -93,6 +93,25 @@ def test_both_replicas_serve_concurrent_streams(base_url: str) -> None:
         openai.OpenAI(base_url=f"{base_url}/v1", api_key="wrong", max_retries=0).models.list()
 
 
+def test_each_replica_exports_its_gauges_to_ray(base_url: str) -> None:
+    """The node's metrics export port serves every replica's engine gauges, tagged with the
+    replica (the proxy's /metrics answers for one replica at a time)."""
+    import re
+
+    import httpx
+
+    port = ray.nodes()[0]["MetricsExportPort"]
+    replicas: set[str] = set()
+    deadline = time.monotonic() + 90
+    while len(replicas) < 2:
+        assert time.monotonic() < deadline, f"replicas seen in Ray's metrics: {replicas}"
+        text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+        for line in text.splitlines():
+            if line.startswith("ray_minivllm_kv_cache_usage_perc{"):
+                replicas.update(re.findall(r'replica="([^"]+)"', line))
+        time.sleep(2)
+
+
 def _replica_pid(replica: str) -> int:
     from ray.util.state import list_actors
 

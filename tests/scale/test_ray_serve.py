@@ -112,6 +112,51 @@ def test_each_replica_exports_its_gauges_to_ray(base_url: str) -> None:
         time.sleep(2)
 
 
+def _scrape(base_url: str) -> tuple[str, dict[str, float]]:
+    """(the replica that answered, its /metrics): Serve's proxy picks the replica."""
+    import httpx
+
+    r = httpx.get(f"{base_url}/metrics", timeout=30)
+    return r.headers[REPLICA_HEADER], {
+        name: float(value) for name, _, value in
+        (line.rpartition(" ") for line in r.text.splitlines())
+        if name and not name.startswith("#")
+    }
+
+
+def _all_replicas_metrics(base_url: str) -> dict[str, dict[str, float]]:
+    """Every replica's /metrics, scraped while none is busy (Serve's router sends a request to
+    the less busy of two replicas, so a busy one's /metrics is out of reach)."""
+    seen: dict[str, dict[str, float]] = {}
+    for _ in range(100):
+        replica, metrics = _scrape(base_url)
+        seen[replica] = metrics
+        if len(seen) == 2:
+            return seen
+    raise AssertionError(f"/metrics reached only {list(seen)}")
+
+
+def test_client_disconnect_aborts_through_the_proxy(base_url: str) -> None:
+    """A streamed client that goes away mid-stream has its request aborted on its replica:
+    the replica goes idle having generated far fewer tokens than the request asked for."""
+    before = _all_replicas_metrics(base_url)
+    replica, stream = _stream(_client(base_url), 4000)
+    next(iter(stream))
+    stream.close()
+    # Serve stops counting the request once the stream closes, so scrapes reach the replica
+    # again; the engine's own gauge says whether the request still runs there.
+    deadline = time.monotonic() + 120
+    while True:
+        answered, after = _scrape(base_url)
+        if answered == replica and after["minivllm:num_requests_running"] == 0:
+            break
+        assert time.monotonic() < deadline, "the request kept running after the disconnect"
+        time.sleep(0.2)
+    generated = (after["minivllm:generation_tokens_total"]
+                 - before[replica]["minivllm:generation_tokens_total"])
+    assert generated < 2000
+
+
 def _replica_pid(replica: str) -> int:
     from ray.util.state import list_actors
 

@@ -25,6 +25,7 @@ pytestmark = pytest.mark.scale
 
 API_KEY = "ray-key"
 MODEL = "tiny-llama"
+GRACE_S = 15  # what in-flight requests get when the app is deleted
 
 
 def _free_port() -> int:
@@ -43,7 +44,7 @@ def base_url(tiny_llama_long_dir: Path) -> Iterator[str]:
              block_size=16, max_num_seqs=16, device="cpu", dtype="float32"),
         served_model_name=MODEL, api_key=API_KEY, num_cpus=1,
     )
-    serve.run(build_app(options, num_replicas=2, graceful_shutdown_s=2), name="minivllm",
+    serve.run(build_app(options, num_replicas=2, graceful_shutdown_s=GRACE_S), name="minivllm",
               route_prefix="/")
     try:
         yield f"http://127.0.0.1:{port}"
@@ -227,3 +228,19 @@ def test_killed_replica_is_replaced_and_its_streams_end(base_url: str) -> None:
         assert [c.usage for c in chunks][-1].completion_tokens == 4
         served.add(replica)
     assert victim not in served
+
+
+def test_deleting_the_app_lets_in_flight_streams_finish(base_url: str) -> None:
+    """Graceful shutdown (`serve.delete`, as `minivllm serve --ray` does on SIGTERM): a stream
+    in flight when the app is deleted still ends with every token it asked for. Runs last:
+    it deletes the app."""
+    _, stream = _stream(_client(base_url), 2000)  # seconds of streaming, within GRACE_S
+    chunks = iter(stream)
+    next(chunks)
+    deleter = threading.Thread(target=serve.delete, args=("minivllm",), daemon=True)
+    deleter.start()
+    usage = [c.usage for c in chunks][-1]
+    assert deleter.is_alive(), "the stream ended before the delete got to its replica"
+    assert usage is not None and usage.completion_tokens == 2000
+    deleter.join(GRACE_S + 60)
+    assert not deleter.is_alive()

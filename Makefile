@@ -3,7 +3,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run test test-quick test-avx2 install lint typecheck check docs-options clean
+.PHONY: run test test-quick test-avx2 test-scale install lint typecheck check docs-options clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -33,6 +33,12 @@ test-quick: $(STAMP)
 # The other CPU kind on an AVX-512 machine: torch's AVX2 kernels forced (dtype "auto" is then fp32).
 test-avx2: $(STAMP)
 	ATEN_CPU_CAPABILITY=avx2 $(PY) -m pytest -q tests/layers tests/models
+
+# Scale-out: two replicas on a local Ray cluster, and vllm-router over two `minivllm serve`
+# processes (tests/scale, marked `scale`). Ray and the routers are optional extras, installed here.
+test-scale: $(STAMP)
+	$(PY) -m pip install -q -e '.[dev,ray,routers]'
+	$(PY) -m pytest -q -m scale tests/scale
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check minivllm tests scripts benchmarks

@@ -100,7 +100,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
         if args.model is not None and args.model != args.model_tag:
             raise SystemExit(f"two models given: {args.model_tag!r} and --model {args.model!r}")
         args.model = args.model_tag
-
+    if args.ray:
+        try:
+            from minivllm.scale.ray_serve import serve_on_ray
+        except ImportError as exc:
+            raise SystemExit(f"minivllm serve --ray: {exc}") from None
+        return serve_on_ray(args, engine_options(args))
     return serve(args, engine_options(args)) or 0
 
 
@@ -152,6 +157,18 @@ def add_serve_parser(sub: Any) -> None:
                    help="bytes the response store may hold (default 64 MiB)")
     p.add_argument("--no-response-store", action="store_true",
                    help="keep no responses (store: true is ignored)")
+    g = p.add_argument_group("replicas on Ray Serve (pip install 'minivllm[ray]')")
+    g.add_argument("--ray", action="store_true",
+                   help="serve N engine replicas on the Ray cluster at RAY_ADDRESS (else a "
+                        "local one) behind Ray Serve's proxy on --host:--port")
+    g.add_argument("--num-replicas", type=int, default=1, help="with --ray: replicas")
+    g.add_argument("--replica-cpus", type=float, default=1.0,
+                   help="with --ray: CPUs each replica reserves (and its torch threads)")
+    g.add_argument("--replica-memory-gb", type=float, default=None,
+                   help="with --ray: memory each replica reserves")
+    g.add_argument("--autoscaling-config", default=None, metavar="JSON",
+                   help="with --ray: Ray Serve's autoscaling_config, e.g. '{\"min_replicas\": 1, "
+                        "\"max_replicas\": 4, \"target_ongoing_requests\": 8}'")
     add_engine_options(p)
     p.set_defaults(func=cmd_serve)
 

@@ -3,6 +3,12 @@
 Gauges and the engine's own counters are read at scrape time from the engine thread's last
 stats snapshot; token counters and latency histograms are fed by the engine thread as each
 step's outputs are delivered (`ServerMetrics.on_output`).
+
+The engine's gauges and counters are also exported under vLLM's own names, with vLLM's
+`model_name` label (`vllm:num_requests_waiting{model_name="..."}`): the routers and gateways
+that pick a replica by queue length or KV usage (vllm-router, sglang-router, the Kubernetes
+Gateway API inference extension) scrape those names and no others. They are aliases, not a
+rename: dashboards built on the `minivllm:` names keep working.
 """
 
 from __future__ import annotations
@@ -32,23 +38,33 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.
 
 
 class _EngineStatsCollector(Collector):
-    def __init__(self, read_stats: Callable[[], dict[str, float]]) -> None:
+    def __init__(self, read_stats: Callable[[], dict[str, float]], model_name: str) -> None:
         self.read_stats = read_stats
+        self.model_name = model_name
 
     def collect(self) -> Iterator[Metric]:
         stats = self.read_stats()
         for name, doc in _GAUGES.items():
-            yield GaugeMetricFamily(f"minivllm:{name}", doc, value=float(stats.get(name, 0)))
+            value = float(stats.get(name, 0))
+            yield GaugeMetricFamily(f"minivllm:{name}", doc, value=value)
+            alias = GaugeMetricFamily(f"vllm:{name}", doc, labels=["model_name"])
+            alias.add_metric([self.model_name], value)
+            yield alias
         for name, doc in _COUNTERS.items():
-            yield CounterMetricFamily(f"minivllm:{name}", doc, value=float(stats.get(name, 0)))
+            value = float(stats.get(name, 0))
+            yield CounterMetricFamily(f"minivllm:{name}", doc, value=value)
+            alias = CounterMetricFamily(f"vllm:{name}", doc, labels=["model_name"])
+            alias.add_metric([self.model_name], value)
+            yield alias
 
 
 class ServerMetrics:
-    """The server's metrics in their own CollectorRegistry (two apps never share one)."""
+    """The server's metrics in their own CollectorRegistry (two apps never share one).
+    `model_name`: the served model's name, the `model_name` label of the vLLM aliases."""
 
-    def __init__(self, read_stats: Callable[[], dict[str, float]]) -> None:
+    def __init__(self, read_stats: Callable[[], dict[str, float]], model_name: str = "") -> None:
         self.registry = CollectorRegistry()
-        self.registry.register(_EngineStatsCollector(read_stats))
+        self.registry.register(_EngineStatsCollector(read_stats, model_name))
         self.prompt_tokens = Counter(
             "minivllm:prompt_tokens", "Prompt tokens processed.", registry=self.registry
         )

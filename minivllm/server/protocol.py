@@ -39,6 +39,19 @@ INFORMATIONAL_FIELDS = frozenset({
     "user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier",
 })
 
+# SGLang's and vLLM's extras that vllm-router and sglang-router write into every request they
+# forward, at their defaults. At the value below each asks for what this server does anyway
+# (stop strings trimmed, reasoning split out by --reasoning-parser and streamed, no hidden
+# states), so it is accepted; any other value is refused by name like an unknown field.
+ROUTER_DEFAULTS: dict[str, object] = {
+    "no_stop_trim": False,
+    "continue_final_message": False,
+    "separate_reasoning": True,
+    "stream_reasoning": True,
+    "include_reasoning": True,
+    "return_hidden_states": False,
+}
+
 
 class _Request(BaseModel):
     """A part of a request body (stream options, a message): unknown keys are ignored."""
@@ -54,8 +67,13 @@ class _Body(BaseModel):
     model: str | None = None
 
     def unsupported_fields(self) -> list[str]:
-        """The fields this server does not implement (the informational ones aside)."""
-        return [k for k in self.model_extra or {} if k not in INFORMATIONAL_FIELDS]
+        """The fields this server does not implement (the informational ones, and the routers'
+        at their defaults, aside)."""
+        return [
+            k for k, v in (self.model_extra or {}).items()
+            if k not in INFORMATIONAL_FIELDS
+            and not (k in ROUTER_DEFAULTS and v is ROUTER_DEFAULTS[k])
+        ]
 
 
 class StreamOptions(_Request):

@@ -82,7 +82,7 @@ class OpenAIServer:
         self.api_key = api_key
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.config.max_model_len
-        self.metrics = ServerMetrics(lambda: self.async_engine.stats)
+        self.metrics = ServerMetrics(lambda: self.async_engine.stats, served_model_name)
         self.async_engine: AsyncLLMEngine | EngineProcess
         if isinstance(engine, EngineProcess):  # it drives itself: only the hooks are ours
             engine.on_output = self.metrics.on_output

@@ -39,20 +39,11 @@ from minivllm.models.gguf_blocks import attach_blocks
 from minivllm.models.gguf_file import GGUFFile
 from minivllm.models.gguf_int4 import LM_HEAD_HIGH, LM_HEAD_LOW, read_int4_weights
 from minivllm.models.loader import attach_int4, load_model, quantize_linear_int4
+from minivllm.models.paths import gguf_source
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_CPU_KV_GB = 2.0  # cap of the default CPU KV budget (a share of free RAM below it)
-
-
-def gguf_source(model: str | None) -> Path | None:
-    """The GGUF file the model comes from, None for an HF directory."""
-    from minivllm.models.paths import default_model_path
-
-    if model is None:
-        return default_model_path()
-    path = Path(model).expanduser()
-    return path if path.suffix.lower() == ".gguf" and path.is_file() else None
 
 
 def slot_mapping_for(block_table: list[int], start: int, length: int, block_size: int) -> list[int]:
@@ -189,26 +180,7 @@ class ModelRunner:
         self.kv_dtype = self.dtype
         self.block_size = config.block_size
         torch.manual_seed(config.seed)
-        source = gguf_source(config.model)
-        # A GGUF is read in place (memory-mapped); model_dir then holds its config and tokenizer
-        self.gguf = GGUFFile(source) if source else None
-        # checkpoint names of the weights kept as the GGUF's blocks, filled before loading
-        self.block_weights: set[str] = set()
-        self.model, self.hf_config = load_model(
-            model_dir, self.dtype, self.device, tp_rank=tp_rank, tp_size=tp_size,
-            weights=iter_state(self.gguf, skip=self.block_weights.__contains__)
-            if self.gguf else None,
-            attach=self._attach_blocks if self._keeps_blocks(tp_size) else None,
-        )
-        if self.gguf is not None:
-            self.gguf.release_pages()
-        if self.block_weights:
-            stored = sum(m.block_weight.nbytes for m in self.model.modules()
-                         if getattr(m, "block_weight", None) is not None)
-            dense = sum(p.numel() * p.element_size() for p in self.model.parameters())
-            logger.info("weights: %d GGUF tensors kept as stored blocks (%.2f GB, no dense "
-                        "copy), %.2f GB dense", len(self.block_weights), stored / 1e9,
-                        dense / 1e9)
+        self.model, self.hf_config = self._load_model(model_dir, tp_rank, tp_size)
         # the kernel of the weights kept as stored: "int4", "qgemv" or None (dense)
         self.weight_kernel = self._quantize(tp_size)
         lm_head = getattr(self.model, "lm_head", None)
@@ -253,6 +225,31 @@ class ModelRunner:
             self.num_kv_blocks, self.block_size, self.num_kv_blocks * self.block_size,
             self.num_kv_blocks * self._bytes_per_block() / 1e9, self.device, self.kv_dtype,
         )
+
+    def _load_model(self, model_dir: Path, tp_rank: int, tp_size: int) -> tuple[Any, Any]:
+        """Build the model and load its weights. A GGUF is read in place (memory-mapped;
+        `model_dir` then holds its config and tokenizer), its K-quant and 8-bit linear weights
+        kept as stored blocks where `_keeps_blocks` says so."""
+        source = gguf_source(self.config.model)
+        self.gguf = GGUFFile(source) if source else None
+        # checkpoint names of the weights kept as the GGUF's blocks, filled before loading
+        self.block_weights: set[str] = set()
+        model, hf_config = load_model(
+            model_dir, self.dtype, self.device, tp_rank=tp_rank, tp_size=tp_size,
+            weights=iter_state(self.gguf, skip=self.block_weights.__contains__)
+            if self.gguf else None,
+            attach=self._attach_blocks if self._keeps_blocks(tp_size) else None,
+        )
+        if self.gguf is not None:
+            self.gguf.release_pages()
+        if self.block_weights:
+            stored = sum(m.block_weight.nbytes for m in model.modules()
+                         if getattr(m, "block_weight", None) is not None)
+            dense = sum(p.numel() * p.element_size() for p in model.parameters())
+            logger.info("weights: %d GGUF tensors kept as stored blocks (%.2f GB, no dense "
+                        "copy), %.2f GB dense", len(self.block_weights), stored / 1e9,
+                        dense / 1e9)
+        return model, hf_config
 
     def _keeps_blocks(self, tp_size: int) -> bool:
         """Whether a GGUF's K-quant and 8-bit tensors stay as stored blocks: on the CPU, one

@@ -75,3 +75,11 @@ def resolve_model_dir(model: str | Path | None) -> Path:
         f"model path {str(path)!r} is a file but not a .gguf; expected a .gguf file or an "
         "HF-style directory with config.json"
     )
+
+
+def gguf_source(model: str | None) -> Path | None:
+    """The GGUF file the model comes from, None for an HF directory."""
+    if model is None:
+        return default_model_path()
+    path = Path(model).expanduser()
+    return path if path.suffix.lower() == ".gguf" and path.is_file() else None

@@ -22,6 +22,7 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -89,10 +90,10 @@ def lab_url() -> Iterator[str]:
     thread.join(timeout=10)
 
 
-@pytest.fixture(scope="module")
-def page(lab_url: str):
-    """One English page in one browser, shared by the tests; each test picks its scenario,
-    viewport and language. Page errors fail the test that caused them."""
+@contextmanager
+def open_lab_page(lab_url: str):
+    """An English desktop page of the lab in its own headless Chromium, loaded and ready;
+    the page's JavaScript errors collect in `page.errors`."""
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as p:
@@ -105,6 +106,14 @@ def page(lab_url: str):
         page.wait_for_selector('body[data-ready="1"]')
         yield page
         browser.close()
+
+
+@pytest.fixture(scope="module")
+def page(lab_url: str):
+    """One English page in one browser, shared by the tests; each test picks its scenario,
+    viewport and language. Page errors fail the test that caused them."""
+    with open_lab_page(lab_url) as page:
+        yield page
 
 
 def tid(page, name: str):

@@ -19,14 +19,13 @@ from pathlib import Path
 
 import pytest
 from test_lab_browser import (  # the same server, browser flags and layout checks
-    ARGS,
-    CHROMIUM,
     DESKTOP,
     MIXED_PUNCT,
     PHONE,
     click_in_place,
     lab_url,  # noqa: F401  (a fixture)
     no_horizontal_overflow,
+    open_lab_page,
     set_language,
     tid,
 )
@@ -63,18 +62,8 @@ SCROLL_TO_RUN = (
 
 @pytest.fixture(scope="module")
 def lesson_page(lab_url: str):  # noqa: F811
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=ARGS)
-        context = browser.new_context(locale="en-US", viewport=DESKTOP)
-        page = context.new_page()
-        page.errors = []
-        page.on("pageerror", lambda exc: page.errors.append(str(exc)))
-        page.goto(lab_url)
-        page.wait_for_selector('body[data-ready="1"]')
+    with open_lab_page(lab_url) as page:
         yield page
-        browser.close()
 
 
 def open_scenario(page, name: str) -> None:

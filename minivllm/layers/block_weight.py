@@ -33,6 +33,11 @@ BLOCK_TYPES = frozenset({
     GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q5_0, GGMLQuantizationType.Q5_1,
 })
 INT_DOT_MAX_ROWS = 32  # where the two cross on AVX2, docs/ggml-kernels.md
+# The token embedding and the LM head run as stored blocks in these types (what K-quant files
+# hold); a Q8_0 head keeps the 8-bit head path of minivllm.layers.stored_weights.
+EMBEDDING_BLOCK_TYPES = frozenset({
+    GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K, GGMLQuantizationType.Q6_K,
+})
 
 
 @dataclass(frozen=True)
@@ -45,6 +50,10 @@ class BlockSegment:
     @property
     def rows(self) -> int:
         return int(self.blocks.shape[0])
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.blocks.numel())
 
 
 class BlockWeight:
@@ -68,7 +77,7 @@ class BlockWeight:
 
     @property
     def nbytes(self) -> int:
-        return sum(s.blocks.numel() for s in self.segments)
+        return sum(s.nbytes for s in self.segments)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """`x @ W.T`: `[..., in]` -> `[..., out]` in x's dtype (fp32 or bf16)."""

@@ -12,6 +12,8 @@ import torch.utils.mkldnn
 from torch import nn
 
 from minivllm.distributed import parallel_state
+from minivllm.layers.block_weight import BlockSegment, BlockWeight
+from minivllm.layers.ggml_blocks import ggml_dequantize
 from minivllm.layers.int4 import PackedInt4Pair
 from minivllm.layers.onednn import OneDnnWeight, onednn_prepack_supported
 from minivllm.layers.qgemv import QGemvWeight
@@ -35,6 +37,21 @@ class VocabParallelEmbedding(nn.Module):
             torch.empty(self.num_embeddings_per_partition, embedding_dim), requires_grad=False
         )
         self.weight.weight_loader = self.weight_loader
+        # the GGUF's quantized rows, once set_blocks() has run: then the only weight
+        self.block_weight: BlockSegment | None = None
+
+    def set_blocks(self, segment: BlockSegment) -> None:
+        """Keep the table as the GGUF's quantized rows (`[vocab, row_bytes]`): a lookup
+        dequantizes the rows it reads. The dense weight, not loaded yet, is dropped."""
+        if self.tp_size != 1:
+            raise ValueError("GGUF block weights are supported with tensor_parallel_size=1 only")
+        if segment.rows != self.num_embeddings:
+            raise ValueError(f"{segment.rows} block rows for a vocabulary of "
+                             f"{self.num_embeddings}")
+        self.block_weight = segment
+        # [0, hidden]: keeps the dtype and device for whoever asks, holds nothing
+        self.weight = nn.Parameter(self.weight.new_empty(0, self.embedding_dim),
+                                   requires_grad=False)
 
     def weight_loader(
         self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | str | None = None
@@ -52,6 +69,10 @@ class VocabParallelEmbedding(nn.Module):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """`[num_tokens]` int64 -> `[num_tokens, hidden_size]`."""
+        if self.block_weight is not None:
+            rows = self.block_weight.blocks[input_ids]  # [num_tokens, row_bytes]
+            return ggml_dequantize(rows, self.block_weight.qtype, self.embedding_dim,
+                                   self.weight.dtype)
         if self.tp_size == 1:
             return F.embedding(input_ids, self.weight)
         start = self.tp_rank * self.num_embeddings_per_partition
@@ -79,6 +100,8 @@ class ParallelLMHead(VocabParallelEmbedding):
         # a Q8_0 head for small steps: whole for our qgemv kernel (fp32 or bf16 activations),
         # else two packed int4 halves for torch's int4 kernel (bf16, no kernels built)
         self.int8_head: PackedInt4Pair | QGemvWeight | None = None
+        # the head as the GGUF's quantized rows (its own, or the tied embedding's)
+        self.head_blocks: BlockWeight | None = None
 
     def set_int8_head(self, head: PackedInt4Pair | QGemvWeight) -> None:
         """Run decode-sized steps on an 8-bit head as stored (`minivllm.layers.
@@ -86,6 +109,15 @@ class ParallelLMHead(VocabParallelEmbedding):
         if self.tp_size != 1:
             raise ValueError("an 8-bit LM head needs tensor_parallel_size=1")
         self.int8_head = head
+
+    def set_blocks(self, segment: BlockSegment) -> None:
+        """Compute the logits on the GGUF's quantized rows, for every step size; the dense
+        weight, not loaded yet (or the tied embedding's, dropped there), is not used."""
+        if self.tp_size != 1:
+            raise ValueError("GGUF block weights are supported with tensor_parallel_size=1 only")
+        self.head_blocks = BlockWeight([segment], self.embedding_dim)
+        self.weight = nn.Parameter(self.weight.new_empty(0, self.embedding_dim),
+                                   requires_grad=False)
 
     def tie_to(self, embedding: VocabParallelEmbedding) -> None:
         """Share the embedding's weight (tie_word_embeddings): one tensor, loaded once."""
@@ -103,6 +135,8 @@ class ParallelLMHead(VocabParallelEmbedding):
         done) off the CPU or in other dtypes.
         """
         weight = self.weight
+        if self.head_blocks is not None:
+            return False
         if onednn_prepack_supported(weight):
             self._packed = (OneDnnWeight(weight),)
             return True
@@ -120,6 +154,8 @@ class ParallelLMHead(VocabParallelEmbedding):
         With tp_size > 1 only rank 0 (which samples) gets the full logits; the other ranks
         get their own `[num_tokens, vocab_size / tp_size]` slice.
         """
+        if self.head_blocks is not None:
+            return self.head_blocks.matmul(hidden).float()  # [num_tokens, vocab_size] float32
         if self.int8_head is not None and self.int8_head.fits(hidden):
             return self.int8_head.matmul(hidden).float()  # [num_tokens, vocab_size] float32
         packed = self._packed[0] if self._packed else None

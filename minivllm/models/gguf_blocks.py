@@ -16,7 +16,13 @@ import numpy as np
 import torch
 from torch import nn
 
-from minivllm.layers.block_weight import BLOCK_TYPES, BlockSegment, BlockWeight
+from minivllm.layers.block_weight import (
+    BLOCK_TYPES,
+    EMBEDDING_BLOCK_TYPES,
+    BlockSegment,
+    BlockWeight,
+)
+from minivllm.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from minivllm.layers.linear import LinearBase
 from minivllm.models.gguf import hf_tensor_name, qk_heads, unpermute_qk
 from minivllm.models.gguf_arch import architecture
@@ -61,4 +67,28 @@ def attach_blocks(model: nn.Module, reader: GGUFFile) -> set[str]:
         segments = [_segment(reader, parts[i][1], parts[i][0]) for i in module.shard_ids]
         module.set_blocks(BlockWeight(segments, module.input_size))
         supplied.update(names)
+    return supplied | _attach_embedding_blocks(model, reader)
+
+
+def _attach_embedding_blocks(model: nn.Module, reader: GGUFFile) -> set[str]:
+    """The token embedding (and the LM head tied to it) or an untied LM head as stored
+    blocks, where their tensors have a type of EMBEDDING_BLOCK_TYPES."""
+    supplied: set[str] = set()
+    embedding = getattr(getattr(model, "model", None), "embed_tokens", None)
+    head = getattr(model, "lm_head", None)
+    tied = head is not None and embedding is not None and head.weight is embedding.weight
+    table = reader.by_name.get("token_embd.weight")
+    if (isinstance(embedding, VocabParallelEmbedding) and table is not None
+            and table.tensor_type in EMBEDDING_BLOCK_TYPES):
+        segment = _segment(reader, table, "model.embed_tokens.weight")
+        embedding.set_blocks(segment)
+        supplied.add("model.embed_tokens.weight")
+        if tied and isinstance(head, ParallelLMHead):
+            head.set_blocks(segment)
+            supplied.add("lm_head.weight")
+    output = reader.by_name.get("output.weight")
+    if (not tied and isinstance(head, ParallelLMHead) and output is not None
+            and output.tensor_type in EMBEDDING_BLOCK_TYPES):
+        head.set_blocks(_segment(reader, output, "lm_head.weight"))
+        supplied.add("lm_head.weight")
     return supplied

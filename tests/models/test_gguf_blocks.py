@@ -70,8 +70,9 @@ def _write(path: Path, layer1_up: QT) -> None:
     writer.add_token_types([3, 3, 3] + [1] * (len(tokens) - 3))
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
-    embed = (rng.standard_normal((len(tokens), HIDDEN)) * 0.5).astype(np.float32)
-    writer.add_tensor("token_embd.weight", embed)
+    # the tied embedding in Q6_K, as llama-quantize writes a Q4_K_M's
+    writer.add_tensor("token_embd.weight", _blocks(QT.Q6_K, len(tokens), HIDDEN, rng),
+                      raw_dtype=QT.Q6_K)
     writer.add_tensor("output_norm.weight", np.ones(HIDDEN, np.float32))
     shapes = {"attn_q": (HEADS * HEAD_DIM, HIDDEN), "attn_k": (KV_HEADS * HEAD_DIM, HIDDEN),
               "attn_v": (KV_HEADS * HEAD_DIM, HIDDEN), "attn_output": (HIDDEN, HEADS * HEAD_DIM),
@@ -106,7 +107,8 @@ def llm(model_files: tuple[Path, Path]) -> LLM:
 
 def test_block_typed_layers_hold_no_dense_weight(llm: LLM) -> None:
     """qkv, o and down (all shards block-typed) keep the file's blocks and an empty dense
-    weight; layer 1's gate_up, one shard Q4_0, stays off the block path."""
+    weight; layer 1's gate_up, one shard Q4_0, stays off the block path; the Q6_K embedding
+    and the LM head tied to it keep the file's rows."""
     runner = llm.llm_engine.model_runner
     layers = runner.model.model.layers
     for i, layer in enumerate(layers):
@@ -117,7 +119,10 @@ def test_block_typed_layers_hold_no_dense_weight(llm: LLM) -> None:
     assert layers[0].mlp.gate_up_proj.block_weight is not None
     assert layers[1].mlp.gate_up_proj.block_weight is None
     assert layers[1].mlp.gate_up_proj.weight.numel() == INTER * 2 * HIDDEN
-    assert len(runner.block_weights) == LAYERS * 7 - 2
+    assert len(runner.block_weights) == LAYERS * 7 - 2 + 2  # + the embedding and tied head
+    embedding, head = runner.model.model.embed_tokens, runner.model.lm_head
+    assert embedding.block_weight is not None and embedding.weight.numel() == 0
+    assert head.head_blocks is not None and head.weight.numel() == 0
 
 
 def _engine_logprobs(llm: LLM, prompt: list[int], new: int) -> tuple[list[int], list[float]]:

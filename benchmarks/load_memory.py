@@ -90,6 +90,7 @@ def main() -> None:
             r = load_once(args.model, Path(tmp), args.tokens, engine_args, args.code)
             print(f"{which:>6} load: ready in {r['ready_s']:.1f} s (weights loaded at "
                   f"{r['load_s']:.1f} s), RSS {r['rss_loaded'] / 1e9:.2f} GB after load, "
+                  f"{r['rss_after_decode'] / 1e9:.2f} GB after answering, "
                   f"peak {r['rss_peak'] / 1e9:.2f} GB, cache written "
                   f"{r['cache_bytes_written'] / 1e6:.1f} MB, decode {r['decode_tok_s']:.1f} tok/s",
                   flush=True)

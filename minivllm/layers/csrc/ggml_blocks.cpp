@@ -32,6 +32,8 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include "cpu_features.h"
+
 #include <immintrin.h>
 
 #include <algorithm>
@@ -249,16 +251,7 @@ namespace vnni {
 
 enum Isa : int64_t { kAuto = 0, kScalar = 1, kAvx2 = 2, kVnni = 3 };
 
-// Whether the VNNI path runs here: the CPU has AVX-512 VNNI and torch runs its AVX-512
-// kernels (ATEN_CPU_CAPABILITY=avx2 keeps the AVX2 path, so one machine tests both).
-bool vnni_available() {
-  static const bool ok = __builtin_cpu_supports("avx512f") &&
-                         __builtin_cpu_supports("avx512bw") &&
-                         __builtin_cpu_supports("avx512vl") &&
-                         __builtin_cpu_supports("avx512vnni") &&
-                         at::get_cpu_capability() == "AVX512";
-  return ok;
-}
+bool vnni_available() { return minivllm::vnni_runs(); }
 
 Isa resolve(int64_t isa) {
   TORCH_CHECK(isa >= kAuto && isa <= kVnni, "ggml: isa must be 0 (auto), 1 (scalar), 2 (avx2) "

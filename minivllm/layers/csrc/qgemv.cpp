@@ -33,6 +33,8 @@
 #include <cmath>
 #include <vector>
 
+#include "cpu_features.h"
+
 namespace {
 
 constexpr int64_t kGroup = 32;
@@ -215,16 +217,8 @@ inline void dot_block(const QuantizedRows& xq, int64_t row0, int64_t k, const ui
 
 #define MINIVLLM_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c")))
 
-// Whether dot_block_vnni runs here: the CPU has AVX-512 VNNI and torch runs its AVX-512
-// kernels (read once).
-bool vnni_path() {
-  static const bool ok = __builtin_cpu_supports("avx512f") &&
-                         __builtin_cpu_supports("avx512bw") &&
-                         __builtin_cpu_supports("avx512vl") &&
-                         __builtin_cpu_supports("avx512vnni") &&
-                         at::get_cpu_capability() == "AVX512";
-  return ok;
-}
+// Whether dot_block_vnni runs here (cpu_features.h).
+bool vnni_path() { return minivllm::vnni_runs(); }
 
 constexpr int64_t kVnniAhead = 2048;  // bytes
 

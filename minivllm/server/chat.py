@@ -27,21 +27,26 @@ from minivllm.server.serving import OpenAIServer, json_response, usage_of
 from minivllm.server.streaming import SSEResponse, StreamFormat, sse, stream_choices
 
 
-async def create_chat_completion(server: OpenAIServer, request: Request) -> Response:
-    req = await server.parse(request, protocol.ChatCompletionRequest)
-    num_top = req.top_logprobs or 0
-    if req.top_logprobs is not None and not req.logprobs:
-        raise bad_request("top_logprobs needs logprobs: true", param="top_logprobs")
+async def prepare_chat(server: OpenAIServer, req: protocol.ChatCompletionRequest,
+                       logprobs: int | None) -> tuple[SamplingParams, tools.Mode, list[int]]:
+    """What a chat request runs as (the Responses API's too): its sampling parameters (the
+    default max_tokens fitted to the prompt), its tool mode and its prompt token ids."""
     params = await server.sampling_params(
-        req, default_max_tokens=server.default_sampling.get("max_tokens"),
-        logprobs=num_top if req.logprobs else None,
-    )
+        req, default_max_tokens=server.default_sampling.get("max_tokens"), logprobs=logprobs)
     try:
         mode = tools.mode_of(req.tools, req.tool_choice)
     except ValueError as exc:
         raise bad_value(exc) from None
     prompt = await asyncio.to_thread(chat_prompt, server, req, mode)
-    params = server.fit_default_max_tokens(req, params, len(prompt))
+    return server.fit_default_max_tokens(req, params, len(prompt)), mode, prompt
+
+
+async def create_chat_completion(server: OpenAIServer, request: Request) -> Response:
+    req = await server.parse(request, protocol.ChatCompletionRequest)
+    num_top = req.top_logprobs or 0
+    if req.top_logprobs is not None and not req.logprobs:
+        raise bad_request("top_logprobs needs logprobs: true", param="top_logprobs")
+    params, mode, prompt = await prepare_chat(server, req, num_top if req.logprobs else None)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     start = time.monotonic()
     stream = await server.start(request_id, [prompt], params)

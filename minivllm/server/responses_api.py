@@ -24,7 +24,7 @@ from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import SamplingParams
 from minivllm.server import protocol, tools
 from minivllm.server.async_engine import RequestStream
-from minivllm.server.chat import chat_prompt
+from minivllm.server.chat import prepare_chat
 from minivllm.server.errors import APIError, bad_value, error_of, is_failed, validation_error
 from minivllm.server.responses_protocol import (
     IncompleteDetails,
@@ -185,14 +185,7 @@ class ResponsesAPI:
             chat_req = protocol.ChatCompletionRequest.model_validate(body)
         except ValidationError as exc:
             raise validation_error(exc) from None
-        params = await server.sampling_params(
-            chat_req, default_max_tokens=server.default_sampling.get("max_tokens"), logprobs=None)
-        try:
-            mode = tools.mode_of(chat_req.tools, chat_req.tool_choice)
-        except ValueError as exc:
-            raise bad_value(exc) from None
-        prompt = await asyncio.to_thread(chat_prompt, server, chat_req, mode)
-        params = server.fit_default_max_tokens(chat_req, params, len(prompt))
+        params, mode, prompt = await prepare_chat(server, chat_req, logprobs=None)
         named = chat_req.tool_choice.function.name if mode == "named" else None  # type: ignore[union-attr]
         response = response_of(req, new_id("resp"), server.served_model_name)
         return _Turn(req, response, conversation, prompt, params, mode, named, time.monotonic())

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 from gguf import GGMLQuantizationType
 
-from minivllm.layers.ggml_blocks import dequant_matmul, ggml_matmul, row_bytes
+from minivllm.layers.ggml_blocks import dequant_matmul, ggml_matmul_segments, row_bytes
 
 # The one table of which GGUF tensor types run as stored blocks, and up to how many rows a
 # step takes the integer-dot kernel (beyond: tile-by-tile dequantization and torch's matmul).
@@ -81,10 +81,8 @@ class BlockWeight:
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """`x @ W.T`: `[..., in]` -> `[..., out]` in x's dtype (fp32 or bf16)."""
-        few_rows = x.numel() // x.shape[-1] <= INT_DOT_MAX_ROWS
-        outs = [
-            ggml_matmul(x, s.blocks, s.qtype).to(x.dtype) if few_rows
-            else dequant_matmul(x, s.blocks, s.qtype)
-            for s in self.segments
-        ]
+        if x.numel() // x.shape[-1] <= INT_DOT_MAX_ROWS:  # one call: x rounded once
+            pairs = [(s.blocks, s.qtype) for s in self.segments]
+            return ggml_matmul_segments(x, pairs).to(x.dtype)
+        outs = [dequant_matmul(x, s.blocks, s.qtype) for s in self.segments]
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)

@@ -219,6 +219,12 @@ class GGUFFile:
         """The bytes of all tensors (what the weights take when every page is touched)."""
         return sum(t.n_bytes for t in self.tensors)
 
+    def addresses(self) -> range:
+        """The addresses the file is mapped at: a tensor whose memory lies in them is the
+        file's own pages (shared with the page cache, not a copy)."""
+        start = np.frombuffer(self._map, dtype=np.uint8, count=1).ctypes.data
+        return range(start, start + self.size)
+
     def release_pages(self) -> None:
         """Drop the file's pages from this process's resident set (they stay in the OS page
         cache): after a load, the tensors copied into the model need none, and those used as

@@ -34,7 +34,7 @@ from minivllm.layers.quantization import check_quantization, quantize_model_int8
 from minivllm.layers.rejection_sampler import verify
 from minivllm.layers.sampler import Sampler, SamplingBatch, gather_logprobs
 from minivllm.layers.stored_weights import pack_8bit_halves, stored_weight_kernel
-from minivllm.models.gguf import iter_state
+from minivllm.models.gguf import iter_state, warn_dense_fallback
 from minivllm.models.gguf_blocks import attach_blocks
 from minivllm.models.gguf_file import GGUFFile
 from minivllm.models.gguf_int4 import LM_HEAD_HIGH, LM_HEAD_LOW, read_int4_weights
@@ -227,6 +227,7 @@ class ModelRunner:
         kept as stored blocks where `_keeps_blocks` says so."""
         source = gguf_source(self.config.model)
         self.gguf = GGUFFile(source) if source else None
+        warn_dense_fallback(self.gguf, self.dtype)
         # checkpoint names of the weights kept as the GGUF's blocks, filled before loading
         self.block_weights: set[str] = set()
         model, hf_config = load_model(

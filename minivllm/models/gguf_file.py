@@ -202,6 +202,9 @@ class GGUFFile:
             raise GGUFFileError(f"{self.path}: tensor {name!r} has unknown ggml type id "
                                 f"{type_id}") from None
         block, block_bytes = GGML_QUANT_SIZES[tensor_type]
+        if 0 in shape:
+            raise GGUFFileError(f"{self.path}: tensor {name!r} has shape {list(shape)}, with an "
+                                "empty dimension: corrupt tensor table")
         if shape[0] % block:
             raise GGUFFileError(f"{self.path}: tensor {name!r} ({tensor_type.name}) has rows of "
                                 f"{shape[0]} values, not a multiple of its block of {block}")

@@ -36,6 +36,7 @@ import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize as _gguf_dequantize
+from tqdm import tqdm
 
 from minivllm.cache import cache_dir
 from minivllm.layers.block_weight import BLOCK_TYPES
@@ -220,6 +221,12 @@ def qk_heads(reader: GGUFFile, hf_name: str) -> int | None:
     return None
 
 
+def load_progress(tensors: list[GGUFTensor], desc: str) -> Iterator[GGUFTensor]:
+    """`tensors`, with a progress bar on stderr when it is a terminal and the loop has run for
+    a second (tqdm's `delay`); silent otherwise (tests, logs, pipes)."""
+    return iter(tqdm(tensors, desc=desc, unit="tensor", disable=None, delay=1.0, leave=False))
+
+
 def iter_state(
     reader: GGUFFile, skip: Callable[[str], bool] = lambda name: False
 ) -> Iterator[tuple[str, torch.Tensor]]:
@@ -228,7 +235,7 @@ def iter_state(
     tensor is dequantized at a time, so a dense load holds one float copy at most."""
     arch = architecture(reader)
     spec = ARCHITECTURES[arch]
-    for tensor in reader.tensors:
+    for tensor in load_progress(reader.tensors, f"Loading {reader.path.name}"):
         if tensor.name == "rope_freqs.weight":
             raise GGUFConversionError(
                 "this GGUF carries `rope_freqs` (Llama-3 style rope scaling), which the "

@@ -214,7 +214,8 @@ class ModelRunner:
         self.compiled_decode: CompiledDecode | None = None
         if compile_decode_step(config.enforce_eager, self.device, self.dtype, tp_size,
                                self.weight_kernel):
-            paged = paged_decode_supported(self.device, self.dtype, self.kv_dtype, self.head_dim)
+            paged = paged_decode_supported(self.device, self.dtype, self.kv_dtype, self.head_dim,
+                                           quantized=self.weight_kernel == "blocks")
             self.compiled_decode = CompiledDecode(self.model, paged=paged)
             self.compiled_decode.warm_up(self.kv_caches, self.block_size)
         self.memory = memory.measure(self.model, self.kv_caches, self.num_kv_blocks,
@@ -297,7 +298,7 @@ class ModelRunner:
             count += quantize_linear_int4(self.model)
         logger.info("4-bit weights for %d linear layers (%s kernel, %s)", count, kernel,
                     "from the GGUF's 4-bit blocks" if self.gguf else "quantized at load")
-        return kernel if count else None
+        return kernel if count else ("blocks" if self.block_weights else None)
 
     def _bytes_per_block(self) -> int:
         element = torch.tensor([], dtype=self.kv_dtype).element_size()

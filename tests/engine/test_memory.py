@@ -108,3 +108,30 @@ def test_report_line_and_gauges() -> None:
                     "at start-up")
     assert report.gauges() == {"model_weights_bytes": 2.5e9, "kv_cache_bytes": 1e9,
                                "kv_cache_num_blocks": 100.0, "startup_peak_rss_bytes": 3e9}
+
+
+def test_a_gguf_model_counts_its_stored_blocks_once(
+    tmp_path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A model whose Q8_0 MLP down projections run as the file's blocks: those bytes are the
+    GGUF's mapped pages (2 layers x 64 rows x 8 blocks of 34 bytes), counted once, and the
+    start-up line says so."""
+    from gguf import GGMLQuantizationType as QT
+    from support.gguf_files import write_tiny_llama_gguf
+
+    from minivllm import LLM
+    from minivllm.layers.cpu_kernels import cpu_kernels_available
+
+    if not cpu_kernels_available():
+        pytest.skip("stored GGUF blocks need minivllm's CPU kernels")
+    monkeypatch.setenv("MINIVLLM_CACHE", str(tmp_path / "cache"))  # the kernels are loaded
+    path = write_tiny_llama_gguf(tmp_path / "q8.gguf", ffn_type=QT.Q8_0)
+    with caplog.at_level(logging.INFO, logger="minivllm.engine.model_runner"):
+        llm = LLM(model=str(path), enforce_eager=True, device="cpu", num_kv_blocks=8)
+    report = llm.llm_engine.model_runner.memory
+    assert report.mapped_weight_bytes == 2 * 64 * 8 * 34
+    dense = sum(p.numel() * p.element_size()
+                for p in llm.llm_engine.model_runner.model.parameters())
+    assert report.weight_bytes >= dense + report.mapped_weight_bytes
+    assert report.num_kv_blocks == 8 and report.kv_cache_bytes > 0
+    assert "memory: weights" in caplog.text and "of it the GGUF's mapped pages" in caplog.text

@@ -74,6 +74,7 @@ def write_checkpoint(shape: str, out_dir: Path) -> None:
     shapes_of = {name: tuple(t.shape) for name, t in model.state_dict().items()
                  if not (config.tie_word_embeddings and name == "lm_head.weight")}
     write_random_shards(shapes_of, out_dir)
+    config.architectures = [type(model).__name__]  # what the converter reads the kind from
     config.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
     print(f"wrote {shape}: {sum(math.prod(s) for s in shapes_of.values()) / 1e9:.2f}B "

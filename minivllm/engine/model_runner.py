@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,7 +23,9 @@ from minivllm.distributed import parallel_state
 from minivllm.distributed.heads import shard_heads
 from minivllm.engine.compiled_decode import CompiledDecode, compile_decode_step
 from minivllm.engine.device import resolve_device, resolve_dtype
-from minivllm.engine.scheduler import SampledToken, ScheduledBatch
+from minivllm.engine.logits import compute_logits_in_slices, score_prompt_rows
+from minivllm.engine.runner_output import RunnerOutput, SampledToken
+from minivllm.engine.scheduler import ScheduledBatch
 from minivllm.engine.sequence import Sequence, blocks_for
 from minivllm.layers.attention import AttentionMetadata
 from minivllm.layers.attention.paged_decode import paged_decode_supported
@@ -32,7 +33,7 @@ from minivllm.layers.cpu_kernels import cpu_kernels_available
 from minivllm.layers.onednn import prepack_model
 from minivllm.layers.quantization import check_quantization, quantize_model_int8
 from minivllm.layers.rejection_sampler import verify
-from minivllm.layers.sampler import Sampler, SamplingBatch, gather_logprobs
+from minivllm.layers.sampler import Sampler, SamplingBatch
 from minivllm.layers.stored_weights import pack_8bit_halves, stored_weight_kernel
 from minivllm.models.gguf import iter_state
 from minivllm.models.gguf_blocks import attach_blocks
@@ -68,8 +69,12 @@ class StepInputs:
     prompt_logprob_runs: list[tuple[Sequence, int, int]]
 
 
-def prepare_inputs(batch: ScheduledBatch, block_size: int, device: torch.device) -> StepInputs:
-    """Flatten a plan into the model's step inputs (pure bookkeeping, one pass over seqs)."""
+def prepare_inputs(
+    batch: ScheduledBatch, block_size: int, device: torch.device,
+    token_bitmask: np.ndarray | None = None,
+) -> StepInputs:
+    """Flatten a plan into the model's step inputs (pure bookkeeping, one pass over seqs);
+    `token_bitmask`: the allowed tokens of each `sample_seqs` row (structured outputs)."""
     input_ids: list[int] = []
     positions: list[int] = []
     slots: list[int] = []
@@ -116,14 +121,16 @@ def prepare_inputs(batch: ScheduledBatch, block_size: int, device: torch.device)
         block_size=block_size,
     )
     return StepInputs(tensor(input_ids), tensor(positions), meta, tensor(logits_indices),
-                      sampling_batch(batch), prompt_runs)
+                      sampling_batch(batch, token_bitmask), prompt_runs)
 
 
-def sampling_batch(batch: ScheduledBatch) -> SamplingBatch:
+def sampling_batch(
+    batch: ScheduledBatch, bitmask: np.ndarray | None = None
+) -> SamplingBatch:
     """The sampler's rows: one per sampling sequence, or with draft tokens one per draft plus
-    one, row j seeing the drafts before it as the sequence's tokens."""
+    one, row j seeing the drafts before it as the sequence's tokens. `bitmask`: int32
+    [len(sample_seqs), ceil(vocab / 32)], the tokens each sampling sequence may take."""
     seqs = batch.sample_seqs
-    bitmask = batch.token_bitmask
     if not any(s.spec_token_ids for s in seqs):
         return SamplingBatch(
             params=[s.sampling_params for s in seqs],
@@ -148,19 +155,6 @@ def sampling_batch(batch: ScheduledBatch) -> SamplingBatch:
         token_bitmask=None if bitmask is None else torch.from_numpy(bitmask),
         draft_token_ids=[list(s.spec_token_ids) for s in seqs],
     )
-
-
-LOGITS_ROWS = 512  # logits computed per LM-head call: 512 x 49k x 4 B = 100 MB for SmolLM2
-
-
-def compute_logits_in_slices(
-    model: Any, hidden: torch.Tensor, indices: torch.Tensor
-) -> Iterator[torch.Tensor]:
-    """The logits of `hidden[indices]`, LOGITS_ROWS rows per LM-head call (a long prompt's
-    prompt logprobs would not fit at once). Every tensor-parallel rank makes the same calls,
-    so the LM head's collectives meet."""
-    for start in range(0, indices.numel(), LOGITS_ROWS):
-        yield model.compute_logits(hidden[indices[start : start + LOGITS_ROWS]])
 
 
 class ModelRunner:
@@ -328,65 +322,48 @@ class ModelRunner:
             )
         return blocks
 
-    def _take_prompt_logprobs(
-        self, batch: ScheduledBatch, inputs: StepInputs, slices: Iterator[torch.Tensor],
-        num_samples: int,
-    ) -> torch.Tensor | None:
-        """Score the prompt rows slice by slice into `batch.prompt_logprobs`; return the
-        samples' logits (the first `num_samples` rows), None if there are none."""
-        sample_parts, row = [], 0
-        targets = [  # (seq, position) of every prompt row, in row order
-            (seq, first + k) for seq, first, count in inputs.prompt_logprob_runs
-            for k in range(count)
-        ]
-        for logits in slices:
-            n = logits.shape[0]
-            take = max(0, min(n, num_samples - row))
-            if take:
-                sample_parts.append(logits[:take])
-            if take < n:
-                lps = logits[take:].log_softmax(dim=-1)  # [rows, V]
-                rows = targets[row + take - num_samples : row + n - num_samples]
-                tokens = torch.tensor([seq.token_ids[pos] for seq, pos in rows], device=lps.device)
-                wants = [seq.sampling_params.prompt_logprobs for seq, _ in rows]
-                for (seq, pos), entry in zip(rows, gather_logprobs(lps, tokens, wants)):
-                    batch.prompt_logprobs.setdefault(seq.seq_id, (pos, []))[1].append(entry)
-            row += n
-        return torch.cat(sample_parts) if sample_parts else None
-
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch) -> list[SampledToken]:
-        """Execute the plan: write the new tokens' KV, and sample for the finished prompts."""
-        inputs = prepare_inputs(batch, self.block_size, self.device)
+    def run(
+        self, batch: ScheduledBatch, token_bitmask: np.ndarray | None = None
+    ) -> RunnerOutput:
+        """Execute the plan: write the new tokens' KV, and sample for the finished prompts
+        (within `token_bitmask`'s allowed tokens, one row per `sample_seqs`, if given)."""
+        inputs = prepare_inputs(batch, self.block_size, self.device, token_bitmask)
         if self.small_step_threads is None or inputs.meta.num_tokens != 1:
-            return self._run(batch, inputs)
+            return self._run(inputs)
         threads = torch.get_num_threads()
         torch.set_num_threads(self.small_step_threads)
         try:
-            return self._run(batch, inputs)
+            return self._run(inputs)
         finally:
             torch.set_num_threads(threads)
 
-    def _run(self, batch: ScheduledBatch, inputs: StepInputs) -> list[SampledToken]:
+    def _run(self, inputs: StepInputs) -> RunnerOutput:
         forward = self.model
         if self.compiled_decode is not None and self.compiled_decode.applies(inputs.meta):
             forward = self.compiled_decode
         hidden = forward(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
         num_samples = len(inputs.sampling.params)  # rows: drafts add one each
         slices = compute_logits_in_slices(self.model, hidden, inputs.logits_indices)
+        output = RunnerOutput()
         if inputs.prompt_logprob_runs:
-            logits = self._take_prompt_logprobs(batch, inputs, slices, num_samples)
+            logits = score_prompt_rows(
+                slices, inputs.prompt_logprob_runs, num_samples, output.prompt_logprobs
+            )
         else:
             logits = torch.cat(list(slices)) if num_samples else None
         if logits is None:
-            return []
+            return output
         if inputs.sampling.draft_token_ids is None:
             out = self.sampler(logits, inputs.sampling)  # logits: [num_samples, V]
         else:
             out = verify(self.sampler, logits, inputs.sampling)  # logits: [draft rows, V]
         logprobs = out.logprobs or [None] * len(out.token_ids)
         accepted = out.num_accepted or [0] * len(out.token_ids)
-        return [SampledToken(t, lp, n) for t, lp, n in zip(out.token_ids, logprobs, accepted)]
+        output.samples = [
+            SampledToken(t, lp, n) for t, lp, n in zip(out.token_ids, logprobs, accepted)
+        ]
+        return output
 
 
 def _available_ram() -> float:

@@ -52,10 +52,10 @@ class PacedRunner:
         self.vocab_size = runner.vocab_size
         self.pace = 0.0
 
-    def run(self, batch):
+    def run(self, batch, token_bitmask=None):
         if self.pace:
             time.sleep(self.pace)
-        return self.runner.run(batch)
+        return self.runner.run(batch, token_bitmask)
 
 
 @dataclass

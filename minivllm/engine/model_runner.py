@@ -10,7 +10,6 @@ never changes a Sequence: committing the step is the Scheduler's job.
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,10 +22,11 @@ from minivllm.distributed import parallel_state
 from minivllm.distributed.heads import shard_heads
 from minivllm.engine.compiled_decode import CompiledDecode, compile_decode_step
 from minivllm.engine.device import resolve_device, resolve_dtype
+from minivllm.engine.kv_cache import blocks_from_memory_budget
 from minivllm.engine.logits import compute_logits_in_slices, score_prompt_rows
 from minivllm.engine.runner_output import RunnerOutput, SampledToken
 from minivllm.engine.scheduler import ScheduledBatch
-from minivllm.engine.sequence import Sequence, blocks_for
+from minivllm.engine.sequence import Sequence
 from minivllm.layers.attention import AttentionMetadata
 from minivllm.layers.attention.paged_decode import paged_decode_supported
 from minivllm.layers.cpu_kernels import cpu_kernels_available
@@ -43,8 +43,6 @@ from minivllm.models.loader import attach_int4, load_model, quantize_linear_int4
 from minivllm.models.paths import gguf_source
 
 logger = logging.getLogger(__name__)
-
-DEFAULT_CPU_KV_GB = 2.0  # cap of the default CPU KV budget (a share of free RAM below it)
 
 
 def slot_mapping_for(block_table: list[int], start: int, length: int, block_size: int) -> list[int]:
@@ -174,14 +172,34 @@ class ModelRunner:
         self.kv_dtype = self.dtype
         self.block_size = config.block_size
         torch.manual_seed(config.seed)
+        # Start-up, one named step each: load, quantize and pack, size the KV cache and
+        # allocate it, warm up the compiled decode step.
         self.model, self.hf_config = self._load_model(model_dir, tp_rank, tp_size)
         # the kernel of the weights kept as stored: "int4", "qgemv" or None (dense)
-        self.weight_kernel = self._quantize(tp_size)
+        self.weight_kernel = self._pack_weights(tp_size)
+        self._read_model_shape(tp_rank, tp_size)
+        self.num_kv_blocks = self._size_kv_cache(tp_size)
+        self.kv_caches = self._allocate_kv_cache()
+        self.sampler = Sampler(config.seed, self.device, config.eos_token_ids)
+        # torch threads for one-sequence decode steps, None: torch's own setting. The server
+        # leaves a core to its HTTP thread (see minivllm/server/serve.py).
+        self.small_step_threads: int | None = None
+        self.compiled_decode = self._warm_up_compiled_decode(tp_size)
+
+    def _pack_weights(self, tp_size: int) -> str | None:
+        """Quantize (`_quantize`), then pack the dense weights for their kernels (the LM
+        head's and the bf16 linear layers' oneDNN layouts). Returns the stored weights'
+        kernel."""
+        kernel = self._quantize(tp_size)
         lm_head = getattr(self.model, "lm_head", None)
         if lm_head is not None and hasattr(lm_head, "pack_for_cpu") and lm_head.pack_for_cpu():
             logger.info("LM head: oneDNN-packed %s weight", self.dtype)
         if count := prepack_model(self.model):
             logger.info("oneDNN-prepacked bf16 weights for %d linear layers", count)
+        return kernel
+
+    def _read_model_shape(self, tp_rank: int, tp_size: int) -> None:
+        """The sizes the cache and the sampler need, from the model's config."""
         self.vocab_size: int = int(self.hf_config.vocab_size)
         self.num_layers = int(self.hf_config.num_hidden_layers)
         num_heads = int(self.hf_config.num_attention_heads)
@@ -194,31 +212,40 @@ class ModelRunner:
             getattr(self.hf_config, "head_dim", None)
             or self.hf_config.hidden_size // self.hf_config.num_attention_heads
         )
-        self.num_kv_blocks = config.num_kv_blocks or self._blocks_from_memory_budget()
+
+    def _size_kv_cache(self, tp_size: int) -> int:
+        """The number of KV blocks: `config.num_kv_blocks`, else what the memory budget holds."""
+        num_blocks = self.config.num_kv_blocks or blocks_from_memory_budget(
+            self.config, self.device, self._bytes_per_block()
+        )
         if tp_size > 1:  # every rank sized its own pool: keep the smallest, valid everywhere
-            self.num_kv_blocks = parallel_state.all_reduce_min(self.num_kv_blocks, self.device)
+            num_blocks = parallel_state.all_reduce_min(num_blocks, self.device)
+        return num_blocks
+
+    def _allocate_kv_cache(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """One (K, V) pair per layer, `[num_kv_blocks, block_size, num_kv_heads, head_dim]`."""
         shape = (self.num_kv_blocks, self.block_size, self.num_kv_heads, self.head_dim)
-        # Zeros, not empty: padded gathers read unused slots, which must be finite.
-        self.kv_caches = [
-            (torch.zeros(shape, dtype=self.kv_dtype, device=self.device),
-             torch.zeros(shape, dtype=self.kv_dtype, device=self.device))
-            for _ in range(self.num_layers)
-        ]
-        self.sampler = Sampler(config.seed, self.device, config.eos_token_ids)
-        # torch threads for one-sequence decode steps, None: torch's own setting. The server
-        # leaves a core to its HTTP thread (see minivllm/server/serve.py).
-        self.small_step_threads: int | None = None
-        self.compiled_decode: CompiledDecode | None = None
-        if compile_decode_step(config.enforce_eager, self.device, self.dtype, tp_size,
-                               self.weight_kernel):
-            paged = paged_decode_supported(self.device, self.dtype, self.kv_dtype, self.head_dim)
-            self.compiled_decode = CompiledDecode(self.model, paged=paged)
-            self.compiled_decode.warm_up(self.kv_caches, self.block_size)
         logger.info(
             "KV cache: %d blocks x %d tokens = %d tokens (%.2f GB, %s, %s)",
             self.num_kv_blocks, self.block_size, self.num_kv_blocks * self.block_size,
             self.num_kv_blocks * self._bytes_per_block() / 1e9, self.device, self.kv_dtype,
         )
+        # Zeros, not empty: padded gathers read unused slots, which must be finite.
+        return [
+            (torch.zeros(shape, dtype=self.kv_dtype, device=self.device),
+             torch.zeros(shape, dtype=self.kv_dtype, device=self.device))
+            for _ in range(self.num_layers)
+        ]
+
+    def _warm_up_compiled_decode(self, tp_size: int) -> CompiledDecode | None:
+        """The compiled decode step, its graphs built now (None: eager steps only)."""
+        if not compile_decode_step(self.config.enforce_eager, self.device, self.dtype, tp_size,
+                                   self.weight_kernel):
+            return None
+        paged = paged_decode_supported(self.device, self.dtype, self.kv_dtype, self.head_dim)
+        compiled = CompiledDecode(self.model, paged=paged)
+        compiled.warm_up(self.kv_caches, self.block_size)
+        return compiled
 
     def _load_model(self, model_dir: Path, tp_rank: int, tp_size: int) -> tuple[Any, Any]:
         """Build the model and load its weights. A GGUF is read in place (memory-mapped;
@@ -298,29 +325,9 @@ class ModelRunner:
         return kernel if count else None
 
     def _bytes_per_block(self) -> int:
+        """One block's K and V over all layers."""
         element = torch.tensor([], dtype=self.kv_dtype).element_size()
         return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * element
-
-    def _blocks_from_memory_budget(self) -> int:
-        if self.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(self.device)
-            used_by_others = total - free
-            budget = total * self.config.gpu_memory_utilization - used_by_others
-            budget -= 1 << 30  # room for activations and the sampler
-        elif self.config.kv_cache_memory_gb is not None:
-            budget = self.config.kv_cache_memory_gb * 1e9
-        else:
-            budget = min(DEFAULT_CPU_KV_GB * 1e9, 0.25 * _available_ram())
-        blocks = int(budget // self._bytes_per_block())
-        # More blocks than max_num_seqs full-length sequences could ever use are wasted.
-        most = self.config.max_num_seqs * blocks_for(self.config.max_model_len, self.block_size)
-        blocks = min(blocks, most)
-        if blocks < 1:
-            raise ValueError(
-                f"no room for a single KV block in the memory budget ({budget / 1e9:.2f} GB); "
-                "raise kv_cache_memory_gb / gpu_memory_utilization or set num_kv_blocks"
-            )
-        return blocks
 
     @torch.inference_mode()
     def run(
@@ -365,9 +372,3 @@ class ModelRunner:
         ]
         return output
 
-
-def _available_ram() -> float:
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError):
-        return 8e9

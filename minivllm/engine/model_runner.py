@@ -28,7 +28,8 @@ from minivllm.engine.runner_output import RunnerOutput, SampledToken
 from minivllm.engine.scheduler import ScheduledBatch
 from minivllm.engine.sequence import Sequence
 from minivllm.layers.attention import AttentionMetadata
-from minivllm.layers.attention.paged_decode import paged_decode_supported
+from minivllm.layers.attention.backends import AttentionSpec
+from minivllm.layers.attention.layer import bind_attention_backends
 from minivllm.layers.cpu_kernels import cpu_kernels_available
 from minivllm.layers.onednn import prepack_model
 from minivllm.layers.quantization import check_quantization, quantize_model_int8
@@ -173,13 +174,14 @@ class ModelRunner:
         self.block_size = config.block_size
         torch.manual_seed(config.seed)
         # Start-up, one named step each: load, quantize and pack, size the KV cache and
-        # allocate it, warm up the compiled decode step.
+        # allocate it, choose the attention backends, warm up the compiled decode step.
         self.model, self.hf_config = self._load_model(model_dir, tp_rank, tp_size)
         # the kernel of the weights kept as stored: "int4", "qgemv" or None (dense)
         self.weight_kernel = self._pack_weights(tp_size)
         self._read_model_shape(tp_rank, tp_size)
         self.num_kv_blocks = self._size_kv_cache(tp_size)
         self.kv_caches = self._allocate_kv_cache()
+        self.attention_backends = self._bind_attention()
         self.sampler = Sampler(config.seed, self.device, config.eos_token_ids)
         # torch threads for one-sequence decode steps, None: torch's own setting. The server
         # leaves a core to its HTTP thread (see minivllm/server/serve.py).
@@ -237,13 +239,20 @@ class ModelRunner:
             for _ in range(self.num_layers)
         ]
 
+    def _bind_attention(self) -> set[str]:
+        """Each attention layer's backend, chosen once for this device, dtypes and cache."""
+        spec = AttentionSpec(self.device, self.dtype, self.kv_dtype, self.head_dim, self.block_size)
+        backends = bind_attention_backends(self.model, spec)
+        logger.info("attention: %s", ", ".join(sorted(backends)))
+        return backends
+
     def _warm_up_compiled_decode(self, tp_size: int) -> CompiledDecode | None:
         """The compiled decode step, its graphs built now (None: eager steps only)."""
         if not compile_decode_step(self.config.enforce_eager, self.device, self.dtype, tp_size,
                                    self.weight_kernel):
             return None
-        paged = paged_decode_supported(self.device, self.dtype, self.kv_dtype, self.head_dim)
-        compiled = CompiledDecode(self.model, paged=paged)
+        # decode steps of several sequences compile too where the paged kernel attends
+        compiled = CompiledDecode(self.model, paged=self.attention_backends == {"paged_decode"})
         compiled.warm_up(self.kv_caches, self.block_size)
         return compiled
 

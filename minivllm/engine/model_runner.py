@@ -30,6 +30,7 @@ from minivllm.engine.sequence import Sequence
 from minivllm.layers.attention import AttentionMetadata
 from minivllm.layers.attention.backends import AttentionSpec
 from minivllm.layers.attention.layer import bind_attention_backends
+from minivllm.layers.attention.paged_decode import paged_decode_supported
 from minivllm.layers.cpu_kernels import cpu_kernels_available
 from minivllm.layers.onednn import prepack_model
 from minivllm.layers.quantization import check_quantization, quantize_model_int8
@@ -251,8 +252,11 @@ class ModelRunner:
         if not compile_decode_step(self.config.enforce_eager, self.device, self.dtype, tp_size,
                                    self.weight_kernel):
             return None
-        # decode steps of several sequences compile too where the paged kernel attends
-        compiled = CompiledDecode(self.model, paged=self.attention_backends == {"paged_decode"})
+        # Decode steps of several sequences compile too where the paged kernel attends: the
+        # layers' backend, and GGUF block models' fp32 steps (their eager steps keep SDPA).
+        paged = paged_decode_supported(self.device, self.dtype, self.kv_dtype, self.head_dim,
+                                       quantized=self.weight_kernel == "blocks")
+        compiled = CompiledDecode(self.model, paged=paged)
         compiled.warm_up(self.kv_caches, self.block_size)
         return compiled
 
@@ -331,7 +335,7 @@ class ModelRunner:
             count += quantize_linear_int4(self.model)
         logger.info("4-bit weights for %d linear layers (%s kernel, %s)", count, kernel,
                     "from the GGUF's 4-bit blocks" if self.gguf else "quantized at load")
-        return kernel if count else None
+        return kernel if count else ("blocks" if self.block_weights else None)
 
     def _bytes_per_block(self) -> int:
         """One block's K and V over all layers."""

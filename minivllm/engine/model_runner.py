@@ -20,9 +20,9 @@ import torch
 from minivllm.config import EngineConfig
 from minivllm.distributed import parallel_state
 from minivllm.distributed.heads import shard_heads
+from minivllm.engine import memory
 from minivllm.engine.compiled_decode import CompiledDecode, compile_decode_step
 from minivllm.engine.device import resolve_device, resolve_dtype
-from minivllm.engine.kv_cache import blocks_from_memory_budget
 from minivllm.engine.logits import compute_logits_in_slices, score_prompt_rows
 from minivllm.engine.runner_output import RunnerOutput, SampledToken
 from minivllm.engine.scheduler import ScheduledBatch
@@ -37,7 +37,7 @@ from minivllm.layers.quantization import check_quantization, quantize_model_int8
 from minivllm.layers.rejection_sampler import verify
 from minivllm.layers.sampler import Sampler, SamplingBatch
 from minivllm.layers.stored_weights import pack_8bit_halves, stored_weight_kernel
-from minivllm.models.gguf import iter_state
+from minivllm.models.gguf import iter_state, warn_dense_fallback
 from minivllm.models.gguf_blocks import attach_blocks
 from minivllm.models.gguf_file import GGUFFile
 from minivllm.models.gguf_int4 import LM_HEAD_HIGH, LM_HEAD_LOW, read_int4_weights
@@ -175,7 +175,8 @@ class ModelRunner:
         self.block_size = config.block_size
         torch.manual_seed(config.seed)
         # Start-up, one named step each: load, quantize and pack, size the KV cache and
-        # allocate it, choose the attention backends, warm up the compiled decode step.
+        # allocate it, choose the attention backends, warm up the compiled decode step,
+        # measure the memory it all holds.
         self.model, self.hf_config = self._load_model(model_dir, tp_rank, tp_size)
         # the kernel of the weights kept as stored: "int4", "qgemv" or None (dense)
         self.weight_kernel = self._pack_weights(tp_size)
@@ -188,6 +189,7 @@ class ModelRunner:
         # leaves a core to its HTTP thread (see minivllm/server/serve.py).
         self.small_step_threads: int | None = None
         self.compiled_decode = self._warm_up_compiled_decode(tp_size)
+        self.memory = self._measure_memory()
 
     def _pack_weights(self, tp_size: int) -> str | None:
         """Quantize (`_quantize`), then pack the dense weights for their kernels (the LM
@@ -218,9 +220,7 @@ class ModelRunner:
 
     def _size_kv_cache(self, tp_size: int) -> int:
         """The number of KV blocks: `config.num_kv_blocks`, else what the memory budget holds."""
-        num_blocks = self.config.num_kv_blocks or blocks_from_memory_budget(
-            self.config, self.device, self._bytes_per_block()
-        )
+        num_blocks = self.config.num_kv_blocks or self._blocks_from_memory_budget()
         if tp_size > 1:  # every rank sized its own pool: keep the smallest, valid everywhere
             num_blocks = parallel_state.all_reduce_min(num_blocks, self.device)
         return num_blocks
@@ -228,11 +228,6 @@ class ModelRunner:
     def _allocate_kv_cache(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """One (K, V) pair per layer, `[num_kv_blocks, block_size, num_kv_heads, head_dim]`."""
         shape = (self.num_kv_blocks, self.block_size, self.num_kv_heads, self.head_dim)
-        logger.info(
-            "KV cache: %d blocks x %d tokens = %d tokens (%.2f GB, %s, %s)",
-            self.num_kv_blocks, self.block_size, self.num_kv_blocks * self.block_size,
-            self.num_kv_blocks * self._bytes_per_block() / 1e9, self.device, self.kv_dtype,
-        )
         # Zeros, not empty: padded gathers read unused slots, which must be finite.
         return [
             (torch.zeros(shape, dtype=self.kv_dtype, device=self.device),
@@ -260,12 +255,20 @@ class ModelRunner:
         compiled.warm_up(self.kv_caches, self.block_size)
         return compiled
 
+    def _measure_memory(self) -> memory.MemoryReport:
+        """The weights' and the KV pool's bytes and the peak resident memory, logged once."""
+        report = memory.measure(self.model, self.kv_caches, self.num_kv_blocks,
+                                self.gguf.addresses() if self.gguf else range(0))
+        logger.info(report.log_line(self.block_size, self.kv_dtype, self.device))
+        return report
+
     def _load_model(self, model_dir: Path, tp_rank: int, tp_size: int) -> tuple[Any, Any]:
         """Build the model and load its weights. A GGUF is read in place (memory-mapped;
         `model_dir` then holds its config and tokenizer), its K-quant and 8-bit linear weights
         kept as stored blocks where `_keeps_blocks` says so."""
         source = gguf_source(self.config.model)
         self.gguf = GGUFFile(source) if source else None
+        warn_dense_fallback(self.gguf, self.dtype)
         # checkpoint names of the weights kept as the GGUF's blocks, filled before loading
         self.block_weights: set[str] = set()
         model, hf_config = load_model(
@@ -341,6 +344,12 @@ class ModelRunner:
         """One block's K and V over all layers."""
         element = torch.tensor([], dtype=self.kv_dtype).element_size()
         return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * element
+
+    def _blocks_from_memory_budget(self) -> int:
+        mapped = self.gguf.addresses() if self.gguf else range(0)
+        budget = memory.kv_cache_budget(self.config, self.device,
+                                        memory.weight_bytes(self.model, mapped)[1])
+        return memory.kv_blocks_for_budget(self.config, budget, self._bytes_per_block())
 
     @torch.inference_mode()
     def run(

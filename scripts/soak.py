@@ -365,19 +365,20 @@ def soak_local(
     (bf16 kernels and the compiled one-sequence step round differently from step to step)."""
     engine_options.setdefault("dtype", "float32")
     with local_server(model_dir, **engine_options) as (url, server, errors):
-        runner = server.engine.model_runner
+        engine = server.engine.engine  # the AsyncLLMEngine's LLMEngine
+        runner = engine.model_runner
 
         def arm() -> None:  # call numbers count from the start of the load
             runner.fail_on_calls = {runner.calls + c for c in fail_on_calls}
 
         report = asyncio.run(soak(url, specs, concurrency, duration, on_load_start=arm))
         # Idle now: the engine loop's own maps of live requests must be empty.
-        leftovers = server.async_engine.num_tracked()
+        leftovers = server.engine.num_tracked()
         report.log_errors = errors.unexpected()
     report.problems += [f"log: {e}" for e in report.log_errors]
     if leftovers != (0, 0):
         report.problems.append(f"server bookkeeping not empty: {leftovers} (requests, subs)")
-    return report, server.engine
+    return report, engine
 
 
 # ---- the command ------------------------------------------------------------------------------

@@ -20,16 +20,17 @@ class _TimedRunner:
         self.vocab_size = runner.vocab_size
         self.run_s = self.prepare_s = 0.0
 
-    def run(self, batch: Any) -> Any:
+    def run(self, batch: Any, token_bitmask: Any = None) -> Any:
         from minivllm.engine.model_runner import prepare_inputs
 
         start = time.perf_counter()
-        prepare_inputs(batch, self.runner.block_size, self.runner.device)  # timed alone
+        # timed alone
+        prepare_inputs(batch, self.runner.block_size, self.runner.device, token_bitmask)
         middle = time.perf_counter()
-        samples = self.runner.run(batch)
+        output = self.runner.run(batch, token_bitmask)
         self.prepare_s += middle - start
         self.run_s += time.perf_counter() - middle
-        return samples
+        return output
 
 
 def cmd_overhead(args: argparse.Namespace, options: dict[str, Any]) -> dict[str, Any]:

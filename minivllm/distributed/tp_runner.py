@@ -39,7 +39,8 @@ from minivllm.distributed.heads import shard_heads
 from minivllm.distributed.messages import ShutdownMessage, StepMessage, send
 from minivllm.engine.device import resolve_device
 from minivllm.engine.model_runner import ModelRunner, prepare_inputs
-from minivllm.engine.scheduler import SampledToken, ScheduledBatch
+from minivllm.engine.runner_output import RunnerOutput
+from minivllm.engine.scheduler import ScheduledBatch
 
 logger = logging.getLogger(__name__)
 
@@ -231,8 +232,9 @@ class TPModelRunner:
         self.vocab_size = self._runner.vocab_size
         self._failure: RuntimeError | None = None
 
-    def run(self, batch: ScheduledBatch) -> list[SampledToken]:
-        """One step on every rank; rank 0 samples. RuntimeError if a rank has failed."""
+    def run(self, batch: ScheduledBatch, token_bitmask: Any = None) -> RunnerOutput:
+        """One step on every rank; rank 0 samples (within `token_bitmask`, as
+        ModelRunner.run). RuntimeError if a rank has failed."""
         if self._failure is not None:
             raise RuntimeError(str(self._failure))
         if self._workers.closed:
@@ -257,7 +259,7 @@ class TPModelRunner:
                 ),
                 workers.control,
             )
-            return self._runner.run(batch)
+            return self._runner.run(batch, token_bitmask)
         except Exception as exc:
             self._failure = workers.failure(exc)
             self.close()

@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from minivllm.distributed import parallel_state
 from minivllm.distributed.messages import ShutdownMessage, StepMessage, receive
-from minivllm.engine.model_runner import compute_logits_in_slices
+from minivllm.engine.logits import compute_logits_in_slices
 
 if TYPE_CHECKING:
     from minivllm.engine.model_runner import ModelRunner

@@ -3,7 +3,7 @@
 and the optional tracer the lab reads.
 
 The engine knows the model only through a runner with `num_kv_blocks`, `vocab_size` and
-`run(batch) -> list[SampledToken]`, so tests drive it with a fake runner and no torch.
+`run(batch, token_bitmask) -> RunnerOutput`, so tests drive it with a fake runner and no torch.
 """
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ from typing import Any, Protocol
 
 from minivllm.config import EngineConfig
 from minivllm.engine.generation_config import default_sampling_params
-from minivllm.engine.scheduler import SampledToken, ScheduledBatch, Scheduler
+from minivllm.engine.runner_output import RunnerOutput
+from minivllm.engine.scheduler import ScheduledBatch, Scheduler
 from minivllm.engine.sequence import FinishReason, Sequence
 from minivllm.engine.tracing import NullTracer
 from minivllm.logprobs import TokenTexts
@@ -31,10 +32,15 @@ PromptInput = str | list[int] | dict[str, Any]
 
 
 class ModelRunnerLike(Protocol):
+    """What the engine needs of a runner: ModelRunner, TPModelRunner and the tests' fakes."""
+
     num_kv_blocks: int
     vocab_size: int
 
-    def run(self, batch: ScheduledBatch) -> list[SampledToken]: ...
+    def run(self, batch: ScheduledBatch, token_bitmask: Any = None) -> RunnerOutput:
+        """Execute the plan (writing no Sequence field); `token_bitmask`: the structured
+        outputs' allowed tokens, int32 [len(batch.sample_seqs), ceil(vocab / 32)], or None."""
+        ...
 
 
 @dataclass
@@ -195,20 +201,20 @@ class LLMEngine:
         if batch.is_empty:
             return []
         failure: Exception | None = None
-        batch.token_bitmask = self.structured.bitmask(self._matchers(batch.sample_seqs))
+        bitmask = self.structured.bitmask(self._matchers(batch.sample_seqs))
         with self.tracer.phase("execute"):
             try:
-                samples = self.model_runner.run(batch)
+                output = self.model_runner.run(batch, bitmask)
             except Exception as exc:  # the plan is dropped; the engine stays usable
                 logger.exception("ModelRunner.run failed; ending the %d sequences of this "
                                  "batch", len(batch.seqs))
                 failure = exc
             else:
-                self.tracer.record_execute(batch, samples, self.model_runner)
+                self.tracer.record_execute(batch, output, self.model_runner)
         with self.tracer.phase("commit"):
             if failure is not None:
                 return self._fail(batch, failure)
-            seqs = self.scheduler.postprocess(batch, samples)
+            seqs = self.scheduler.postprocess(batch, output)
             self._advance_grammars(batch.sample_seqs)
             return self._outputs(seqs, sampled=set(map(id, batch.sample_seqs)))
 

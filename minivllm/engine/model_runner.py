@@ -10,7 +10,6 @@ never changes a Sequence: committing the step is the Scheduler's job.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,15 +23,19 @@ from minivllm.distributed.heads import shard_heads
 from minivllm.engine import memory
 from minivllm.engine.compiled_decode import CompiledDecode, compile_decode_step
 from minivllm.engine.device import resolve_device, resolve_dtype
-from minivllm.engine.scheduler import SampledToken, ScheduledBatch
+from minivllm.engine.logits import compute_logits_in_slices, score_prompt_rows
+from minivllm.engine.runner_output import RunnerOutput, SampledToken
+from minivllm.engine.scheduler import ScheduledBatch
 from minivllm.engine.sequence import Sequence
 from minivllm.layers.attention import AttentionMetadata
+from minivllm.layers.attention.backends import AttentionSpec
+from minivllm.layers.attention.layer import bind_attention_backends
 from minivllm.layers.attention.paged_decode import paged_decode_supported
 from minivllm.layers.cpu_kernels import cpu_kernels_available
 from minivllm.layers.onednn import prepack_model
 from minivllm.layers.quantization import check_quantization, quantize_model_int8
 from minivllm.layers.rejection_sampler import verify
-from minivllm.layers.sampler import Sampler, SamplingBatch, gather_logprobs
+from minivllm.layers.sampler import Sampler, SamplingBatch
 from minivllm.layers.stored_weights import pack_8bit_halves, stored_weight_kernel
 from minivllm.models.gguf import iter_state, warn_dense_fallback
 from minivllm.models.gguf_blocks import attach_blocks
@@ -42,6 +45,7 @@ from minivllm.models.loader import attach_int4, load_model, quantize_linear_int4
 from minivllm.models.paths import gguf_source
 
 logger = logging.getLogger(__name__)
+
 
 def slot_mapping_for(block_table: list[int], start: int, length: int, block_size: int) -> list[int]:
     """KV slots of positions start .. start+length-1 (the tutorial chapter's formula)."""
@@ -65,8 +69,12 @@ class StepInputs:
     prompt_logprob_runs: list[tuple[Sequence, int, int]]
 
 
-def prepare_inputs(batch: ScheduledBatch, block_size: int, device: torch.device) -> StepInputs:
-    """Flatten a plan into the model's step inputs (pure bookkeeping, one pass over seqs)."""
+def prepare_inputs(
+    batch: ScheduledBatch, block_size: int, device: torch.device,
+    token_bitmask: np.ndarray | None = None,
+) -> StepInputs:
+    """Flatten a plan into the model's step inputs (pure bookkeeping, one pass over seqs);
+    `token_bitmask`: the allowed tokens of each `sample_seqs` row (structured outputs)."""
     input_ids: list[int] = []
     positions: list[int] = []
     slots: list[int] = []
@@ -113,14 +121,16 @@ def prepare_inputs(batch: ScheduledBatch, block_size: int, device: torch.device)
         block_size=block_size,
     )
     return StepInputs(tensor(input_ids), tensor(positions), meta, tensor(logits_indices),
-                      sampling_batch(batch), prompt_runs)
+                      sampling_batch(batch, token_bitmask), prompt_runs)
 
 
-def sampling_batch(batch: ScheduledBatch) -> SamplingBatch:
+def sampling_batch(
+    batch: ScheduledBatch, bitmask: np.ndarray | None = None
+) -> SamplingBatch:
     """The sampler's rows: one per sampling sequence, or with draft tokens one per draft plus
-    one, row j seeing the drafts before it as the sequence's tokens."""
+    one, row j seeing the drafts before it as the sequence's tokens. `bitmask`: int32
+    [len(sample_seqs), ceil(vocab / 32)], the tokens each sampling sequence may take."""
     seqs = batch.sample_seqs
-    bitmask = batch.token_bitmask
     if not any(s.spec_token_ids for s in seqs):
         return SamplingBatch(
             params=[s.sampling_params for s in seqs],
@@ -147,19 +157,6 @@ def sampling_batch(batch: ScheduledBatch) -> SamplingBatch:
     )
 
 
-LOGITS_ROWS = 512  # logits computed per LM-head call: 512 x 49k x 4 B = 100 MB for SmolLM2
-
-
-def compute_logits_in_slices(
-    model: Any, hidden: torch.Tensor, indices: torch.Tensor
-) -> Iterator[torch.Tensor]:
-    """The logits of `hidden[indices]`, LOGITS_ROWS rows per LM-head call (a long prompt's
-    prompt logprobs would not fit at once). Every tensor-parallel rank makes the same calls,
-    so the LM head's collectives meet."""
-    for start in range(0, indices.numel(), LOGITS_ROWS):
-        yield model.compute_logits(hidden[indices[start : start + LOGITS_ROWS]])
-
-
 class ModelRunner:
     """Owns the model weights, the KV cache and the sampler of one engine."""
 
@@ -177,14 +174,37 @@ class ModelRunner:
         self.kv_dtype = self.dtype
         self.block_size = config.block_size
         torch.manual_seed(config.seed)
+        # Start-up, one named step each: load, quantize and pack, size the KV cache and
+        # allocate it, choose the attention backends, warm up the compiled decode step,
+        # measure the memory it all holds.
         self.model, self.hf_config = self._load_model(model_dir, tp_rank, tp_size)
         # the kernel of the weights kept as stored: "int4", "qgemv" or None (dense)
-        self.weight_kernel = self._quantize(tp_size)
+        self.weight_kernel = self._pack_weights(tp_size)
+        self._read_model_shape(tp_rank, tp_size)
+        self.num_kv_blocks = self._size_kv_cache(tp_size)
+        self.kv_caches = self._allocate_kv_cache()
+        self.attention_backends = self._bind_attention()
+        self.sampler = Sampler(config.seed, self.device, config.eos_token_ids)
+        # torch threads for one-sequence decode steps, None: torch's own setting. The server
+        # leaves a core to its HTTP thread (see minivllm/server/serve.py).
+        self.small_step_threads: int | None = None
+        self.compiled_decode = self._warm_up_compiled_decode(tp_size)
+        self.memory = self._measure_memory()
+
+    def _pack_weights(self, tp_size: int) -> str | None:
+        """Quantize (`_quantize`), then pack the dense weights for their kernels (the LM
+        head's and the bf16 linear layers' oneDNN layouts). Returns the stored weights'
+        kernel."""
+        kernel = self._quantize(tp_size)
         lm_head = getattr(self.model, "lm_head", None)
         if lm_head is not None and hasattr(lm_head, "pack_for_cpu") and lm_head.pack_for_cpu():
             logger.info("LM head: oneDNN-packed %s weight", self.dtype)
         if count := prepack_model(self.model):
             logger.info("oneDNN-prepacked bf16 weights for %d linear layers", count)
+        return kernel
+
+    def _read_model_shape(self, tp_rank: int, tp_size: int) -> None:
+        """The sizes the cache and the sampler need, from the model's config."""
         self.vocab_size: int = int(self.hf_config.vocab_size)
         self.num_layers = int(self.hf_config.num_hidden_layers)
         num_heads = int(self.hf_config.num_attention_heads)
@@ -197,30 +217,50 @@ class ModelRunner:
             getattr(self.hf_config, "head_dim", None)
             or self.hf_config.hidden_size // self.hf_config.num_attention_heads
         )
-        self.num_kv_blocks = config.num_kv_blocks or self._blocks_from_memory_budget()
+
+    def _size_kv_cache(self, tp_size: int) -> int:
+        """The number of KV blocks: `config.num_kv_blocks`, else what the memory budget holds."""
+        num_blocks = self.config.num_kv_blocks or self._blocks_from_memory_budget()
         if tp_size > 1:  # every rank sized its own pool: keep the smallest, valid everywhere
-            self.num_kv_blocks = parallel_state.all_reduce_min(self.num_kv_blocks, self.device)
+            num_blocks = parallel_state.all_reduce_min(num_blocks, self.device)
+        return num_blocks
+
+    def _allocate_kv_cache(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """One (K, V) pair per layer, `[num_kv_blocks, block_size, num_kv_heads, head_dim]`."""
         shape = (self.num_kv_blocks, self.block_size, self.num_kv_heads, self.head_dim)
         # Zeros, not empty: padded gathers read unused slots, which must be finite.
-        self.kv_caches = [
+        return [
             (torch.zeros(shape, dtype=self.kv_dtype, device=self.device),
              torch.zeros(shape, dtype=self.kv_dtype, device=self.device))
             for _ in range(self.num_layers)
         ]
-        self.sampler = Sampler(config.seed, self.device, config.eos_token_ids)
-        # torch threads for one-sequence decode steps, None: torch's own setting. The server
-        # leaves a core to its HTTP thread (see minivllm/server/serve.py).
-        self.small_step_threads: int | None = None
-        self.compiled_decode: CompiledDecode | None = None
-        if compile_decode_step(config.enforce_eager, self.device, self.dtype, tp_size,
-                               self.weight_kernel):
-            paged = paged_decode_supported(self.device, self.dtype, self.kv_dtype, self.head_dim,
-                                           quantized=self.weight_kernel == "blocks")
-            self.compiled_decode = CompiledDecode(self.model, paged=paged)
-            self.compiled_decode.warm_up(self.kv_caches, self.block_size)
-        self.memory = memory.measure(self.model, self.kv_caches, self.num_kv_blocks,
-                                     self.gguf.addresses() if self.gguf else range(0))
-        logger.info(self.memory.log_line(self.block_size, self.kv_dtype, self.device))
+
+    def _bind_attention(self) -> set[str]:
+        """Each attention layer's backend, chosen once for this device, dtypes and cache."""
+        spec = AttentionSpec(self.device, self.dtype, self.kv_dtype, self.head_dim, self.block_size)
+        backends = bind_attention_backends(self.model, spec)
+        logger.info("attention: %s", ", ".join(sorted(backends)))
+        return backends
+
+    def _warm_up_compiled_decode(self, tp_size: int) -> CompiledDecode | None:
+        """The compiled decode step, its graphs built now (None: eager steps only)."""
+        if not compile_decode_step(self.config.enforce_eager, self.device, self.dtype, tp_size,
+                                   self.weight_kernel):
+            return None
+        # Decode steps of several sequences compile too where the paged kernel attends: the
+        # layers' backend, and GGUF block models' fp32 steps (their eager steps keep SDPA).
+        paged = paged_decode_supported(self.device, self.dtype, self.kv_dtype, self.head_dim,
+                                       quantized=self.weight_kernel == "blocks")
+        compiled = CompiledDecode(self.model, paged=paged)
+        compiled.warm_up(self.kv_caches, self.block_size)
+        return compiled
+
+    def _measure_memory(self) -> memory.MemoryReport:
+        """The weights' and the KV pool's bytes and the peak resident memory, logged once."""
+        report = memory.measure(self.model, self.kv_caches, self.num_kv_blocks,
+                                self.gguf.addresses() if self.gguf else range(0))
+        logger.info(report.log_line(self.block_size, self.kv_dtype, self.device))
+        return report
 
     def _load_model(self, model_dir: Path, tp_rank: int, tp_size: int) -> tuple[Any, Any]:
         """Build the model and load its weights. A GGUF is read in place (memory-mapped;
@@ -301,6 +341,7 @@ class ModelRunner:
         return kernel if count else ("blocks" if self.block_weights else None)
 
     def _bytes_per_block(self) -> int:
+        """One block's K and V over all layers."""
         element = torch.tensor([], dtype=self.kv_dtype).element_size()
         return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * element
 
@@ -310,63 +351,46 @@ class ModelRunner:
                                         memory.weight_bytes(self.model, mapped)[1])
         return memory.kv_blocks_for_budget(self.config, budget, self._bytes_per_block())
 
-    def _take_prompt_logprobs(
-        self, batch: ScheduledBatch, inputs: StepInputs, slices: Iterator[torch.Tensor],
-        num_samples: int,
-    ) -> torch.Tensor | None:
-        """Score the prompt rows slice by slice into `batch.prompt_logprobs`; return the
-        samples' logits (the first `num_samples` rows), None if there are none."""
-        sample_parts, row = [], 0
-        targets = [  # (seq, position) of every prompt row, in row order
-            (seq, first + k) for seq, first, count in inputs.prompt_logprob_runs
-            for k in range(count)
-        ]
-        for logits in slices:
-            n = logits.shape[0]
-            take = max(0, min(n, num_samples - row))
-            if take:
-                sample_parts.append(logits[:take])
-            if take < n:
-                lps = logits[take:].log_softmax(dim=-1)  # [rows, V]
-                rows = targets[row + take - num_samples : row + n - num_samples]
-                tokens = torch.tensor([seq.token_ids[pos] for seq, pos in rows], device=lps.device)
-                wants = [seq.sampling_params.prompt_logprobs for seq, _ in rows]
-                for (seq, pos), entry in zip(rows, gather_logprobs(lps, tokens, wants)):
-                    batch.prompt_logprobs.setdefault(seq.seq_id, (pos, []))[1].append(entry)
-            row += n
-        return torch.cat(sample_parts) if sample_parts else None
-
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch) -> list[SampledToken]:
-        """Execute the plan: write the new tokens' KV, and sample for the finished prompts."""
-        inputs = prepare_inputs(batch, self.block_size, self.device)
+    def run(
+        self, batch: ScheduledBatch, token_bitmask: np.ndarray | None = None
+    ) -> RunnerOutput:
+        """Execute the plan: write the new tokens' KV, and sample for the finished prompts
+        (within `token_bitmask`'s allowed tokens, one row per `sample_seqs`, if given)."""
+        inputs = prepare_inputs(batch, self.block_size, self.device, token_bitmask)
         if self.small_step_threads is None or inputs.meta.num_tokens != 1:
-            return self._run(batch, inputs)
+            return self._run(inputs)
         threads = torch.get_num_threads()
         torch.set_num_threads(self.small_step_threads)
         try:
-            return self._run(batch, inputs)
+            return self._run(inputs)
         finally:
             torch.set_num_threads(threads)
 
-    def _run(self, batch: ScheduledBatch, inputs: StepInputs) -> list[SampledToken]:
+    def _run(self, inputs: StepInputs) -> RunnerOutput:
         forward = self.model
         if self.compiled_decode is not None and self.compiled_decode.applies(inputs.meta):
             forward = self.compiled_decode
         hidden = forward(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
         num_samples = len(inputs.sampling.params)  # rows: drafts add one each
         slices = compute_logits_in_slices(self.model, hidden, inputs.logits_indices)
+        output = RunnerOutput()
         if inputs.prompt_logprob_runs:
-            logits = self._take_prompt_logprobs(batch, inputs, slices, num_samples)
+            logits = score_prompt_rows(
+                slices, inputs.prompt_logprob_runs, num_samples, output.prompt_logprobs
+            )
         else:
             logits = torch.cat(list(slices)) if num_samples else None
         if logits is None:
-            return []
+            return output
         if inputs.sampling.draft_token_ids is None:
             out = self.sampler(logits, inputs.sampling)  # logits: [num_samples, V]
         else:
             out = verify(self.sampler, logits, inputs.sampling)  # logits: [draft rows, V]
         logprobs = out.logprobs or [None] * len(out.token_ids)
         accepted = out.num_accepted or [0] * len(out.token_ids)
-        return [SampledToken(t, lp, n) for t, lp, n in zip(out.token_ids, logprobs, accepted)]
+        output.samples = [
+            SampledToken(t, lp, n) for t, lp, n in zip(out.token_ids, logprobs, accepted)
+        ]
+        return output
 

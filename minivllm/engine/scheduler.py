@@ -22,10 +22,10 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
 
 from minivllm.config import EngineConfig
 from minivllm.engine.block_manager import BlockManager, HashFn, hash_block
+from minivllm.engine.runner_output import RunnerOutput, SampledToken
 from minivllm.engine.sequence import (
     FinishReason,
     Sequence,
@@ -34,7 +34,6 @@ from minivllm.engine.sequence import (
     check_invariants,
 )
 from minivllm.engine.spec_decode import NgramProposer
-from minivllm.logprobs import Logprob
 
 
 @dataclass
@@ -46,14 +45,6 @@ class ScheduledBatch:
     # The sequences whose prompt is complete after this step: they get a sampled token.
     # Fixed when the plan is made, because committing changes the counters it is read from.
     sample_seqs: list[Sequence] = field(init=False)
-    # Filled by the runner for sequences that asked for prompt logprobs: seq_id -> (first
-    # prompt position covered, one {token_id: Logprob} per position), committed by postprocess.
-    prompt_logprobs: dict[int, tuple[int, list[dict[int, Logprob]]]] = field(
-        default_factory=dict, init=False
-    )
-    # Set by the engine before execution when a sampling sequence has structured outputs: the
-    # allowed tokens of each `sample_seqs` row, an int32 [rows, ceil(vocab / 32)] bitmask.
-    token_bitmask: Any = field(default=None, init=False)
 
     def __post_init__(self) -> None:
         self.sample_seqs = [
@@ -74,18 +65,6 @@ class ScheduledBatch:
     @property
     def is_empty(self) -> bool:
         return not self.seqs
-
-
-@dataclass
-class SampledToken:
-    """What the ModelRunner returns for one sequence of `ScheduledBatch.sample_seqs`."""
-
-    token_id: int
-    # When logprobs were asked for: the sampled token's and the top-N's Logprob, by token id.
-    logprobs: dict[int, Logprob] | None = None
-    # With draft tokens in the plan: how many of them the target accepted; `token_id` is the
-    # target's token after them (a correction, or the bonus when all were accepted).
-    num_accepted: int = 0
 
 
 class Scheduler:
@@ -227,8 +206,10 @@ class Scheduler:
 
     # ---- commit -----------------------------------------------------------------------
 
-    def postprocess(self, batch: ScheduledBatch, samples: list[SampledToken]) -> list[Sequence]:
-        """Commit an executed plan: advance cached, append samples, finish what is done."""
+    def postprocess(self, batch: ScheduledBatch, output: RunnerOutput) -> list[Sequence]:
+        """Commit an executed plan: advance cached, append samples and prompt logprobs,
+        finish what is done."""
+        samples = output.samples
         if len(samples) != len(batch.sample_seqs):
             raise ValueError(
                 f"expected {len(batch.sample_seqs)} samples, the runner gave {len(samples)}"
@@ -253,8 +234,8 @@ class Scheduler:
                 self.num_spec_draft_tokens += len(drafts)
                 self.num_spec_accepted_tokens += num_accepted
             self.block_manager.commit(seq, before)
-            if seq.seq_id in batch.prompt_logprobs:
-                first, entries = batch.prompt_logprobs[seq.seq_id]
+            if seq.seq_id in output.prompt_logprobs:
+                first, entries = output.prompt_logprobs[seq.seq_id]
                 # A recompute after preemption covers positions already committed: skip them.
                 skip = 1 + len(seq.prompt_logprobs) - first
                 seq.prompt_logprobs.extend(entries[max(skip, 0):])

@@ -102,8 +102,9 @@ class NullTracer:
     ) -> Sequence:
         return Sequence(seq_id, token_ids, sampling_params)
 
-    def record_execute(self, batch: Any, samples: list[Any], runner: Any) -> None:
-        """What the runner did to each sequence of `batch` (it writes no Sequence field)."""
+    def record_execute(self, batch: Any, output: Any, runner: Any) -> None:
+        """What the runner did to each sequence of `batch` (it writes no Sequence field),
+        from its `RunnerOutput`."""
 
 
 class Tracer(NullTracer):
@@ -144,14 +145,14 @@ class Tracer(NullTracer):
     ) -> Sequence:
         return TracedSequence(self, seq_id, token_ids, sampling_params)
 
-    def record_execute(self, batch: Any, samples: list[Any], runner: Any) -> None:
+    def record_execute(self, batch: Any, output: Any, runner: Any) -> None:
         actor = f"{type(runner).__name__}.run"
         source = source_of(type(runner).run)
         for seq in batch.seqs:
             start = seq.num_cached_tokens
             self.record(seq.seq_id, "kv_written", start, start + seq.num_scheduled_tokens,
                         actor=actor, source=source)
-        for seq, sample in zip(batch.sample_seqs, samples):
+        for seq, sample in zip(batch.sample_seqs, output.samples):
             self.record(seq.seq_id, "sampled_token", None, sample.token_id,
                         actor=actor, source=source)
 

@@ -67,8 +67,8 @@ class PhaseTracer(Tracer):
         self._on_exit = on_exit
         self._on_execute = on_execute
 
-    def record_execute(self, batch: Any, samples: list[Any], runner: Any) -> None:
-        super().record_execute(batch, samples, runner)
+    def record_execute(self, batch: Any, output: Any, runner: Any) -> None:
+        super().record_execute(batch, output, runner)
         self._on_execute(batch)
 
     def on_phase_enter(self, name: str) -> None:

@@ -122,7 +122,7 @@ class MinivllmReplica:
 
     def check_health(self) -> None:
         """Serve's health probe: a replica whose engine loop stopped is replaced."""
-        if self.server is not None and not self.server.async_engine.is_running:
+        if self.server is not None and not self.server.engine.is_running:
             raise RuntimeError("the engine loop is not running")
 
 
@@ -142,7 +142,7 @@ def _export_engine_gauges(server: Any, replica_id: str) -> None:
 
     def copy() -> None:
         while True:
-            stats = server.async_engine.stats
+            stats = server.engine.stats
             for name, gauge in gauges.items():
                 gauge.set(float(stats.get(name, 0)), tags=tags)
             time.sleep(_RAY_GAUGE_PERIOD_S)

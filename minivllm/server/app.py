@@ -1,4 +1,4 @@
-"""The OpenAI-compatible HTTP server: the app factory and its routes over an AsyncLLMEngine.
+"""The OpenAI-compatible HTTP server: the app factory and its routes over an EngineClient.
 
 Routes: GET /v1/models, POST /v1/completions, POST /v1/chat/completions, the Responses API
 (POST /v1/responses, GET, DELETE /v1/responses/{id}, POST /v1/responses/{id}/cancel,
@@ -23,6 +23,7 @@ from __future__ import annotations
 import importlib.metadata
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import TYPE_CHECKING
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
@@ -33,7 +34,7 @@ from minivllm.engine.llm_engine import LLMEngine
 from minivllm.server import responses
 from minivllm.server.chat import create_chat_completion
 from minivllm.server.completions import create_completion
-from minivllm.server.engine_process import EngineProcess
+from minivllm.server.engine_client import EngineClient, client_for
 from minivllm.server.errors import APIError, install_error_handlers
 from minivllm.server.middleware import BodySizeLimitMiddleware
 from minivllm.server.responses_api import ResponsesAPI
@@ -41,12 +42,15 @@ from minivllm.server.responses_store import StoreOptions
 from minivllm.server.serving import ChatOptions, OpenAIServer, json_response
 from minivllm.server.tokenize import detokenize, tokenize
 
+if TYPE_CHECKING:
+    from minivllm.lab.live import LiveRecorder
+
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 DEFAULT_MAX_WAITING_REQUESTS = 1024
 
 
 def create_app(
-    engine: LLMEngine | EngineProcess,
+    engine: LLMEngine | EngineClient,
     served_model_name: str | None = None,
     api_key: str | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
@@ -57,34 +61,26 @@ def create_app(
     response_store: StoreOptions | None = None,
 ) -> FastAPI:
     """An OpenAI-compatible app serving `engine` (an LLMEngine, stepped by a thread of this
-    process, or an EngineProcess). Its engine loop starts with the app's lifespan and stops
-    with it; `app.state.server` is the OpenAIServer (tests read it).
+    process, or an EngineClient such as an EngineProcess). Its engine loop starts with the
+    app's lifespan and stops with it; `app.state.server` is the OpenAIServer (tests read it).
     `lab`: record the engine between steps and serve the live lab page at /lab (without it
     nothing is recorded and /lab is 404). `chat`: the server's chat template, template kwargs
     and reasoning parser. `allowed_origins`: the browser origins CORS lets in (["*"]: any).
     `response_store`: the Responses API store's bounds (`app.state.responses` holds it).
     """
-    name = served_model_name or _default_name(engine)
-    recorder = None
-    if lab:
-        from minivllm.lab.live import LiveRecorder
-
-        if isinstance(engine, EngineProcess):
-            raise ValueError("the live lab records an engine of this process: "
-                             "serve it without an engine process")
-        recorder = LiveRecorder(engine.scheduler.block_manager.num_blocks, engine.config)
-    server = OpenAIServer(engine, name, api_key, max_waiting_requests, recorder, chat)
+    recorder = _live_recorder(engine) if lab else None
+    client = client_for(engine, recorder)
+    name = served_model_name or _default_name(client)
+    server = OpenAIServer(client, name, api_key, max_waiting_requests, chat)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        server.async_engine.start()
+        client.start()
         try:
             yield
         finally:
-            server.async_engine.shutdown()
-            close = getattr(engine, "close", None)
-            if close is not None:  # a tensor-parallel runner's worker processes
-                close()
+            client.shutdown()
+            client.close()  # a tensor-parallel runner's worker processes
 
     app = FastAPI(title="minivllm", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.server = server
@@ -109,7 +105,7 @@ def openai_routes(server: OpenAIServer) -> APIRouter:
 
     @router.get("/health")
     async def health() -> Response:
-        if not server.async_engine.is_running:
+        if not server.engine.is_running:
             return APIError(503, "the engine loop is not running", "service_unavailable").response()
         return JSONResponse({"status": "ok"})
 
@@ -153,8 +149,18 @@ def _version() -> str:
         return "0+unknown"
 
 
-def _default_name(engine: LLMEngine | EngineProcess) -> str:
-    model = engine.config.model
+def _live_recorder(engine: LLMEngine | EngineClient) -> LiveRecorder:
+    """The live lab's recorder, which photographs an engine of this process between steps."""
+    from minivllm.lab.live import LiveRecorder
+
+    if not isinstance(engine, LLMEngine):
+        raise ValueError("the live lab records an engine of this process: "
+                         "serve it without an engine process")
+    return LiveRecorder(engine.scheduler.block_manager.num_blocks, engine.config)
+
+
+def _default_name(client: EngineClient) -> str:
+    model = client.config.model
     if model is None:
         return "SmolLM2-135M-Instruct"
     return str(model).rstrip("/").rsplit("/", 1)[-1].removesuffix(".gguf")

@@ -11,7 +11,7 @@ The contract:
   `abort_all()` (or `shutdown()`) ends the rest with finish_reason "abort".
 
 `EngineProcess` (engine_process.py) has the same asyncio side with the engine loop in a
-process of its own.
+process of its own; both are `EngineClient`s (engine_client.py), all the server talks to.
 """
 
 from __future__ import annotations
@@ -22,7 +22,9 @@ import logging
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
+from minivllm.config import EngineConfig
 from minivllm.engine.llm_engine import LLMEngine
 from minivllm.engine.requests import Choice
 from minivllm.outputs import RequestOutput
@@ -139,7 +141,7 @@ class _StreamSink:
 
 
 class AsyncLLMEngine:
-    """Drives an LLMEngine from a background thread for asyncio callers."""
+    """Drives an LLMEngine from a background thread for asyncio callers (an EngineClient)."""
 
     def __init__(
         self,
@@ -159,6 +161,24 @@ class AsyncLLMEngine:
     @property
     def recorder(self) -> StepRecorder | None:
         return self._loop.recorder
+
+    # ---- the model's facts (read once by the server; fixed for the engine's life) ----------
+
+    @property
+    def config(self) -> EngineConfig:
+        return self.engine.config
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    @property
+    def default_sampling_params(self) -> dict[str, Any]:
+        return self.engine.default_sampling_params
+
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.model_runner.vocab_size
 
     @property
     def max_waiting_requests(self) -> int | None:
@@ -202,6 +222,10 @@ class AsyncLLMEngine:
         self._commands.send(None)
         self._thread.join(timeout)
         self._thread = None
+
+    def close(self) -> None:
+        """Release the engine's runner processes, if any (tensor parallelism); idempotent."""
+        self.engine.close()
 
     def stop_accepting(self) -> None:
         """Refuse new requests from now on (ShuttingDownError); those in flight go on."""

@@ -30,7 +30,7 @@ import subprocess
 import sys
 import threading
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from minivllm.engine.requests import Choice
 from minivllm.server.async_engine import (
@@ -62,6 +62,9 @@ from minivllm.server.engine_messages import (
     StopAccepting,
 )
 
+if TYPE_CHECKING:
+    from minivllm.server.engine_client import EngineClient
+
 logger = logging.getLogger(__name__)
 
 
@@ -74,8 +77,8 @@ class _Pending:
 
 
 class EngineProcess:
-    """An engine in a process of its own, driven like AsyncLLMEngine; it also stands in for
-    the LLMEngine where the server reads the model's facts (config, tokenizer, ...)."""
+    """An engine in a process of its own, driven like AsyncLLMEngine: an EngineClient
+    (engine_client.py), the model's facts (config, tokenizer, ...) sent over at start-up."""
 
     def __init__(
         self,
@@ -83,7 +86,6 @@ class EngineProcess:
         max_waiting_requests: int | None = None,
         small_step_threads: int | None = None,
     ) -> None:
-        self.recorder = None  # the live lab records an engine of this process only
         self.on_output: OutputHook | None = None
         self.stats: dict[str, float] = {}
         self.num_steps = 0
@@ -281,3 +283,7 @@ def _resolve(done: concurrent.futures.Future[None], error: Exception | None) -> 
         done.set_result(None)
     else:
         done.set_exception(error)
+
+
+if TYPE_CHECKING:  # mypy checks here that the server may take an EngineProcess as its client
+    _client: type[EngineClient] = EngineProcess

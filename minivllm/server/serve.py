@@ -51,12 +51,12 @@ class GracefulServer(uvicorn.Server):
             self._captured_signals.clear()
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
-        async_engine = _async_engine_of(self.config.app)
+        engine = _engine_client_of(self.config.app)
         timer = None
-        if async_engine is not None:
-            async_engine.stop_accepting()
+        if engine is not None:
+            engine.stop_accepting()
             timer = asyncio.get_running_loop().call_later(
-                self.graceful_shutdown_s, async_engine.abort_all
+                self.graceful_shutdown_s, engine.abort_all
             )
         try:
             await super().shutdown(sockets)
@@ -65,9 +65,9 @@ class GracefulServer(uvicorn.Server):
                 timer.cancel()
 
 
-def _async_engine_of(app: Any) -> Any:
+def _engine_client_of(app: Any) -> Any:
     server = getattr(getattr(app, "state", None), "server", None)
-    return getattr(server, "async_engine", None)
+    return getattr(server, "engine", None)
 
 
 def _uvicorn_config(app: Any, graceful_shutdown_s: float, **kwargs: Any) -> uvicorn.Config:

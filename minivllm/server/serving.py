@@ -1,4 +1,4 @@
-"""OpenAIServer: what every endpoint shares over one AsyncLLMEngine: parsing a request body,
+"""OpenAIServer: what every endpoint shares over one EngineClient: parsing a request body,
 its sampling parameters, tokenizing, adding its choices (all or none) and collecting them.
 
 The endpoints themselves live in `completions.py` and `chat.py`; `app.py` routes to them.
@@ -19,20 +19,17 @@ from fastapi.responses import Response
 from pydantic import BaseModel, ValidationError
 
 from minivllm.engine import requests
-from minivllm.engine.llm_engine import LLMEngine
 from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import SamplingParams
 from minivllm.server import protocol, responses
 from minivllm.server.async_engine import (
-    AsyncLLMEngine,
     EngineDeadError,
     QueueFullError,
     RequestStream,
     ShuttingDownError,
-    StepRecorder,
 )
 from minivllm.server.constraints import Constraint
-from minivllm.server.engine_process import EngineProcess
+from minivllm.server.engine_client import EngineClient
 from minivllm.server.errors import APIError, bad_request, bad_value, raise_if_failed
 from minivllm.server.errors import validation_error as _validation_error
 from minivllm.server.logprobs import LogprobFormatter
@@ -62,15 +59,14 @@ class ChatOptions:
 
 
 class OpenAIServer:
-    """The endpoints' shared state and steps, over one AsyncLLMEngine."""
+    """The endpoints' shared state and steps, over one EngineClient (`engine`)."""
 
     def __init__(
         self,
-        engine: LLMEngine | EngineProcess,
+        engine: EngineClient,
         served_model_name: str,
         api_key: str | None,
         max_waiting_requests: int | None,
-        recorder: StepRecorder | None = None,
         chat: ChatOptions | None = None,
     ) -> None:
         chat = chat or ChatOptions()
@@ -82,21 +78,10 @@ class OpenAIServer:
         self.api_key = api_key
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.config.max_model_len
-        self.metrics = ServerMetrics(lambda: self.async_engine.stats, served_model_name)
-        self.async_engine: AsyncLLMEngine | EngineProcess
-        if isinstance(engine, EngineProcess):  # it drives itself: only the hooks are ours
-            engine.on_output = self.metrics.on_output
-            engine.max_waiting_requests = max_waiting_requests
-            self.async_engine = engine
-            self.vocab_size = engine.vocab_size
-        else:
-            self.async_engine = AsyncLLMEngine(
-                engine,
-                max_waiting_requests=max_waiting_requests,
-                on_output=self.metrics.on_output,
-                recorder=recorder,
-            )
-            self.vocab_size = engine.model_runner.vocab_size
+        self.metrics = ServerMetrics(lambda: engine.stats, served_model_name)
+        engine.on_output = self.metrics.on_output
+        engine.max_waiting_requests = max_waiting_requests
+        self.vocab_size = engine.vocab_size
         self.logprobs = LogprobFormatter(self.tokenizer)
         # The model's sampling defaults (generation_config.json) for fields a request leaves
         # unset; a request's own value wins.
@@ -126,7 +111,9 @@ class OpenAIServer:
             parsed = model.model_validate(data)
         except ValidationError as exc:
             raise _validation_error(exc) from None
-        unsupported = parsed.unsupported_fields() if isinstance(parsed, protocol._Body) else []
+        unsupported: list[str] = (
+            parsed.unsupported_fields() if isinstance(parsed, protocol._Body) else []
+        )
         if unsupported:
             raise bad_request(
                 f"this server does not implement {', '.join(map(repr, unsupported))}: remove "
@@ -232,7 +219,7 @@ class OpenAIServer:
             self.check_prompt(prompt)
         choices = requests.fan_out(list(prompts), [params] * len(prompts))
         try:
-            return await self.async_engine.add_request(request_id, choices)
+            return await self.engine.add_request(request_id, choices)
         except QueueFullError as exc:
             raise APIError(503, str(exc), type="service_unavailable", code="overloaded") from None
         except ShuttingDownError as exc:

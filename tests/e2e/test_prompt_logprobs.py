@@ -8,7 +8,7 @@ import pytest
 from support.hf_reference import hf_prompt_logprobs
 
 from minivllm import LLM, SamplingParams
-from minivllm.engine import model_runner
+from minivllm.engine import logits
 
 PROMPTS = [list(range(10, 50)), [5, 17, 42, 99, 3, 5, 5], [7] * 20, [300, 301]]
 TOP = 3
@@ -59,7 +59,7 @@ def test_prompt_logprobs_match_hf(model, schedule, request):
 
 def test_prompt_logprobs_across_lm_head_slices(tiny_llama_dir, monkeypatch):
     """With 7 rows per LM-head call, one step's samples and prompt rows straddle slices."""
-    monkeypatch.setattr(model_runner, "LOGITS_ROWS", 7)
+    monkeypatch.setattr(logits, "LOGITS_ROWS", 7)
     llm = LLM(str(tiny_llama_dir), dtype="float32")
     plain = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
     scored = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, prompt_logprobs=TOP)
@@ -68,7 +68,7 @@ def test_prompt_logprobs_across_lm_head_slices(tiny_llama_dir, monkeypatch):
     outs = llm.generate(prompts, params, use_tqdm=False)
     for prompt, out in zip(prompts[3:], outs[3:], strict=True):
         assert_matches_hf(str(tiny_llama_dir), prompt, out.prompt_logprobs)
-    monkeypatch.setattr(model_runner, "LOGITS_ROWS", 512)
+    monkeypatch.setattr(logits, "LOGITS_ROWS", 512)
     again = llm.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in outs]
 

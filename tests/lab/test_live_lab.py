@@ -52,10 +52,10 @@ class PacedRunner:
         self.vocab_size = runner.vocab_size
         self.pace = 0.0
 
-    def run(self, batch):
+    def run(self, batch, token_bitmask=None):
         if self.pace:
             time.sleep(self.pace)
-        return self.runner.run(batch)
+        return self.runner.run(batch, token_bitmask)
 
 
 @dataclass
@@ -140,7 +140,7 @@ def test_without_lab_nothing_is_served() -> None:
     for path in ("/lab", "/lab/api/live", "/lab/api/frames", "/lab/static/live.js"):
         r = client.get(path, headers={"Authorization": f"Bearer {KEY}"})
         assert r.status_code == 404 and r.json()["error"]["code"] == "not_found", path
-    assert app.state.server.async_engine.recorder is None
+    assert app.state.server.engine.recorder is None
 
 
 def test_the_api_obeys_the_key(live: LiveServer) -> None:

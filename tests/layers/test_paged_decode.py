@@ -12,7 +12,9 @@ import pytest
 import torch
 from support.model_fixtures import allocate_kv_caches, make_attention_metadata
 
-from minivllm.layers.attention.paged_decode import paged_decode_applies, paged_decode_attention
+from minivllm.layers.attention import Attention
+from minivllm.layers.attention.backends import SDPA, AttentionSpec, choose_backend
+from minivllm.layers.attention.paged_decode import paged_decode_attention
 from minivllm.layers.attention.sdpa import paged_attention_sdpa
 
 pytestmark = pytest.mark.skipif(
@@ -47,7 +49,8 @@ def test_matches_the_gather_and_sdpa_path(kv_dtype, threads, window, softcap, he
     meta, k_cache, v_cache, gen = _step(tables, context, kv_heads, dim, block, seed=heads,
                                         dtype=kv_dtype)
     q = torch.randn(len(tables), heads, dim, generator=gen)
-    assert paged_decode_applies(torch.bfloat16, q, k_cache, meta)
+    spec = AttentionSpec(torch.device("cpu"), torch.bfloat16, kv_dtype, dim, block)
+    assert choose_backend(spec).name == "paged_decode"
     # SDPA over the same rows in fp32 (a bf16 cache's values widened exactly)
     want = paged_attention_sdpa(q, k_cache.float(), v_cache.float(), meta, dim**-0.5, window,
                                 softcap)
@@ -62,19 +65,33 @@ def test_matches_the_gather_and_sdpa_path(kv_dtype, threads, window, softcap, he
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-def test_other_steps_and_dtypes_keep_the_sdpa_path():
-    """fp32 models (the token-exact path), fp16 caches, queries not in fp32, odd head sizes and
-    prefills keep SDPA."""
-    meta, k_cache, _, _ = _step([[0, 1]], [5], 2, 8, 4, seed=0)
-    q = torch.zeros(1, 4, 8)
-    assert paged_decode_applies(torch.bfloat16, q, k_cache, meta)
-    assert paged_decode_applies(torch.bfloat16, q, k_cache.bfloat16(), meta)
-    assert not paged_decode_applies(torch.float32, q, k_cache, meta)
-    assert not paged_decode_applies(torch.bfloat16, q, k_cache.half(), meta)
-    assert not paged_decode_applies(torch.bfloat16, q.bfloat16(), k_cache.bfloat16(), meta)
-    assert not paged_decode_applies(torch.bfloat16, torch.zeros(1, 4, 12), k_cache, meta)
-    prefill, _ = make_attention_metadata([[0, 1]], [0], [5], 4)
-    assert not paged_decode_applies(torch.bfloat16, torch.zeros(5, 4, 8), k_cache, prefill)
+def _spec(model_dtype=torch.bfloat16, kv_dtype=torch.float32, head_dim=8):
+    return AttentionSpec(torch.device("cpu"), model_dtype, kv_dtype, head_dim, 4)
+
+
+def test_other_dtypes_and_head_sizes_keep_the_sdpa_backend():
+    """fp32 models (the token-exact path), fp16 caches and odd head sizes get SDPA at load."""
+    assert choose_backend(_spec()).name == "paged_decode"
+    assert choose_backend(_spec(kv_dtype=torch.bfloat16)).name == "paged_decode"
+    assert choose_backend(_spec(model_dtype=torch.float32)) is SDPA
+    assert choose_backend(_spec(kv_dtype=torch.float16)) is SDPA
+    assert choose_backend(_spec(head_dim=12)) is SDPA
+
+
+def test_the_paged_decode_backend_sends_other_steps_to_sdpa():
+    """A layer bound to the kernel attends a prefill (not decode-only) exactly as SDPA does."""
+    prefill, _ = make_attention_metadata([[0, 1]], [2], [5], 4)
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(5, n * 8, generator=gen) for n in (4, 2, 2))
+    outs = []
+    for backend in (choose_backend(_spec()), SDPA):
+        layer = Attention(4, 2, 8, 8**-0.5)
+        layer.backend = backend
+        caches = allocate_kv_caches(1, 2, 4, 2, 8)[0]
+        for cache in caches:
+            cache[0, :2] = 1.0  # the cached context
+        outs.append(layer(q, k, v, caches, prefill))
+    torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0)
 
 
 def test_bad_tables_are_refused_with_a_message():

@@ -181,9 +181,9 @@ def test_one_sequence_steps_run_on_the_servers_thread_share(tiny_llama_dir):
     seen: list[tuple[int, int]] = []  # (tokens in the step, torch threads during it)
     run = runner._run
 
-    def spy(batch, inputs):
+    def spy(inputs):
         seen.append((inputs.meta.num_tokens, torch.get_num_threads()))
-        return run(batch, inputs)
+        return run(inputs)
 
     runner._run = spy
     before = torch.get_num_threads()

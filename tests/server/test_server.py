@@ -41,10 +41,7 @@ class Live:
     base_url: str
     server: OpenAIServer
     client: openai.OpenAI
-
-    @property
-    def engine(self) -> LLMEngine | EngineProcess:
-        return self.server.engine
+    engine: LLMEngine | EngineProcess  # what create_app was given (server.engine: its client)
 
     def metrics(self) -> dict[str, float]:
         return scrape_metrics(self.base_url)
@@ -60,9 +57,9 @@ def _serve(engine: LLMEngine | EngineProcess, name: str) -> Iterator[Live]:
         client = openai.OpenAI(
             base_url=f"{thread.base_url}/v1", api_key=API_KEY, max_retries=0, timeout=60
         )
-        yield Live(thread.base_url, app.state.server, client)
+        yield Live(thread.base_url, app.state.server, client, engine)
         client.close()
-    assert not app.state.server.async_engine.is_running, "the engine thread outlived the app"
+    assert not app.state.server.engine.is_running, "the engine thread outlived the app"
 
 
 @pytest.fixture(scope="session", params=["thread", "process"])
@@ -533,16 +530,16 @@ def test_errors_through_the_openai_client(tiny_server: Live) -> None:
 
 def test_queue_full_is_503(tiny_server: Live) -> None:
     """Over the waiting-queue limit, a request is refused with 503 at once."""
-    async_engine = tiny_server.server.async_engine
-    limit = async_engine.max_waiting_requests
-    async_engine.max_waiting_requests = 0
+    engine = tiny_server.server.engine
+    limit = engine.max_waiting_requests
+    engine.max_waiting_requests = 0
     try:
         with pytest.raises(openai.InternalServerError) as info:
             tiny_server.client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2)
         assert info.value.status_code == 503
         assert "overloaded" in info.value.body["message"]
     finally:
-        async_engine.max_waiting_requests = limit
+        engine.max_waiting_requests = limit
     assert tiny_server.client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2).choices
 
 

@@ -15,7 +15,8 @@ from array import array
 
 import xxhash
 
-from minivllm.engine.scheduler import SampledToken, ScheduledBatch
+from minivllm.engine.runner_output import RunnerOutput, SampledToken
+from minivllm.engine.scheduler import ScheduledBatch
 from minivllm.engine.spec_decode import accept_greedy
 
 
@@ -40,7 +41,7 @@ class FakeModelRunner:
     def slot(self, block_table: list[int], pos: int) -> int:
         return block_table[pos // self.block_size] * self.block_size + pos % self.block_size
 
-    def run(self, batch: ScheduledBatch) -> list[SampledToken]:
+    def run(self, batch: ScheduledBatch, token_bitmask: object = None) -> RunnerOutput:
         for seq in batch.seqs:
             assert seq.num_scheduled_tokens > 0, "zero-length query scheduled"
             start = seq.num_cached_tokens
@@ -59,7 +60,7 @@ class FakeModelRunner:
             ]
             accepted = accept_greedy(drafts, targets)
             samples.append(SampledToken(targets[accepted], num_accepted=accepted))
-        return samples
+        return RunnerOutput(samples)
 
 
 def reference_completion(

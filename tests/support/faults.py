@@ -16,7 +16,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from minivllm.engine.scheduler import SampledToken, ScheduledBatch
+from minivllm.engine.runner_output import RunnerOutput
+from minivllm.engine.scheduler import ScheduledBatch
 from minivllm.engine.sequence import Sequence
 
 INJECTED = "injected fault"
@@ -59,13 +60,13 @@ class FaultyRunner:
         self.calls = 0
         self.failures: list[FailedRun] = []
 
-    def run(self, batch: ScheduledBatch) -> list[SampledToken]:
+    def run(self, batch: ScheduledBatch, token_bitmask: object = None) -> RunnerOutput:
         self.calls += 1
         hit = self.calls in self.fail_on_calls or (
             self.fail_when is not None and any(self.fail_when(s) for s in batch.seqs)
         )
         if not hit:
-            return self.runner.run(batch)
+            return self.runner.run(batch, token_bitmask)
         self.failures.append(
             FailedRun(
                 call=self.calls,

@@ -6,7 +6,8 @@
 - `sdpa.py`: the portable path (torch's `scaled_dot_product_attention`, any device).
 - `flash.py`: flash-attn's varlen kernel on CUDA.
 - `decode.py`: a decode-only step's attention as plain tensor maths, for the compiled step.
-- `layer.py`: the `Attention` module choosing between them.
+- `backends.py`: those paths as backends, one chosen per layer at load (`choose_backend`).
+- `layer.py`: the `Attention` module: stores the step's K/V, then calls its backend.
 """
 
 from minivllm.layers.attention.layer import Attention

@@ -46,11 +46,11 @@ def paged_attention_flash(
     )
 
 
-def can_use_flash_attn(q: torch.Tensor, block_size: int) -> bool:
-    """Whether `paged_attention_flash` supports this device, dtype and block size."""
+def flash_attn_supported(device: torch.device, dtype: torch.dtype, block_size: int) -> bool:
+    """Whether `paged_attention_flash` supports this device, maths dtype and block size."""
     return (
         flash_attn_varlen_func is not None
-        and q.is_cuda
-        and q.dtype in (torch.float16, torch.bfloat16)
+        and device.type == "cuda"
+        and dtype in (torch.float16, torch.bfloat16)
         and block_size % FLASH_ATTN_BLOCK_MULTIPLE == 0
     )

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import torch
 
-from minivllm.layers.attention.metadata import AttentionMetadata
 from minivllm.layers.cpu_kernels import cpu_kernels_available
 
 
@@ -35,18 +34,6 @@ def paged_decode_supported(
         and kv_dtype in (torch.bfloat16, torch.float32)
         and head_dim % 8 == 0
         and cpu_kernels_available()
-    )
-
-
-def paged_decode_applies(
-    model_dtype: torch.dtype, q: torch.Tensor, k_cache: torch.Tensor, meta: AttentionMetadata
-) -> bool:
-    """Whether this step's attention runs on the kernel: decode-only and supported (`q`
-    already in fp32, the maths' dtype)."""
-    return (
-        meta.is_decode_only
-        and q.dtype == torch.float32
-        and paged_decode_supported(q.device, model_dtype, k_cache.dtype, q.shape[-1])
     )
 
 

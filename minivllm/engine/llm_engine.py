@@ -343,9 +343,7 @@ class LLMEngine:
             "prefix_cache_queries": bm.prefix_queries,
             "prefix_cache_hits": bm.prefix_hits,
             "num_preemptions": self.scheduler.num_preemptions,
-            "spec_decode_num_drafts": self.scheduler.num_spec_drafts,
-            "spec_decode_num_draft_tokens": self.scheduler.num_spec_draft_tokens,
-            "spec_decode_num_accepted_tokens": self.scheduler.num_spec_accepted_tokens,
+            **self.scheduler.spec_stats.as_stats(),
         }
 
 

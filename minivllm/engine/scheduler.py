@@ -33,7 +33,7 @@ from minivllm.engine.sequence import (
     blocks_for,
     check_invariants,
 )
-from minivllm.engine.spec_decode import NgramProposer
+from minivllm.engine.spec_decode import NgramProposer, SpecDecodeStats
 from minivllm.logprobs import Logprob
 
 
@@ -105,10 +105,7 @@ class Scheduler:
         self.num_preemptions = 0
         spec = config.speculative_config
         self.proposer = NgramProposer(spec) if spec is not None else None
-        # vLLM's spec-decode counters: steps of a sequence with drafts, drafts, accepted ones.
-        self.num_spec_drafts = 0
-        self.num_spec_draft_tokens = 0
-        self.num_spec_accepted_tokens = 0
+        self.spec_stats = SpecDecodeStats(spec.num_speculative_tokens if spec else 0)
 
     # ---- requests -------------------------------------------------------------------
 
@@ -249,9 +246,7 @@ class Scheduler:
             reason = None if sample is None else self._append(seq, sample, drafts)
             if drafts:
                 seq.spec_token_ids = []
-                self.num_spec_drafts += 1
-                self.num_spec_draft_tokens += len(drafts)
-                self.num_spec_accepted_tokens += num_accepted
+                self.spec_stats.observe(len(drafts), num_accepted)
             self.block_manager.commit(seq, before)
             if seq.seq_id in batch.prompt_logprobs:
                 first, entries = batch.prompt_logprobs[seq.seq_id]

@@ -12,8 +12,10 @@ recently admitted running sequence is preempted by recompute.
 Speculative decoding (`config.speculative_config`): a decoding sequence may get draft tokens
 from the proposer (`spec_decode.py`) in its plan, `num_scheduled_tokens = 1 + drafts`, counted
 in the budget and given blocks like any token, but only where they fit without preempting
-anyone. The commit appends the accepted drafts and the target's token and advances
-`num_cached_tokens` by accepted + 1; a rejected draft's slot is overwritten by a later step.
+anyone, and only where the cost model (`spec_policy.py`) says they pay at this batch size and
+the sequence's acceptance so far. The commit appends the accepted drafts and the target's token
+and advances `num_cached_tokens` by accepted + 1; a rejected draft's slot is overwritten by a
+later step.
 
 Pure Python: no torch here.
 """
@@ -34,6 +36,7 @@ from minivllm.engine.sequence import (
     check_invariants,
 )
 from minivllm.engine.spec_decode import NgramProposer, SpecDecodeStats
+from minivllm.engine.spec_policy import SpeculationPolicy
 from minivllm.logprobs import Logprob
 
 
@@ -105,6 +108,7 @@ class Scheduler:
         self.num_preemptions = 0
         spec = config.speculative_config
         self.proposer = NgramProposer(spec) if spec is not None else None
+        self.spec_policy = SpeculationPolicy(spec) if spec is not None else None
         self.spec_stats = SpecDecodeStats(spec.num_speculative_tokens if spec else 0)
 
     # ---- requests -------------------------------------------------------------------
@@ -199,6 +203,9 @@ class Scheduler:
         max_model_len leave room for after its one certain token; [] when not speculating."""
         if self.proposer is None or seq.num_uncached_tokens != 1:
             return []
+        assert self.spec_policy is not None
+        if not self.spec_policy.should_propose(seq.seq_id, len(self.running)):
+            return []  # the cost model says drafts do not pay here
         sp = seq.sampling_params
         # Logprobs and grammars follow one token per step (one entry, one matcher advance).
         if sp.logprobs is not None or sp.structured_outputs is not None:
@@ -247,6 +254,8 @@ class Scheduler:
             if drafts:
                 seq.spec_token_ids = []
                 self.spec_stats.observe(len(drafts), num_accepted)
+                if self.spec_policy is not None:
+                    self.spec_policy.observe(seq.seq_id, len(drafts), num_accepted)
             self.block_manager.commit(seq, before)
             if seq.seq_id in batch.prompt_logprobs:
                 first, entries = batch.prompt_logprobs[seq.seq_id]
@@ -308,6 +317,8 @@ class Scheduler:
         seq.spec_token_ids = []
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
+        if self.spec_policy is not None:
+            self.spec_policy.forget(seq.seq_id)
 
     # ---- checks -----------------------------------------------------------------------
 

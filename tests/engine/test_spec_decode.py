@@ -92,6 +92,9 @@ def test_speculative_config_accepts_vllms_shapes():
     ({"method": "ngram", "num_speculative_tokens": 0}, "positive integer"),
     ({"method": "ngram", "prompt_lookup_min": 4, "prompt_lookup_max": 2}, "must not exceed"),
     ({"method": "ngram", "lookahead": 2}, "unknown speculative_config key"),
+    ({"method": "ngram", "disable_by_batch_size": 0}, "positive integer or null"),
+    ({"method": "ngram", "draft_token_cost": -1}, "a number >= 0"),
+    ({"method": "ngram", "draft_token_cost": "cheap"}, "a number >= 0"),
     ("{not json", "not valid JSON"),
     (7, "must be a dict"),
 ])

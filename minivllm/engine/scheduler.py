@@ -23,6 +23,7 @@ Pure Python: no torch here.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -55,7 +56,8 @@ class ScheduledBatch:
         default_factory=dict, init=False
     )
     # Set by the engine before execution when a sampling sequence has structured outputs: the
-    # allowed tokens of each `sample_seqs` row, an int32 [rows, ceil(vocab / 32)] bitmask.
+    # allowed tokens of each sampler row (one per `sample_seqs` entry, 1 + k for one with k
+    # drafts), an int32 [rows, ceil(vocab / 32)] bitmask.
     token_bitmask: Any = field(default=None, init=False)
 
     def __post_init__(self) -> None:
@@ -89,12 +91,24 @@ class SampledToken:
     # With draft tokens in the plan: how many of them the target accepted; `token_id` is the
     # target's token after them (a correction, or the bonus when all were accepted).
     num_accepted: int = 0
+    # With accepted drafts and logprobs: each accepted draft's entry, in order.
+    draft_logprobs: list[dict[int, Logprob]] | None = None
+
+
+DraftFilter = Callable[[Sequence, list[int]], list[int]]
 
 
 class Scheduler:
-    """Owns the waiting and running queues and the BlockManager."""
+    """Owns the waiting and running queues and the BlockManager. `draft_filter` (the engine's
+    grammar check) cuts a sequence's proposed drafts to those its constraint allows."""
 
-    def __init__(self, config: EngineConfig, num_blocks: int, hash_fn: HashFn = hash_block):
+    def __init__(
+        self,
+        config: EngineConfig,
+        num_blocks: int,
+        hash_fn: HashFn = hash_block,
+        draft_filter: DraftFilter | None = None,
+    ):
         if config.max_model_len is None:
             raise ValueError("the scheduler needs a resolved max_model_len")
         self.config = config
@@ -109,6 +123,7 @@ class Scheduler:
         spec = config.speculative_config
         self.proposer = NgramProposer(spec) if spec is not None else None
         self.spec_policy = SpeculationPolicy(spec) if spec is not None else None
+        self.draft_filter = draft_filter
         self.spec_stats = SpecDecodeStats(spec.num_speculative_tokens if spec else 0)
 
     # ---- requests -------------------------------------------------------------------
@@ -206,16 +221,15 @@ class Scheduler:
         assert self.spec_policy is not None
         if not self.spec_policy.should_propose(seq.seq_id, len(self.running)):
             return []  # the cost model says drafts do not pay here
-        sp = seq.sampling_params
-        # Logprobs and grammars follow one token per step (one entry, one matcher advance).
-        if sp.logprobs is not None or sp.structured_outputs is not None:
-            return []
         room = min(
             budget - 1,
             self.max_completion_tokens(seq) - seq.num_completion_tokens - 1,
             self.max_model_len - seq.num_tokens - 1,
         )
-        return self.proposer.propose(seq.token_ids, room) if room > 0 else []
+        drafts = self.proposer.propose(seq.token_ids, room) if room > 0 else []
+        if drafts and self.draft_filter is not None:
+            drafts = self.draft_filter(seq, drafts)
+        return drafts
 
     def _preempt(self, seq: Sequence) -> None:
         """RUNNING -> WAITING by recompute: blocks freed, progress forgotten."""
@@ -269,17 +283,26 @@ class Scheduler:
     def _append(
         self, seq: Sequence, sample: SampledToken, drafts: list[int]
     ) -> FinishReason | None:
-        """Append the accepted drafts, then the sampled token, up to the first one that ends
-        the sequence (an EOS among the drafts ends it there: the rest is dropped)."""
-        for token_id in [*drafts[: sample.num_accepted], sample.token_id]:
+        """Append the accepted drafts, then the sampled token, each with its logprob entry, up
+        to the first one that ends the sequence (an EOS among the drafts ends it there: the
+        rest is dropped)."""
+        run = [*drafts[: sample.num_accepted], sample.token_id]
+        # One logprob entry per token appended, when the request asked for them.
+        entries: list[dict[int, Logprob] | None] = [None] * sample.num_accepted
+        if sample.draft_logprobs is not None:
+            entries = list(sample.draft_logprobs)
+        entries.append(sample.logprobs)
+        wants_logprobs = seq.sampling_params.logprobs is not None
+        reason = None
+        for token_id, entry in zip(run, entries):
             seq.append_token(token_id)
+            if wants_logprobs and entry is not None:
+                seq.logprobs.append(entry)
             reason = self._stop_reason(seq, token_id)
             if reason is not None:
                 # The KV of dropped drafts counts no more.
                 seq.num_cached_tokens = min(seq.num_cached_tokens, seq.num_tokens)
                 break
-        if seq.sampling_params.logprobs is not None and sample.logprobs is not None:
-            seq.logprobs.append(sample.logprobs)
         return reason
 
     def discard(self, batch: ScheduledBatch, reason: FinishReason = FinishReason.ERROR) -> None:

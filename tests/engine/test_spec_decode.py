@@ -293,11 +293,12 @@ def test_a_failed_speculative_step_commits_nothing(make_engine):
     assert seq.spec_token_ids == [] and outs[0].error
 
 
-def test_requests_with_logprobs_or_a_token_budget_of_one_do_not_speculate(make_engine):
+def test_requests_with_logprobs_speculate_but_a_token_budget_of_one_does_not(make_engine):
     engine = spec_engine(make_engine)
     seq = engine.add_request([1, 2, 3], greedy(max_tokens=30, logprobs=1))
-    run_to_completion(engine)
-    assert engine.stats()["spec_decode_num_drafts"] == 0
+    finals = run_to_completion(engine)
+    assert engine.stats()["spec_decode_num_drafts"] > 0
+    assert finals[str(seq.seq_id)].outputs[0].token_ids == reference([1, 2, 3], 30)
     engine = spec_engine(make_engine, max_num_batched_tokens=1)
     seq = engine.add_request([1, 2, 3], greedy(max_tokens=30))
     finals = run_to_completion(engine)

@@ -5,13 +5,14 @@ Q8_0 files hold) keeps no dense weight: its `BlockWeight` is the file's rows of 
 of the memory map, or for llama's permuted q/k rows a reordered copy), and every step size runs
 on them (`minivllm.layers.ggml_blocks`):
 
-- decode-sized steps (at most `INT_DOT_MAX_ROWS` rows): the activations rounded to 8 bits and
-  integer dot products, each weight row read once for the whole step;
-- prefill-sized steps: the weight dequantized a tile at a time into one reused buffer, each
-  tile multiplied by torch's matmul.
+- the integer kernel: the activations rounded to 8 bits and integer dot products, each weight
+  row unpacked once for 4 activation rows; every step size for the K kinds, up to
+  `INT_DOT_MAX_ROWS` rows for the 32-input ones;
+- beyond (32-input kinds' prefills): the weight dequantized a tile at a time into one reused
+  buffer, each tile multiplied by torch's matmul.
 
 A fused layer (qkv_proj, gate_up_proj) holds one segment per checkpoint tensor, each in its own
-type (Q4_K_M stores some `attn_v` in Q6_K), whose outputs are concatenated.
+type (Q4_K_M stores some `attn_v` in Q6_K): one kernel call computes them side by side.
 
 Q4_0 and Q4_1 tensors are not in `BLOCK_TYPES`: they keep the 4-bit kernels of
 `minivllm.layers.stored_weights`, faster at one row on those types (docs/ggml-kernels.md).
@@ -24,7 +25,8 @@ from dataclasses import dataclass
 import torch
 from gguf import GGMLQuantizationType
 
-from minivllm.layers.ggml_blocks import dequant_matmul, ggml_matmul, row_bytes
+from minivllm.layers.cpu_kernels import cpu_kernels_available
+from minivllm.layers.ggml_blocks import dequant_matmul, ggml_matmul_segments, row_bytes
 
 # The one table of which GGUF tensor types run as stored blocks, and up to how many rows a
 # step takes the integer-dot kernel (beyond: tile-by-tile dequantization and torch's matmul).
@@ -32,7 +34,14 @@ BLOCK_TYPES = frozenset({
     GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K, GGMLQuantizationType.Q6_K,
     GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q5_0, GGMLQuantizationType.Q5_1,
 })
-INT_DOT_MAX_ROWS = 32  # where the two cross on AVX2, docs/ggml-kernels.md
+# The K kinds' integer kernel (activations rounded per block of 256) beats the dequantizing
+# path at every row count; the 32-input kinds' (a float multiply each group) only up to 32
+# rows (docs/ggml-kernels.md).
+INT_DOT_MAX_ROWS: dict[GGMLQuantizationType, float] = {
+    GGMLQuantizationType.Q4_K: float("inf"), GGMLQuantizationType.Q5_K: float("inf"),
+    GGMLQuantizationType.Q6_K: float("inf"), GGMLQuantizationType.Q8_0: 32,
+    GGMLQuantizationType.Q5_0: 32, GGMLQuantizationType.Q5_1: 32,
+}
 # The token embedding and the LM head run as stored blocks in these types (what K-quant files
 # hold); a Q8_0 head keeps the 8-bit head path of minivllm.layers.stored_weights.
 EMBEDDING_BLOCK_TYPES = frozenset({
@@ -70,6 +79,12 @@ class BlockWeight:
                                  f"bytes; got blocks {tuple(segment.blocks.shape)}")
         self.segments = segments
         self.cols = cols
+        # What the one-call kernel takes, prepared once: a compiled decode step then calls the
+        # operator with no Python checks in between (each would break its graph).
+        self._blocks = [s.blocks.contiguous() for s in segments]
+        self._qtypes = [int(s.qtype) for s in segments]
+        self._kernels = cpu_kernels_available()
+        self._int_dot_rows = min(INT_DOT_MAX_ROWS.get(s.qtype, 32) for s in segments)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -81,10 +96,12 @@ class BlockWeight:
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """`x @ W.T`: `[..., in]` -> `[..., out]` in x's dtype (fp32 or bf16)."""
-        few_rows = x.numel() // x.shape[-1] <= INT_DOT_MAX_ROWS
-        outs = [
-            ggml_matmul(x, s.blocks, s.qtype).to(x.dtype) if few_rows
-            else dequant_matmul(x, s.blocks, s.qtype)
-            for s in self.segments
-        ]
+        if x.numel() // x.shape[-1] <= self._int_dot_rows:  # one call: x rounded once
+            if self._kernels:
+                rows = x.reshape(-1, self.cols)  # [M, in]
+                out = torch.ops.minivllm.ggml_matmul_segments(rows, self._blocks, self._qtypes, 0)
+                return out.view(*x.shape[:-1], out.shape[-1]).to(x.dtype)
+            pairs = [(s.blocks, s.qtype) for s in self.segments]
+            return ggml_matmul_segments(x, pairs).to(x.dtype)
+        outs = [dequant_matmul(x, s.blocks, s.qtype) for s in self.segments]
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)

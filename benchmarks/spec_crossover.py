@@ -6,8 +6,9 @@ Each engine is built once; for each batch size B, B copies of the request are pr
 copies share the prompt through the prefix cache), then the decode steps are timed alone.
 Speculation runs with the cost model off (`disable_by_batch_size: null, draft_token_cost: 0`),
 so every sequence with a match proposes. Prints, per B, both decode rates and their ratio, and
-the cost model's figure fitted from the plain decode rates: a step of N tokens takes
-t0 * (1 + c * N), c = `draft_token_cost`.
+the cost model's figure from the smallest B: with d drafts per verifying step, a verifying step
+takes r = (1 + c * (1 + d)) / (1 + c) times a plain one, c = `draft_token_cost` (assuming the
+acceptance of all B for the smallest).
 
     .venv/bin/python benchmarks/spec_crossover.py [--batch-sizes 1 4 16] [--max-tokens 48]
         [--k 4] [--model PATH] [--dtype auto]
@@ -56,6 +57,7 @@ def main() -> None:
     messages = [{"role": "user", "content": "Repeat the following text exactly, word for "
                  f"word, and nothing else.\n\n{DOCUMENT}"}]
     rates: dict[str, dict[int, float]] = {}
+    drafts_per_step = accepted = steps = 0.0
     for name, config in [("plain", None), ("ngram", spec)]:
         llm = LLM(args.model, dtype=args.dtype, speculative_config=config,
                   max_num_seqs=max(args.batch_sizes))
@@ -70,20 +72,24 @@ def main() -> None:
             drafted = after["spec_decode_num_draft_tokens"] - before["spec_decode_num_draft_tokens"]
             accepted = (after["spec_decode_num_accepted_tokens"]
                         - before["spec_decode_num_accepted_tokens"])
-            print(f"acceptance: {accepted / max(drafted, 1):.1%} of {drafted:.0f} draft tokens")
+            steps = after["spec_decode_num_drafts"] - before["spec_decode_num_drafts"]
+            drafts_per_step = drafted / max(steps, 1)
+            print(f"acceptance: {accepted / max(drafted, 1):.1%} of {drafted:.0f} draft tokens, "
+                  f"{drafts_per_step:.2f} drafts and {1 + accepted / max(steps, 1):.2f} tokens "
+                  "per verifying step")
         engine.close()
     for b in args.batch_sizes:
         plain, ngram = rates["plain"][b], rates["ngram"][b]
         print(f"B={b:>3}: plain {plain:7.1f} tok/s, ngram {ngram:7.1f} tok/s, "
               f"ratio {ngram / plain:.2f}")
-    # t(B) = B / rate(B) = t0 * (1 + c * B): fit t0 and c from the smallest and largest B.
-    lo, hi = min(args.batch_sizes), max(args.batch_sizes)
-    t_lo, t_hi = lo / rates["plain"][lo], hi / rates["plain"][hi]
-    per_token = (t_hi - t_lo) / (hi - lo)
-    t0 = t_lo - per_token * lo
-    print(f"step time fit: t0 = {t0 * 1e3:.1f} ms, per token {per_token * 1e3:.2f} ms, "
-          f"draft_token_cost c = {per_token / t0:.3f}" if t0 > 0 else
-          f"step time fit: per token {per_token * 1e3:.2f} ms, no fixed part resolved")
+    # The cost model's figure, from the smallest B: a plain step yields B tokens, a verifying
+    # one B * (1 + a * d); their step times' ratio r = (1 + c * (1 + d)) / (1 + c) gives c.
+    b = min(args.batch_sizes)
+    tokens = 1 + accepted / max(steps, 1) if steps else 1.0
+    r = tokens * rates["plain"][b] / rates["ngram"][b]  # verifying step / plain step, in time
+    if drafts_per_step and 1 + drafts_per_step > r:
+        print(f"B={b}: a verifying step takes {r:.2f}x a plain one for {drafts_per_step:.2f} "
+              f"drafts: draft_token_cost c = {(r - 1) / (1 + drafts_per_step - r):.3f}")
 
 
 if __name__ == "__main__":

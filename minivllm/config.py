@@ -45,8 +45,8 @@ class SpeculativeConfig:
     num_speculative_tokens: int = 4
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
-    disable_by_batch_size: int | None = 16
-    draft_token_cost: float = 0.1
+    disable_by_batch_size: int | None = 256
+    draft_token_cost: float = 0.05
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:

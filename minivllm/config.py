@@ -33,12 +33,20 @@ class SpeculativeConfig:
     """Speculative decoding, vLLM's `speculative_config` shape: `method="ngram"` proposes up
     to `num_speculative_tokens` tokens per decoding sequence by prompt lookup (the last n tokens,
     n from `prompt_lookup_max` down to `prompt_lookup_min`, found earlier in the prompt or
-    output), and the target model verifies them all in one step."""
+    output), and the target model verifies them all in one step.
+
+    When it pays (`engine/spec_policy.py`): nobody speculates with `disable_by_batch_size` or
+    more running sequences (None: at any batch size), and a sequence proposes only while its
+    acceptance so far beats the break-even of the cost model, whose one figure is
+    `draft_token_cost`, a token's share of a one-token step's time (0: always propose). The
+    defaults are measured on the default model on the CPU (docs/benchmarks.md)."""
 
     method: str = "ngram"
     num_speculative_tokens: int = 4
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
+    disable_by_batch_size: int | None = 256
+    draft_token_cost: float = 0.05
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
@@ -52,6 +60,17 @@ class SpeculativeConfig:
                 raise ValueError(
                     f"speculative_config {name} must be a positive integer, got {value!r}"
                 )
+        size = self.disable_by_batch_size
+        if size is not None and (not isinstance(size, int) or isinstance(size, bool) or size < 1):
+            raise ValueError(
+                f"speculative_config disable_by_batch_size must be a positive integer or null, "
+                f"got {size!r}"
+            )
+        cost = self.draft_token_cost
+        if not isinstance(cost, (int, float)) or isinstance(cost, bool) or not cost >= 0:
+            raise ValueError(
+                f"speculative_config draft_token_cost must be a number >= 0, got {cost!r}"
+            )
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(
                 f"speculative_config prompt_lookup_min ({self.prompt_lookup_min}) must not "

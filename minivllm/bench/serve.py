@@ -2,7 +2,9 @@
 
 For each concurrency level it sends `num_requests` streaming completions (random token-id
 prompts, `ignore_eos`, fixed output length), `concurrency` at a time, and reports time to
-first token and inter-token latency (p50, p99) and output throughput.
+first token and inter-token latency (p50, p99) and output throughput. When the server
+speculates, each level also reports the drafts' acceptance: the change of vLLM's spec-decode
+counters on /metrics over the level (minivllm and vLLM export the same `vllm:` names).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import time
 from typing import Any
 
 from minivllm.bench.workloads import Workload
+from minivllm.engine.spec_decode import mean_acceptance_length
 
 # Prompt ids are drawn below this: the served model's vocabulary is not asked for.
 SERVE_VOCAB_SIZE = 20100
@@ -25,6 +28,60 @@ def percentile(values: list[float], q: int) -> float:
     if len(values) < 2:
         return values[0] if values else float("nan")
     return statistics.quantiles(values, n=100, method="inclusive")[q - 1]
+
+
+_SPEC_COUNTERS = ("spec_decode_num_drafts", "spec_decode_num_draft_tokens",
+                  "spec_decode_num_accepted_tokens")
+_PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
+
+
+def spec_counters(metrics_text: str) -> dict[str, float]:
+    """vLLM's spec-decode counters in a /metrics text: the three totals by their short name,
+    and `per_pos/j` for position j (summed over other labels, such as vLLM's `engine`)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    counters: dict[str, float] = {}
+    for family in text_string_to_metric_families(metrics_text):
+        for sample in family.samples:
+            if not sample.name.endswith("_total"):
+                continue
+            name = sample.name.removesuffix("_total")
+            if name == _PER_POS:
+                key = f"per_pos/{sample.labels.get('position', '0')}"
+            elif name.startswith("vllm:") and name[len("vllm:"):] in _SPEC_COUNTERS:
+                key = name.removeprefix("vllm:")
+            else:
+                continue
+            counters[key] = counters.get(key, 0.0) + sample.value
+    return counters
+
+
+def acceptance(before: dict[str, float], after: dict[str, float]) -> dict[str, Any] | None:
+    """The drafts' acceptance between two `spec_counters` readings; None if none verified."""
+    delta = {k: after[k] - before.get(k, 0.0) for k in after}
+    drafts = delta.get("spec_decode_num_drafts", 0.0)
+    draft_tokens = delta.get("spec_decode_num_draft_tokens", 0.0)
+    if not drafts or not draft_tokens:
+        return None
+    accepted = delta.get("spec_decode_num_accepted_tokens", 0.0)
+    positions = sorted(int(k.split("/")[1]) for k in delta if k.startswith("per_pos/"))
+    return {
+        "num_drafts": drafts, "num_draft_tokens": draft_tokens, "num_accepted_tokens": accepted,
+        "acceptance_rate": accepted / draft_tokens,
+        "mean_acceptance_length": mean_acceptance_length(drafts, accepted),
+        "per_position_acceptance": [delta[f"per_pos/{j}"] / drafts for j in positions],
+    }
+
+
+def read_spec_counters(url: str) -> dict[str, float]:
+    """`spec_counters` of the server's /metrics; {} where it has none (llama.cpp's server)."""
+    import httpx
+
+    try:
+        response = httpx.get(f"{url}/metrics", timeout=30)
+    except httpx.HTTPError:
+        return {}
+    return spec_counters(response.text) if response.status_code == 200 else {}
 
 
 async def one_request(client: Any, url: str, model: str, prompt: list[int],
@@ -89,13 +146,19 @@ def cmd_serve_bench(args: argparse.Namespace) -> dict[str, Any]:
         workload = Workload(count, (args.input_min, args.input_max), (1, 1),
                             args.seed + concurrency)
         prompts, _ = workload.make(SERVE_VOCAB_SIZE)
+        before = read_spec_counters(url)
         level = asyncio.run(run_level(url, model, prompts, args.output_len, concurrency))
+        spec = acceptance(before, read_spec_counters(url))
+        if spec is not None:
+            level["spec_decode"] = spec
         levels.append(level)
         print(f"concurrency {concurrency:>2}: {level['requests']} requests, "
               f"{level['output_tok_per_s']:.1f} tok/s, "
               f"TTFT p50 {level['ttft_p50_s'] * 1e3:.0f} ms "
               f"p99 {level['ttft_p99_s'] * 1e3:.0f} ms, "
-              f"ITL p50 {level['itl_p50_s'] * 1e3:.0f} ms p99 {level['itl_p99_s'] * 1e3:.0f} ms",
+              f"ITL p50 {level['itl_p50_s'] * 1e3:.0f} ms p99 {level['itl_p99_s'] * 1e3:.0f} ms"
+              + (f", acceptance {spec['acceptance_rate']:.1%}, mean acceptance length "
+                 f"{spec['mean_acceptance_length']:.2f}" if spec is not None else ""),
               flush=True)
     return {"benchmark": "serve", "url": url, "model": model, "output_len": args.output_len,
             "results": [dict(level, name=f"c={level['concurrency']}",

@@ -78,7 +78,9 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self.tracer = tracer or NullTracer()
         self.token_texts = TokenTexts(tokenizer)  # the decoded_token of Logprob entries
-        self.scheduler = Scheduler(config, model_runner.num_kv_blocks)
+        self.scheduler = Scheduler(
+            config, model_runner.num_kv_blocks, draft_filter=self._grammar_drafts
+        )
         self.structured = StructuredOutputs(
             tokenizer, model_runner.vocab_size, config.eos_token_ids
         )
@@ -201,7 +203,10 @@ class LLMEngine:
         if batch.is_empty:
             return []
         failure: Exception | None = None
-        bitmask = self.structured.bitmask(self._matchers(batch.sample_seqs))
+        bitmask = self.structured.bitmask(
+            self._matchers(batch.sample_seqs), [s.spec_token_ids for s in batch.sample_seqs]
+        )
+        num_tokens = [seq.num_tokens for seq in batch.sample_seqs]  # where new tokens start
         with self.tracer.phase("execute"):
             try:
                 output = self.model_runner.run(batch, bitmask)
@@ -215,21 +220,35 @@ class LLMEngine:
             if failure is not None:
                 return self._fail(batch, failure)
             seqs = self.scheduler.postprocess(batch, output)
-            self._advance_grammars(batch.sample_seqs)
+            self._advance_grammars(batch.sample_seqs, num_tokens)
             return self._outputs(seqs, sampled=set(map(id, batch.sample_seqs)))
 
     def _matchers(self, seqs: list[Sequence]) -> list[GrammarMatcher | None]:
         requests = [self._requests.get(seq.seq_id) for seq in seqs]
         return [r.matcher if r is not None else None for r in requests]
 
-    def _advance_grammars(self, seqs: list[Sequence]) -> None:
-        """Feed each constrained sequence's new token to its grammar; end it with "stop"
-        where the grammar ends."""
-        for seq, matcher in zip(seqs, self._matchers(seqs)):
-            if matcher is None or seq.is_finished:
+    def _grammar_drafts(self, seq: Sequence, drafts: list[int]) -> list[int]:
+        """The drafts a constrained sequence's grammar allows in a row (all, if none)."""
+        request = self._requests.get(seq.seq_id)
+        if request is None or request.matcher is None:
+            return drafts
+        return drafts[: request.matcher.valid_prefix(drafts)]
+
+    def _advance_grammars(self, seqs: list[Sequence], starts: list[int]) -> None:
+        """Feed each constrained sequence's new tokens (from `starts`) to its grammar; end it
+        with "stop" where the grammar ends, dropping any token a speculative step appended
+        after that point (a step without drafts would have ended there)."""
+        for seq, matcher, start in zip(seqs, self._matchers(seqs), starts):
+            if matcher is None:
                 continue
-            matcher.accept(seq.token_ids[-1])
-            if matcher.is_finished:
+            for at in range(start, seq.num_tokens):
+                if matcher.is_finished:
+                    self.scheduler.finish(seq, FinishReason.STOP)
+                    seq.finish_reason = FinishReason.STOP
+                    seq.truncate(at)
+                    break
+                matcher.accept(seq.token_ids[at])
+            if matcher.is_finished and not seq.is_finished:
                 self.scheduler.finish(seq, FinishReason.STOP)
 
     def _fail(self, batch: ScheduledBatch, exc: Exception) -> list[RequestOutput]:
@@ -355,9 +374,7 @@ class LLMEngine:
             "prefix_cache_queries": bm.prefix_queries,
             "prefix_cache_hits": bm.prefix_hits,
             "num_preemptions": self.scheduler.num_preemptions,
-            "spec_decode_num_drafts": self.scheduler.num_spec_drafts,
-            "spec_decode_num_draft_tokens": self.scheduler.num_spec_draft_tokens,
-            "spec_decode_num_accepted_tokens": self.scheduler.num_spec_accepted_tokens,
+            **self.scheduler.spec_stats.as_stats(),
         }
 
 

@@ -139,9 +139,7 @@ def sampling_batch(
             num_prompt_tokens=[s.num_prompt_tokens for s in seqs],
             token_bitmask=None if bitmask is None else torch.from_numpy(bitmask),  # [rows, W]
         )
-    rows = [len(s.spec_token_ids) + 1 for s in seqs]
-    if bitmask is not None:  # constrained sequences have no drafts: their one row repeats
-        bitmask = np.repeat(bitmask, rows, axis=0)  # [sum(rows), W]
+    rows = [len(s.spec_token_ids) + 1 for s in seqs]  # the bitmask has sum(rows) rows too
     return SamplingBatch(
         params=[s.sampling_params for s, n in zip(seqs, rows) for _ in range(n)],
         positions=[s.num_tokens + j for s, n in zip(seqs, rows) for j in range(n)],
@@ -389,8 +387,8 @@ class ModelRunner:
             out = verify(self.sampler, logits, inputs.sampling)  # logits: [draft rows, V]
         logprobs = out.logprobs or [None] * len(out.token_ids)
         accepted = out.num_accepted or [0] * len(out.token_ids)
-        output.samples = [
-            SampledToken(t, lp, n) for t, lp, n in zip(out.token_ids, logprobs, accepted)
-        ]
+        drafted = out.draft_logprobs or [None] * len(out.token_ids)
+        output.samples = [SampledToken(t, lp, n, dl) for t, lp, n, dl
+                          in zip(out.token_ids, logprobs, accepted, drafted, strict=True)]
         return output
 

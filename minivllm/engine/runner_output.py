@@ -25,6 +25,8 @@ class SampledToken:
     # With draft tokens in the plan: how many of them the target accepted; `token_id` is the
     # target's token after them (a correction, or the bonus when all were accepted).
     num_accepted: int = 0
+    # With accepted drafts and logprobs: each accepted draft's entry, in order.
+    draft_logprobs: list[dict[int, Logprob]] | None = None
 
 
 @dataclass

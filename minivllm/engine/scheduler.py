@@ -12,8 +12,10 @@ recently admitted running sequence is preempted by recompute.
 Speculative decoding (`config.speculative_config`): a decoding sequence may get draft tokens
 from the proposer (`spec_decode.py`) in its plan, `num_scheduled_tokens = 1 + drafts`, counted
 in the budget and given blocks like any token, but only where they fit without preempting
-anyone. The commit appends the accepted drafts and the target's token and advances
-`num_cached_tokens` by accepted + 1; a rejected draft's slot is overwritten by a later step.
+anyone, and only where the cost model (`spec_policy.py`) says they pay at this batch size and
+the sequence's acceptance so far. The commit appends the accepted drafts and the target's token
+and advances `num_cached_tokens` by accepted + 1; a rejected draft's slot is overwritten by a
+later step.
 
 Pure Python: no torch here.
 """
@@ -21,6 +23,7 @@ Pure Python: no torch here.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from minivllm.config import EngineConfig
@@ -33,7 +36,9 @@ from minivllm.engine.sequence import (
     blocks_for,
     check_invariants,
 )
-from minivllm.engine.spec_decode import NgramProposer
+from minivllm.engine.spec_decode import NgramProposer, SpecDecodeStats
+from minivllm.engine.spec_policy import SpeculationPolicy
+from minivllm.logprobs import Logprob
 
 
 @dataclass
@@ -67,10 +72,20 @@ class ScheduledBatch:
         return not self.seqs
 
 
-class Scheduler:
-    """Owns the waiting and running queues and the BlockManager."""
+DraftFilter = Callable[[Sequence, list[int]], list[int]]
 
-    def __init__(self, config: EngineConfig, num_blocks: int, hash_fn: HashFn = hash_block):
+
+class Scheduler:
+    """Owns the waiting and running queues and the BlockManager. `draft_filter` (the engine's
+    grammar check) cuts a sequence's proposed drafts to those its constraint allows."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        num_blocks: int,
+        hash_fn: HashFn = hash_block,
+        draft_filter: DraftFilter | None = None,
+    ):
         if config.max_model_len is None:
             raise ValueError("the scheduler needs a resolved max_model_len")
         self.config = config
@@ -84,10 +99,9 @@ class Scheduler:
         self.num_preemptions = 0
         spec = config.speculative_config
         self.proposer = NgramProposer(spec) if spec is not None else None
-        # vLLM's spec-decode counters: steps of a sequence with drafts, drafts, accepted ones.
-        self.num_spec_drafts = 0
-        self.num_spec_draft_tokens = 0
-        self.num_spec_accepted_tokens = 0
+        self.spec_policy = SpeculationPolicy(spec) if spec is not None else None
+        self.draft_filter = draft_filter
+        self.spec_stats = SpecDecodeStats(spec.num_speculative_tokens if spec else 0)
 
     # ---- requests -------------------------------------------------------------------
 
@@ -181,16 +195,18 @@ class Scheduler:
         max_model_len leave room for after its one certain token; [] when not speculating."""
         if self.proposer is None or seq.num_uncached_tokens != 1:
             return []
-        sp = seq.sampling_params
-        # Logprobs and grammars follow one token per step (one entry, one matcher advance).
-        if sp.logprobs is not None or sp.structured_outputs is not None:
-            return []
+        assert self.spec_policy is not None
+        if not self.spec_policy.should_propose(seq.seq_id, len(self.running)):
+            return []  # the cost model says drafts do not pay here
         room = min(
             budget - 1,
             self.max_completion_tokens(seq) - seq.num_completion_tokens - 1,
             self.max_model_len - seq.num_tokens - 1,
         )
-        return self.proposer.propose(seq.token_ids, room) if room > 0 else []
+        drafts = self.proposer.propose(seq.token_ids, room) if room > 0 else []
+        if drafts and self.draft_filter is not None:
+            drafts = self.draft_filter(seq, drafts)
+        return drafts
 
     def _preempt(self, seq: Sequence) -> None:
         """RUNNING -> WAITING by recompute: blocks freed, progress forgotten."""
@@ -230,9 +246,9 @@ class Scheduler:
             reason = None if sample is None else self._append(seq, sample, drafts)
             if drafts:
                 seq.spec_token_ids = []
-                self.num_spec_drafts += 1
-                self.num_spec_draft_tokens += len(drafts)
-                self.num_spec_accepted_tokens += num_accepted
+                self.spec_stats.observe(len(drafts), num_accepted)
+                if self.spec_policy is not None:
+                    self.spec_policy.observe(seq.seq_id, len(drafts), num_accepted)
             self.block_manager.commit(seq, before)
             if seq.seq_id in output.prompt_logprobs:
                 first, entries = output.prompt_logprobs[seq.seq_id]
@@ -246,17 +262,26 @@ class Scheduler:
     def _append(
         self, seq: Sequence, sample: SampledToken, drafts: list[int]
     ) -> FinishReason | None:
-        """Append the accepted drafts, then the sampled token, up to the first one that ends
-        the sequence (an EOS among the drafts ends it there: the rest is dropped)."""
-        for token_id in [*drafts[: sample.num_accepted], sample.token_id]:
+        """Append the accepted drafts, then the sampled token, each with its logprob entry, up
+        to the first one that ends the sequence (an EOS among the drafts ends it there: the
+        rest is dropped)."""
+        run = [*drafts[: sample.num_accepted], sample.token_id]
+        # One logprob entry per token appended, when the request asked for them.
+        entries: list[dict[int, Logprob] | None] = [None] * sample.num_accepted
+        if sample.draft_logprobs is not None:
+            entries = list(sample.draft_logprobs)
+        entries.append(sample.logprobs)
+        wants_logprobs = seq.sampling_params.logprobs is not None
+        reason = None
+        for token_id, entry in zip(run, entries):
             seq.append_token(token_id)
+            if wants_logprobs and entry is not None:
+                seq.logprobs.append(entry)
             reason = self._stop_reason(seq, token_id)
             if reason is not None:
                 # The KV of dropped drafts counts no more.
                 seq.num_cached_tokens = min(seq.num_cached_tokens, seq.num_tokens)
                 break
-        if seq.sampling_params.logprobs is not None and sample.logprobs is not None:
-            seq.logprobs.append(sample.logprobs)
         return reason
 
     def discard(self, batch: ScheduledBatch, reason: FinishReason = FinishReason.ERROR) -> None:
@@ -294,6 +319,8 @@ class Scheduler:
         seq.spec_token_ids = []
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
+        if self.spec_policy is not None:
+            self.spec_policy.forget(seq.seq_id)
 
     # ---- checks -----------------------------------------------------------------------
 

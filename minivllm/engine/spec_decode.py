@@ -14,6 +14,8 @@ Pure Python and numpy: no torch here.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
@@ -63,3 +65,55 @@ def accept_greedy(drafts: list[int], targets: list[int]) -> int:
             break
         accepted += 1
     return accepted
+
+
+PER_POSITION_KEY = "spec_decode_num_accepted_tokens_per_pos"
+
+
+@dataclass
+class SpecDecodeStats:
+    """vLLM's spec-decode counters, kept by the commit: sequence-steps that verified drafts,
+    draft tokens, accepted ones, and accepted ones by draft position (position j counts the
+    steps whose draft j was accepted, so `accepted_per_pos[0] / num_drafts` is the acceptance
+    rate of the first draft)."""
+
+    num_speculative_tokens: int
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.accepted_per_pos = [0] * self.num_speculative_tokens
+
+    def observe(self, num_draft_tokens: int, num_accepted: int) -> None:
+        """One sequence's verified step."""
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft_tokens
+        self.num_accepted_tokens += num_accepted
+        for j in range(num_accepted):
+            self.accepted_per_pos[j] += 1
+
+    def as_stats(self) -> dict[str, float]:
+        """The counters as `engine.stats()` entries; position j under `PER_POSITION_KEY/j`."""
+        stats: dict[str, float] = {
+            "spec_decode_num_drafts": self.num_drafts,
+            "spec_decode_num_draft_tokens": self.num_draft_tokens,
+            "spec_decode_num_accepted_tokens": self.num_accepted_tokens,
+        }
+        for j, count in enumerate(self.accepted_per_pos):
+            stats[f"{PER_POSITION_KEY}/{j}"] = count
+        return stats
+
+
+def per_position(stats: dict[str, float]) -> list[float]:
+    """The per-position accepted counts of an `engine.stats()` dict, position 0 first."""
+    prefix = PER_POSITION_KEY + "/"
+    found = {int(k[len(prefix):]): v for k, v in stats.items() if k.startswith(prefix)}
+    return [found[j] for j in sorted(found)]
+
+
+def mean_acceptance_length(num_drafts: float, num_accepted: float) -> float | None:
+    """vLLM's mean acceptance length: tokens a verifying step yields, 1 + accepted / drafts
+    (the target's own token counts); None before any draft was verified."""
+    return 1 + num_accepted / num_drafts if num_drafts else None

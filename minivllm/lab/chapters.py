@@ -9,14 +9,16 @@ from __future__ import annotations
 from minivllm.engine.block_manager import BlockManager, hash_block
 from minivllm.engine.scheduler import Scheduler
 from minivllm.engine.sequence import Sequence
+from minivllm.engine.spec_decode import NgramProposer
 from minivllm.engine.tracing import source_of
 from minivllm.lab.ch04_scheduler import CHAPTER_04
 from minivllm.lab.ch05_blocks import CHAPTER_05
 from minivllm.lab.ch06_runner import CHAPTER_06
+from minivllm.lab.ch07_speculation import CHAPTER_07
 from minivllm.lab.scenarios import CHAPTER_03, Scenario
 
 SCENARIOS: dict[str, Scenario] = {
-    s.name: s for s in [*CHAPTER_03, *CHAPTER_04, *CHAPTER_05, *CHAPTER_06]
+    s.name: s for s in [*CHAPTER_03, *CHAPTER_04, *CHAPTER_05, *CHAPTER_06, *CHAPTER_07]
 }
 
 # The runner's functions are named by file and line without importing the runner (torch).
@@ -41,6 +43,8 @@ def chapters() -> list[dict[str, object]]:
                source_of(BlockManager.take_prefix), source_of(BlockManager.free),
                source_of(BlockManager.commit)],
         "06": _runner_code(),
+        "07": [source_of(NgramProposer.propose), source_of(Scheduler._propose),
+               source_of(Scheduler.postprocess)],
     }
     return [
         {"chapter": name, "code": [{"function": _function_at(loc), "location": loc}

@@ -50,6 +50,7 @@ class SharedModelEngines:
             num_kv_blocks=shape.num_kv_blocks,
             max_num_batched_tokens=shape.max_num_batched_tokens,
             max_num_seqs=shape.max_num_seqs,
+            speculative_config=shape.speculative_config,
         )
         return LLMEngine(config, view, self.base.tokenizer, tracer)
 

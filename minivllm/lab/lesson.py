@@ -59,6 +59,9 @@ class Lesson:
     ask: Callable[[State], dict[str, Any]]  # the question's numbers, from the start state
     observe: Callable[[Run], Observed | None]
     choices: Callable[[State], list[str]] | None = None
+    # The answer depends on the model's tokens (how many drafts it accepts), not on the
+    # engine's rules alone: another model may answer otherwise.
+    depends_on_model: bool = False
 
 
 class PredictionError(ValueError):

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from minivllm.config import SpeculativeConfig
 from minivllm.lab.lesson import Lesson
 
 
@@ -45,6 +46,7 @@ class EngineShape:
     num_kv_blocks: int
     max_num_batched_tokens: int
     max_num_seqs: int = 16
+    speculative_config: SpeculativeConfig | None = None  # chapter 07's engine speculates
 
 
 @dataclass(frozen=True)

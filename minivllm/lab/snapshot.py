@@ -96,6 +96,7 @@ class Snapshotter:
             "num_prompt_tokens": seq.num_prompt_tokens,
             "num_cached_tokens": seq.num_cached_tokens,
             "num_scheduled_tokens": seq.num_scheduled_tokens,
+            "spec_token_ids": list(seq.spec_token_ids),
             "block_table": list(seq.block_table),
             "token_ids": ids,
             **text,

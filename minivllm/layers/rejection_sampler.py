@@ -27,6 +27,7 @@ from minivllm.layers.sampler import (
     gather_logprobs,
     sample_from,
 )
+from minivllm.logprobs import Logprob
 
 
 def verify(sampler: Sampler, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
@@ -35,7 +36,7 @@ def verify(sampler: Sampler, logits: torch.Tensor, batch: SamplingBatch) -> Samp
     logits: [R, V] raw, R = sum(k + 1) over the sequences of `batch.draft_token_ids`; `batch`
     has one entry per row (params, positions, token ids with the drafts before the row).
     Returns one token per sequence, with `num_accepted`; logprobs (when asked for) are of that
-    token, from its own row."""
+    token and of the accepted drafts, each from its own row."""
     drafts = batch.draft_token_ids
     assert drafts is not None, "verify needs draft tokens"
     logits = logits.float()
@@ -57,13 +58,42 @@ def verify(sampler: Sampler, logits: torch.Tensor, batch: SamplingBatch) -> Samp
     tokens, accepted, rows = accept(processed, probs, drafts, greedy, first, second)
     if raw_logprobs is None:
         return SamplerOutput(tokens, num_accepted=accepted)
-    asked = [batch.params[r].logprobs for r in rows]
-    chosen = torch.tensor(rows, dtype=torch.int64, device=raw_logprobs.device)
-    token_tensor = torch.tensor(tokens, dtype=torch.int64, device=raw_logprobs.device)
-    entries = gather_logprobs(raw_logprobs[chosen], token_tensor, [k or 0 for k in asked])
-    return SamplerOutput(
-        tokens, [e if k is not None else None for e, k in zip(entries, asked)], accepted
+    logprobs, draft_logprobs = run_logprobs(raw_logprobs, batch, starts, drafts, accepted, tokens)
+    return SamplerOutput(tokens, logprobs, accepted, draft_logprobs)
+
+
+def run_logprobs(
+    raw_logprobs: torch.Tensor,
+    batch: SamplingBatch,
+    starts: list[int],
+    drafts: list[list[int]],
+    accepted: list[int],
+    tokens: list[int],
+) -> tuple[list[dict[int, Logprob] | None], list[list[dict[int, Logprob]] | None]]:
+    """The entries of every token a sequence keeps, each from its own row: the accepted
+    drafts' (row j for draft j) and the final token's (the row after them), as a step
+    without drafts would have given each. raw_logprobs: [R, V]. Returns (final token's entry,
+    accepted drafts' entries), per sequence; None where the request asked for none."""
+    row_ids: list[int] = []
+    row_tokens: list[int] = []
+    for start, d, n, token in zip(starts, drafts, accepted, tokens):
+        row_ids.extend(range(start, start + n + 1))
+        row_tokens.extend([*d[:n], token])
+    device = raw_logprobs.device
+    chosen = torch.tensor(row_ids, dtype=torch.int64, device=device)
+    wants = [batch.params[r].logprobs or 0 for r in row_ids]
+    entries = gather_logprobs(
+        raw_logprobs[chosen], torch.tensor(row_tokens, dtype=torch.int64, device=device), wants
     )
+    finals: list[dict[int, Logprob] | None] = []
+    runs: list[list[dict[int, Logprob]] | None] = []
+    at = 0
+    for start, n in zip(starts, accepted):
+        asked = batch.params[start].logprobs is not None
+        finals.append(entries[at + n] if asked else None)
+        runs.append(entries[at : at + n] if asked else None)
+        at += n + 1
+    return finals, runs
 
 
 def accept(

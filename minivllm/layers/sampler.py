@@ -64,6 +64,9 @@ class SamplerOutput:
     logprobs: list[dict[int, Logprob] | None] | None = None
     # With draft tokens: per sequence, how many the target accepted (before its token).
     num_accepted: list[int] | None = None
+    # With draft tokens and logprobs: per sequence, the accepted drafts' entries (None for a
+    # sequence that asked for no logprobs).
+    draft_logprobs: list[list[dict[int, Logprob]] | None] | None = None
 
 
 def gather_logprobs(

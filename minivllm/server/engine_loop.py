@@ -30,6 +30,7 @@ from minivllm.engine import requests
 from minivllm.engine.llm_engine import LLMEngine
 from minivllm.engine.requests import Choice
 from minivllm.engine.sequence import FinishReason
+from minivllm.engine.stat_logger import StatLogger
 from minivllm.outputs import CompletionOutput, RequestOutput
 
 logger = logging.getLogger(__name__)
@@ -171,6 +172,7 @@ class EngineLoop:
         self.stats: dict[str, float] = dict(engine.stats())
         self.num_steps = 0
         self.num_loop_errors = 0
+        self.stat_logger = StatLogger()  # the periodic "Running: ... reqs" line
 
     def run_once(self) -> None:
         """Apply the pending commands, then one engine step (or wait until a command comes);
@@ -201,6 +203,7 @@ class EngineLoop:
             outputs = self.recorder.step(self.engine, self._request_ids())
         self.num_steps += 1
         self.stats = dict(self.engine.stats())
+        self.stat_logger.record(self.stats)
         for output in outputs:
             self._deliver(output)
 

@@ -8,7 +8,9 @@ The engine's gauges and counters are also exported under vLLM's own names, with 
 `model_name` label (`vllm:num_requests_waiting{model_name="..."}`): the routers and gateways
 that pick a replica by queue length or KV usage (vllm-router, sglang-router, the Kubernetes
 Gateway API inference extension) scrape those names and no others. They are aliases, not a
-rename: dashboards built on the `minivllm:` names keep working.
+rename: dashboards built on the `minivllm:` names keep working. Accepted draft tokens by draft
+position carry vLLM's `position` label (`vllm:spec_decode_num_accepted_tokens_per_pos`), one
+series per position 0 .. k - 1 when the engine speculates.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from minivllm.engine.spec_decode import PER_POSITION_KEY, per_position
 from minivllm.outputs import RequestOutput
 
 _GAUGES = {
@@ -68,6 +71,21 @@ class _EngineStatsCollector(Collector):
             alias = CounterMetricFamily(f"vllm:{name}", doc, labels=["model_name"])
             alias.add_metric([self.model_name], value)
             yield alias
+        counts = per_position(stats)
+        if counts:
+            yield from self._per_position(counts)
+
+    def _per_position(self, counts: list[float]) -> Iterator[Metric]:
+        doc = "Accepted draft tokens by their position in the draft (0: the first)."
+        own = CounterMetricFamily(f"minivllm:{PER_POSITION_KEY}", doc, labels=["position"])
+        alias = CounterMetricFamily(
+            f"vllm:{PER_POSITION_KEY}", doc, labels=["model_name", "position"]
+        )
+        for j, count in enumerate(counts):
+            own.add_metric([str(j)], float(count))
+            alias.add_metric([self.model_name, str(j)], float(count))
+        yield own
+        yield alias
 
 
 class ServerMetrics:

@@ -35,6 +35,12 @@ class GrammarMatcher:
         """Advance past a committed token (one the mask allowed)."""
         self._matcher.consume_token(token_id)
 
+    def valid_prefix(self, token_ids: list[int]) -> int:
+        """How many of `token_ids` (draft tokens) the grammar allows in a row from here."""
+        if self.is_finished:
+            return 0
+        return int(self._matcher.validate_tokens(token_ids))
+
     @property
     def is_finished(self) -> bool:
         """The grammar has ended: no token but EOS can follow (or the matcher failed)."""
@@ -69,23 +75,39 @@ class StructuredOutputs:
         self._pristine.move_to_end(spec.key)
         return GrammarMatcher(base.deep_copy())
 
-    def bitmask(self, matchers: list[GrammarMatcher | None]) -> np.ndarray | None:
-        """The token bitmask of a batch's sampling rows; None if no row is constrained."""
-        rows = [(m._matcher, i) for i, m in enumerate(matchers) if m is not None]
-        if not rows:
+    def bitmask(
+        self, matchers: list[GrammarMatcher | None], drafts: list[list[int]] | None = None
+    ) -> np.ndarray | None:
+        """The token bitmask of a batch's sampler rows; None if no row is constrained. With
+        `drafts` (per sequence), a sequence owns 1 + len(drafts) rows, row j the mask after
+        its drafts before j (each draft is one the grammar allows: `valid_prefix`)."""
+        if all(m is None for m in matchers):
             return None
-        bitmask = llnp.allocate_token_bitmask(len(matchers), self.vocab_size)
+        counts = [1 + len(d) for d in drafts] if drafts is not None else [1] * len(matchers)
+        firsts = np.cumsum([0, *counts[:-1]]).tolist()  # each sequence's first row
+        bitmask = llnp.allocate_token_bitmask(sum(counts), self.vocab_size)
+        rows = [(m._matcher, firsts[i]) for i, m in enumerate(matchers)
+                if m is not None and counts[i] == 1]
         if len(rows) == 1:  # one request: no thread pool to wake
             llnp.fill_next_token_bitmask(rows[0][0], bitmask, rows[0][1])
-        else:
+        elif rows:
             if self._executor is None:
                 self._executor = llguidance.LLExecutor(num_threads=_MASK_THREADS)
             llnp.fill_next_token_bitmask_par(self._executor, rows, bitmask)
+        for i, m in enumerate(matchers):  # with drafts: row by row, then back to the start
+            if m is not None and counts[i] > 1:
+                assert drafts is not None
+                for j, token in enumerate(drafts[i]):
+                    llnp.fill_next_token_bitmask(m._matcher, bitmask, firsts[i] + j)
+                    m._matcher.consume_token(token)
+                llnp.fill_next_token_bitmask(m._matcher, bitmask, firsts[i] + counts[i] - 1)
+                m._matcher.rollback(counts[i] - 1)
         words = bitmask.view(np.uint32)  # [rows, ceil(vocab / 32)], the same bits
-        for _, i in rows:
-            if not words[i].any():  # never leave a request with no token at all: let it end
-                for eos in self.eos_token_ids:
-                    words[i, eos // 32] |= np.uint32(1 << (eos % 32))
+        for i, m in enumerate(matchers):
+            for row in range(firsts[i], firsts[i] + counts[i]) if m is not None else ():
+                if not words[row].any():  # never leave a request with no token: let it end
+                    for eos in self.eos_token_ids:
+                        words[row, eos // 32] |= np.uint32(1 << (eos % 32))
         return bitmask
 
     def _tokenizer(self) -> llguidance.LLTokenizer:

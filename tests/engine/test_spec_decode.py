@@ -20,7 +20,14 @@ from minivllm.cli import build_parser, engine_options
 from minivllm.config import EngineConfig, SpeculativeConfig
 from minivllm.engine.llm_engine import LLMEngine
 from minivllm.engine.sequence import SequenceStatus
-from minivllm.engine.spec_decode import NgramProposer, accept_greedy, propose_ngram
+from minivllm.engine.spec_decode import (
+    NgramProposer,
+    SpecDecodeStats,
+    accept_greedy,
+    mean_acceptance_length,
+    per_position,
+    propose_ngram,
+)
 from minivllm.sampling_params import SamplingParams
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
@@ -85,6 +92,9 @@ def test_speculative_config_accepts_vllms_shapes():
     ({"method": "ngram", "num_speculative_tokens": 0}, "positive integer"),
     ({"method": "ngram", "prompt_lookup_min": 4, "prompt_lookup_max": 2}, "must not exceed"),
     ({"method": "ngram", "lookahead": 2}, "unknown speculative_config key"),
+    ({"method": "ngram", "disable_by_batch_size": 0}, "positive integer or null"),
+    ({"method": "ngram", "draft_token_cost": -1}, "a number >= 0"),
+    ({"method": "ngram", "draft_token_cost": "cheap"}, "a number >= 0"),
     ("{not json", "not valid JSON"),
     (7, "must be a dict"),
 ])
@@ -135,6 +145,24 @@ def test_the_plan_schedules_drafts_and_the_commit_keeps_accepted_plus_one(make_e
     stats = engine.stats()
     assert 0 < stats["spec_decode_num_accepted_tokens"] < stats["spec_decode_num_draft_tokens"]
     assert stats["spec_decode_num_drafts"] > 0
+    # Position j counts the steps whose draft j was accepted: one per position up to accepted.
+    counts = per_position(stats)
+    assert len(counts) == NGRAM["num_speculative_tokens"]
+    assert sum(counts) == stats["spec_decode_num_accepted_tokens"]
+    assert stats["spec_decode_num_drafts"] >= counts[0] >= counts[1] >= counts[2] > 0
+
+
+def test_per_position_counts_and_mean_acceptance_length():
+    stats = SpecDecodeStats(3)
+    for drafts, accepted in [(3, 3), (3, 1), (2, 0), (3, 2)]:
+        stats.observe(drafts, accepted)
+    assert stats.accepted_per_pos == [3, 2, 1]
+    out = stats.as_stats()
+    assert per_position(out) == [3, 2, 1]
+    assert (out["spec_decode_num_drafts"], out["spec_decode_num_draft_tokens"],
+            out["spec_decode_num_accepted_tokens"]) == (4, 11, 6)
+    assert mean_acceptance_length(4, 6) == 2.5
+    assert mean_acceptance_length(0, 0) is None
 
 
 def test_greedy_output_is_the_same_with_and_without_speculation(make_engine):
@@ -265,11 +293,12 @@ def test_a_failed_speculative_step_commits_nothing(make_engine):
     assert seq.spec_token_ids == [] and outs[0].error
 
 
-def test_requests_with_logprobs_or_a_token_budget_of_one_do_not_speculate(make_engine):
+def test_requests_with_logprobs_speculate_but_a_token_budget_of_one_does_not(make_engine):
     engine = spec_engine(make_engine)
     seq = engine.add_request([1, 2, 3], greedy(max_tokens=30, logprobs=1))
-    run_to_completion(engine)
-    assert engine.stats()["spec_decode_num_drafts"] == 0
+    finals = run_to_completion(engine)
+    assert engine.stats()["spec_decode_num_drafts"] > 0
+    assert finals[str(seq.seq_id)].outputs[0].token_ids == reference([1, 2, 3], 30)
     engine = spec_engine(make_engine, max_num_batched_tokens=1)
     seq = engine.add_request([1, 2, 3], greedy(max_tokens=30))
     finals = run_to_completion(engine)

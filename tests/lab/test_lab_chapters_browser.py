@@ -1,4 +1,4 @@
-"""Chapters 04-06 in headless Chromium on the default model, played as a learner would.
+"""Chapters 04-07 in headless Chromium on the default model, played as a learner would.
 
 What it protects: the tabs are grouped by the server's chapters; in every new scenario a
 prediction locks (the input and its button are disabled, also after a reload), a wrong one is
@@ -8,7 +8,7 @@ outlines the slots a sequence's attention reads; Plan and Commit never move the 
 validation text and no ASCII punctuation touching CJK.
 
 Skipped like test_lab_browser.py when chromium is missing (unless MINIVLLM_REQUIRE_BROWSER=1).
-MINIVLLM_LAB_SCREENSHOT=1 (or a missing file) writes docs/img/lab-ch04.png .. lab-ch06.png.
+MINIVLLM_LAB_SCREENSHOT=1 (or a missing file) writes docs/img/lab-ch04.png .. lab-ch07.png.
 """
 
 from __future__ import annotations
@@ -47,13 +47,15 @@ PLAYS = {
     "slot": ("6", "14", ["plan", "commit"]),
     "read": ("1", "6", ["step"]),
     "logits": ("2", "1", ["step"]),
+    "spec": ("1", "4", ["step"]),
 }
 CHAPTER_OF = {name: ch for ch, names in {
     "04": ["budget", "chunks", "max_seqs", "victim"],
     "05": ["chain", "reuse", "partial", "lru"],
     "06": ["slot", "read", "logits"],
+    "07": ["spec"],
 }.items() for name in names}
-SHOT_OF = {"04": "budget", "05": "reuse", "06": "slot"}
+SHOT_OF = {"04": "budget", "05": "reuse", "06": "slot", "07": "spec"}
 # The screenshot starts at the guide's Run step: the verdict and the state beside it.
 SCROLL_TO_RUN = (
     "scrollTo(0, document.querySelector('#flow-run').getBoundingClientRect().top + scrollY - 12)"
@@ -118,7 +120,7 @@ def test_a_learner_plays_each_chapter_wrong_then_right(lesson_page) -> None:
     set_language(page, "en")
     groups = page.locator(".chapter-group")
     assert [g.get_attribute("data-testid") for g in groups.all()] == [
-        "chapter-03", "chapter-04", "chapter-05", "chapter-06"]
+        "chapter-03", "chapter-04", "chapter-05", "chapter-06", "chapter-07"]
     for name, (wrong, right, _) in PLAYS.items():
         text = play(page, name, wrong)
         assert text.startswith("Not quite."), (name, text)
@@ -183,7 +185,7 @@ def test_lessons_lock_fit_the_phone_and_speak_chinese(lesson_page) -> None:
 
     set_language(page, "zh")
     texts = []
-    for name in ["victim", "chunks", "reuse", "logits"]:
+    for name in ["victim", "chunks", "reuse", "logits", "spec"]:
         open_scenario(page, name)
         texts.append(page.inner_text("#guide"))
         if name != "victim":

@@ -92,6 +92,31 @@ def test_unconstrained_rows_are_all_ones_and_none_without_constraints(tokenizer)
     assert 0 < len(_allowed(bitmask[1:])) < 10
 
 
+@pytest.mark.parametrize("spec, language", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_a_sequence_with_drafts_gets_one_mask_per_verified_row(tokenizer, spec, language):
+    """Speculative decoding: a constrained sequence with k drafts owns k + 1 rows, row j the
+    mask after its first j drafts, as k + 1 one-token steps would have seen; the drafts are
+    cut to what the grammar allows, and the matcher is back where it started."""
+    structured = StructuredOutputs(tokenizer, TINY_VOCAB_SIZE, (EOS,))
+    params = SamplingParams(structured_outputs=spec)
+    text = language[-1]
+    tokens = tokenizer.encode(text, add_special_tokens=False)
+    matcher = structured.matcher_for(params)
+    assert matcher.valid_prefix(tokens + tokens) == len(tokens)  # nothing after the end
+    other = structured.matcher_for(params)  # a second sequence, without drafts
+    drafts = tokens[:3]
+    bitmask = structured.bitmask([other, None, matcher], [[], [5, 6], drafts])
+    assert bitmask.shape[0] == 1 + 3 + 1 + len(drafts)
+    assert len(_allowed(bitmask[1:2])) == TINY_VOCAB_SIZE  # unconstrained rows: all ones
+    reference = structured.matcher_for(params)
+    for j in range(len(drafts) + 1):
+        want = _allowed(structured.bitmask([reference]))
+        assert _allowed(bitmask[4 + j : 5 + j]) == want, j
+        if j < len(drafts):
+            reference.accept(drafts[j])
+    assert _allowed(structured.bitmask([matcher])) == _allowed(bitmask[4:5])  # rolled back
+
+
 def test_apply_token_bitmask_matches_a_bit_by_bit_reference() -> None:
     """Bit j of word w allows token 32w + j, the sign bit (j = 31) included; tokens past the
     mask's words are not allowed."""

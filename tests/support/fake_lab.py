@@ -9,6 +9,7 @@ from minivllm.lab.scenarios import EngineShape
 from support.fake_runner import FakeModelRunner
 
 LAB_BLOCK_SIZE = 4
+FAKE_SPEC_VOCAB = 16
 
 
 
@@ -20,6 +21,10 @@ def fake_lab_engine(shape: EngineShape, tracer: Tracer) -> LLMEngine:
         max_num_batched_tokens=shape.max_num_batched_tokens,
         max_num_seqs=shape.max_num_seqs,
         max_model_len=256,
+        speculative_config=shape.speculative_config,
     )
-    runner = FakeModelRunner(shape.num_kv_blocks, LAB_BLOCK_SIZE)
+    if shape.speculative_config is not None:  # a model that repeats itself: drafts get accepted
+        runner = FakeModelRunner(shape.num_kv_blocks, LAB_BLOCK_SIZE, FAKE_SPEC_VOCAB, order=1)
+    else:
+        runner = FakeModelRunner(shape.num_kv_blocks, LAB_BLOCK_SIZE)
     return LLMEngine(config, runner, None, tracer)

@@ -1,4 +1,4 @@
-// Chapters 04-06: the guide of a scenario whose question the server grades. The server sends
+// Chapters 04-07: the guide of a scenario whose question the server grades. The server sends
 // the lesson with every answer (question numbers, choices, the locked prediction, and once
 // the engine has answered, the answer and the numbers the explanation names); this module
 // only draws it and sends the learner's prediction and engine options.
@@ -141,7 +141,7 @@ export function renderLesson(name, lesson) {
       h("span", { "data-testid": "predict-why", text: t(`s_${name}_why`, p) })));
   }
   const f = view();
-  if (lesson.chapter === "06") parts.push(inputsTable(f));
+  if (lesson.chapter === "06" || lesson.chapter === "07") parts.push(inputsTable(f));
   if (lesson.chapter === "04") parts.push(...knobs(name));
   parts.push(...codeLinks(lesson.chapter));
   fill($("explain-body"), ...parts);

@@ -14,7 +14,7 @@ A fused layer (qkv_proj, gate_up_proj) holds one segment per checkpoint tensor, 
 type (Q4_K_M stores some `attn_v` in Q6_K), whose outputs are concatenated.
 
 Q4_0 and Q4_1 tensors are not in `BLOCK_TYPES`: they keep the 4-bit kernels of
-`minivllm.layers.stored_weights`, faster at one row on those types (docs/ggml-kernels.md).
+`minivllm.layers.linear_method`, faster at one row on those types (docs/ggml-kernels.md).
 """
 
 from __future__ import annotations
@@ -25,16 +25,18 @@ import torch
 from gguf import GGMLQuantizationType
 
 from minivllm.layers.ggml_blocks import dequant_matmul, ggml_matmul, row_bytes
+from minivllm.layers.kernel_rows import KERNEL_ROWS
 
-# The one table of which GGUF tensor types run as stored blocks, and up to how many rows a
-# step takes the integer-dot kernel (beyond: tile-by-tile dequantization and torch's matmul).
+# The one table of which GGUF tensor types run as stored blocks.
 BLOCK_TYPES = frozenset({
     GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K, GGMLQuantizationType.Q6_K,
     GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q5_0, GGMLQuantizationType.Q5_1,
 })
-INT_DOT_MAX_ROWS = 32  # where the two cross on AVX2, docs/ggml-kernels.md
+# Up to how many rows a step takes the integer-dot kernel (beyond: tile-by-tile
+# dequantization and torch's matmul): the row table's value, the same for both kinds of CPU.
+INT_DOT_MAX_ROWS = KERNEL_ROWS["AVX2"].ggml_int_dot
 # The token embedding and the LM head run as stored blocks in these types (what K-quant files
-# hold); a Q8_0 head keeps the 8-bit head path of minivllm.layers.stored_weights.
+# hold); a Q8_0 head keeps the 8-bit head path of minivllm.layers.linear_method.
 EMBEDDING_BLOCK_TYPES = frozenset({
     GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K, GGMLQuantizationType.Q6_K,
 })

@@ -144,6 +144,7 @@ def cpu_caps() -> CpuCaps:
     return caps
 
 
+@torch.compiler.assume_constant_result  # compiled graphs take the answer, not the probe
 def cpu_kernels_available() -> bool:
     """Whether the `minivllm::*` operators run here (`cpu_caps().kernels`)."""
     return cpu_caps().kernels

@@ -24,13 +24,15 @@ import torch
 from minivllm import LLM, SamplingParams
 from minivllm.bench.workloads import Workload
 
-MATMUL_OPS = ("aten::_weight_int4pack_mm_for_cpu", "aten::linear", "aten::addmm", "aten::mm",
+MATMUL_OPS = ("aten::_weight_int4pack_mm_for_cpu", "minivllm::ggml", "aten::linear", "aten::addmm", "aten::mm",
               "aten::matmul", "quantized::linear_dynamic", "mkldnn::", "aten::_weight_int8pack_mm",
               "minivllm::qgemv")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=None, help="a model path or GGUF file (default: "
+                        "the default model)")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--context", type=int, default=200)
     parser.add_argument("--steps", type=int, default=20)
@@ -40,7 +42,7 @@ def main() -> None:
     parser.add_argument("--wall-rounds", type=int, default=0,
                         help="rounds of --steps steps timed by the wall clock (0: none)")
     args = parser.parse_args()
-    llm = LLM(None, dtype=args.dtype, quantization=args.quantization, num_kv_blocks=512,
+    llm = LLM(args.model, dtype=args.dtype, quantization=args.quantization, num_kv_blocks=512,
               enforce_eager=args.enforce_eager)
     engine = llm.llm_engine
     prompts, _ = Workload(args.batch, (args.context, args.context), (1, 1)).make(

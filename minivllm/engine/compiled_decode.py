@@ -57,10 +57,11 @@ def compile_decode_step(
     weight_kernel: str | None = None,
 ) -> bool:
     """Whether the decode step is compiled: on the CPU, single-process, in bf16 or in fp32
-    with the weights run as stored by our qgemv kernel (an AVX2 CPU's default), unless
-    `enforce_eager` (vLLM's name) asks for eager steps. fp32 with dense weights is the
-    token-exact path and stays eager."""
-    precision = dtype == torch.bfloat16 or (dtype == torch.float32 and weight_kernel == "qgemv")
+    with the weights run as stored by our qgemv or GGUF-block kernels (an AVX2 CPU's
+    default), unless `enforce_eager` (vLLM's name) asks for eager steps. fp32 with dense
+    weights is the token-exact path and stays eager."""
+    stored = weight_kernel in ("qgemv", "blocks")
+    precision = dtype == torch.bfloat16 or (dtype == torch.float32 and stored)
     return not enforce_eager and device.type == "cpu" and tp_size == 1 and precision
 
 

@@ -208,7 +208,8 @@ class ModelRunner:
         self.compiled_decode: CompiledDecode | None = None
         if compile_decode_step(config.enforce_eager, self.device, self.dtype, tp_size,
                                self.weight_kernel):
-            paged = paged_decode_supported(self.device, self.dtype, self.kv_dtype, self.head_dim)
+            paged = paged_decode_supported(self.device, self.dtype, self.kv_dtype, self.head_dim,
+                                           quantized=self.weight_kernel == "blocks")
             self.compiled_decode = CompiledDecode(self.model, paged=paged)
             self.compiled_decode.warm_up(self.kv_caches, self.block_size)
         logger.info(
@@ -247,7 +248,7 @@ class ModelRunner:
 
     def _quantize(self) -> str | None:
         """Give the loaded layers the methods the weight policy chose; returns the kernel of
-        the 4-bit weights kept as stored ("int4", "qgemv"; None: none are)."""
+        the weights kept as stored ("int4", "qgemv", "blocks"; None: none are)."""
         return apply_weight_policy(self.model, self.weight_policy, self.gguf, self.block_weights)
 
     def _bytes_per_block(self) -> int:

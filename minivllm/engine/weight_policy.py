@@ -97,8 +97,9 @@ def stored_weight_kernel(device: torch.device, dtype: torch.dtype) -> str | None
 def apply_weight_policy(model: nn.Module, policy: WeightPolicy, gguf: GGUFFile | None,
                         block_weights: set[str]) -> str | None:
     """Give the loaded model's linear layers their methods as `policy` says, process their
-    weights after loading, and pack the LM head; returns the kernel of the 4-bit weights kept
-    as stored (None: none are)."""
+    weights after loading, and pack the LM head; returns the kernel of the weights kept as
+    stored: that of the 4-bit ones ("int4", "qgemv"), else "blocks" where only GGUF blocks
+    are (None: none are)."""
     kernel = policy.stored_kernel
     count = 0
     if policy.int8:
@@ -120,7 +121,9 @@ def apply_weight_policy(model: nn.Module, policy: WeightPolicy, gguf: GGUFFile |
         logger.info("4-bit weights for %d linear layers (%s kernel, %s)", count, kernel,
                     "from the GGUF's 4-bit blocks" if gguf else "quantized at load")
     process_weights_after_loading(model)
-    return kernel if count else None
+    if kernel is None:
+        return None
+    return kernel if count else ("blocks" if block_weights else None)
 
 
 def process_weights_after_loading(model: nn.Module) -> None:

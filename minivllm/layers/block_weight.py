@@ -24,7 +24,8 @@ from dataclasses import dataclass
 import torch
 from gguf import GGMLQuantizationType
 
-from minivllm.layers.ggml_blocks import dequant_matmul, ggml_matmul, row_bytes
+from minivllm.layers.cpu_kernels import cpu_kernels_available
+from minivllm.layers.ggml_blocks import dequant_matmul, ggml_matmul_segments, row_bytes
 from minivllm.layers.kernel_rows import KERNEL_ROWS
 
 # The one table of which GGUF tensor types run as stored blocks.
@@ -72,6 +73,11 @@ class BlockWeight:
                                  f"bytes; got blocks {tuple(segment.blocks.shape)}")
         self.segments = segments
         self.cols = cols
+        # What the one-call kernel takes, prepared once: a compiled decode step then calls the
+        # operator with no Python checks in between (each would break its graph).
+        self._blocks = [s.blocks.contiguous() for s in segments]
+        self._qtypes = [int(s.qtype) for s in segments]
+        self._kernels = cpu_kernels_available()
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -83,10 +89,12 @@ class BlockWeight:
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """`x @ W.T`: `[..., in]` -> `[..., out]` in x's dtype (fp32 or bf16)."""
-        few_rows = x.numel() // x.shape[-1] <= INT_DOT_MAX_ROWS
-        outs = [
-            ggml_matmul(x, s.blocks, s.qtype).to(x.dtype) if few_rows
-            else dequant_matmul(x, s.blocks, s.qtype)
-            for s in self.segments
-        ]
+        if x.numel() // x.shape[-1] <= INT_DOT_MAX_ROWS:  # one call: x rounded once
+            if self._kernels:
+                rows = x.reshape(-1, self.cols)  # [M, in]
+                out = torch.ops.minivllm.ggml_matmul_segments(rows, self._blocks, self._qtypes, 0)
+                return out.view(*x.shape[:-1], out.shape[-1]).to(x.dtype)
+            pairs = [(s.blocks, s.qtype) for s in self.segments]
+            return ggml_matmul_segments(x, pairs).to(x.dtype)
+        outs = [dequant_matmul(x, s.blocks, s.qtype) for s in self.segments]
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)

@@ -182,6 +182,10 @@ def _register_fakes() -> None:
     def _(x, blocks, qtype, isa):  # noqa: ANN001, ANN202
         return x.new_empty(x.shape[0], blocks.shape[0], dtype=torch.float32)
 
+    @torch.library.register_fake("minivllm::ggml_matmul_segments")
+    def _(x, blocks, qtypes, isa):  # noqa: ANN001, ANN202
+        return x.new_empty(x.shape[0], sum(b.shape[0] for b in blocks), dtype=torch.float32)
+
     @torch.library.register_fake("minivllm::ggml_dequantize")
     def _(blocks, qtype, cols, dtype, isa):  # noqa: ANN001, ANN202
         return blocks.new_empty(blocks.shape[0], cols, dtype=dtype)

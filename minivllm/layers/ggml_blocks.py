@@ -137,6 +137,25 @@ def ggml_matmul(x: torch.Tensor, blocks: torch.Tensor, qtype: GGMLQuantizationTy
     return out.view(*x.shape[:-1], blocks.shape[0])  # [..., N]
 
 
+def ggml_matmul_segments(x: torch.Tensor, segments: list[tuple[torch.Tensor, GGMLQuantizationType]],
+                         isa: str = "auto") -> torch.Tensor:
+    """`x @ [W_0; W_1; ...].T` for a fused layer whose weight is several checkpoint tensors
+    (`(blocks, qtype)` each, all of `x`'s K inputs): their outputs side by side, `[..., sum
+    N_i]` fp32, from one call that rounds the activations once for all of them."""
+    if x.dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"ggml_matmul: x must be float32 or bfloat16, got {x.dtype}")
+    kinds = [_check_blocks(blocks, qtype, x.shape[-1]) for blocks, qtype in segments]
+    rows = x.reshape(-1, x.shape[-1])  # [M, K]
+    if cpu_kernels_available():
+        out = torch.ops.minivllm.ggml_matmul_segments(
+            rows, [blocks.contiguous() for blocks, _ in segments], [int(k) for k in kinds],
+            _isa(isa))
+    else:
+        out = torch.cat([rows.float() @ ggml_dequantize(blocks, kind, x.shape[-1]).T
+                         for (blocks, _), kind in zip(segments, kinds)], dim=-1)
+    return out.view(*x.shape[:-1], out.shape[-1])  # [..., sum N_i]
+
+
 def dequant_matmul(x: torch.Tensor, blocks: torch.Tensor,
                    qtype: GGMLQuantizationType | int | str,
                    tile_rows: int | None = None) -> torch.Tensor:

@@ -21,6 +21,7 @@ from minivllm.layers.ggml_blocks import (
     dequant_scratch_bytes,
     ggml_dequantize,
     ggml_matmul,
+    ggml_matmul_segments,
 )
 
 T = GGMLQuantizationType
@@ -67,16 +68,23 @@ def dense_parts(blocks: np.ndarray, qtype: T, k: int) -> tuple[torch.Tensor, tor
     return w, mins
 
 
-def reference(w: torch.Tensor, mins: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """What the kernel computes, in float64: the activations rounded to int8 per group of 32
-    (nearest even) for the codes' products, exact for the min terms."""
+def reference(w: torch.Tensor, mins: torch.Tensor, x: torch.Tensor,
+              block: int = 32) -> torch.Tensor:
+    """What the kernel computes, in float64: the activations rounded to int8 with one step per
+    `block` inputs (32; 256 for the K kinds), nearest even, for the codes' products, exact for
+    the min terms."""
     k = x.shape[-1]
-    groups = x.float().reshape(-1, k // 32, 32)  # [M, K / 32, 32]
+    groups = x.float().reshape(-1, k // block, block)  # [M, K / block, block]
     amax = groups.abs().amax(dim=-1, keepdim=True)
     # 127 / amax as one division (torch's `127.0 / t` multiplies by a reciprocal: other ties)
     inverse = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
     xq = ((groups * inverse).round() * (amax / 127.0)).reshape(-1, k).double()  # [M, K]
     return xq @ (w - mins).T + x.double().reshape(-1, k) @ mins.T
+
+
+def activation_block(qtype: T) -> int:
+    """Inputs a step of the activations' int8 rounding covers for this weight kind."""
+    return 256 if qtype in (T.Q4_K, T.Q5_K, T.Q6_K) else 32
 
 
 def k_of(qtype: T, blocks: int = 3) -> int:
@@ -110,11 +118,32 @@ def test_matmul_matches_reference(qtype: T, isa: str) -> None:
         x = torch.randn(m, k)
         y = ggml_matmul(x, raw, qtype, isa=isa)
         assert y.shape == (m, n) and y.dtype == torch.float32
-        expected = reference(w, mins, x)
+        expected = reference(w, mins, x, activation_block(qtype))
         scale = expected.abs().max()
         assert (y.double() - expected).abs().max() <= 2e-5 * scale, (m, qtype.name)
         dense = x.double() @ w.T
         assert (y.double() - dense).abs().max() <= 3e-2 * dense.abs().max()
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_segments_are_the_single_matmuls_side_by_side(isa: str) -> None:
+    """A fused layer's segments of different kinds (as Q4_K_M's qkv: Q4_K, Q4_K, Q6_K) in one
+    call equal each segment's own matmul, for a decode row and a prefill of 70 rows (more than
+    the kernel's chunk of 64)."""
+    k = 512
+    kinds = (T.Q4_K, T.Q6_K, T.Q8_0, T.Q5_K)
+    parts = [torch.from_numpy(random_blocks(kind, 3 + i, k, seed=i))
+             for i, kind in enumerate(kinds)]
+    for m in (1, 70):
+        x = torch.randn(m, k)
+        fused = ggml_matmul_segments(x, list(zip(parts, kinds)), isa=isa)
+        single = torch.cat([ggml_matmul(x, raw, kind, isa=isa)
+                            for raw, kind in zip(parts, kinds)], dim=-1)
+        assert fused.shape == (m, sum(p.shape[0] for p in parts))
+        assert torch.equal(fused, single)
+        dense = x.double() @ torch.cat([dense_parts(raw.numpy(), kind, k)[0]
+                                        for raw, kind in zip(parts, kinds)]).T
+        assert (fused.double() - dense).abs().max() <= 3e-2 * dense.abs().max()
 
 
 @pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K, T.Q8_0], ids=lambda t: t.name)
@@ -145,7 +174,8 @@ def test_shapes_and_dtypes() -> None:
     x = torch.randn(2, 3, k)
     y = ggml_matmul(x.bfloat16(), raw, "Q4_K")
     assert y.shape == (2, 3, 5) and y.dtype == torch.float32
-    expected = reference(*dense_parts(blocks, T.Q4_K, k), x.bfloat16().float()).reshape(2, 3, 5)
+    expected = reference(*dense_parts(blocks, T.Q4_K, k), x.bfloat16().float(), 256)
+    expected = expected.reshape(2, 3, 5)
     assert (y.double() - expected).abs().max() <= 2e-5 * expected.abs().max()
     assert ggml_matmul(x[0], raw[:1], T.Q4_K).shape == (3, 1)
     assert ggml_matmul(torch.empty(0, k), raw, T.Q4_K).shape == (0, 5)
@@ -222,6 +252,8 @@ def test_fake_ops_match_real_ones() -> None:
     ops = torch.ops.minivllm
     checks = ("test_schema", "test_faketensor")
     torch.library.opcheck(ops.ggml_matmul.default, (x, raw, int(T.Q6_K), 0), test_utils=checks)
+    torch.library.opcheck(ops.ggml_matmul_segments.default,
+                          (x, [raw, raw[:2]], [int(T.Q6_K), int(T.Q6_K)], 0), test_utils=checks)
     torch.library.opcheck(ops.ggml_dequantize.default, (raw, int(T.Q6_K), 256, torch.bfloat16, 0),
                           test_utils=checks)
     torch.library.opcheck(ops.ggml_dequant_matmul.default, (x, raw, int(T.Q6_K), 3),

@@ -22,13 +22,16 @@ from minivllm.layers.cpu_kernels import cpu_kernels_available
 
 
 def paged_decode_supported(
-    device: torch.device, model_dtype: torch.dtype, kv_dtype: torch.dtype, head_dim: int
+    device: torch.device, model_dtype: torch.dtype, kv_dtype: torch.dtype, head_dim: int,
+    quantized: bool = False,
 ) -> bool:
-    """Whether decode-only steps attend through the kernel: on the CPU, a bf16 model over a
-    bf16 or fp32 cache, head sizes a multiple of 8, the kernels built."""
+    """Whether decode-only steps attend through the kernel: on the CPU, a bf16 model (or a
+    `quantized` fp32 one, its weights run as stored blocks: not the dense fp32 path held
+    token-exact to HF, whose attention is SDPA's) over a bf16 or fp32 cache, head sizes a
+    multiple of 8, the kernels built."""
     return (
         device.type == "cpu"
-        and model_dtype == torch.bfloat16
+        and (model_dtype == torch.bfloat16 or (quantized and model_dtype == torch.float32))
         and kv_dtype in (torch.bfloat16, torch.float32)
         and head_dim % 8 == 0
         and cpu_kernels_available()

@@ -156,28 +156,47 @@ inline void group_codes_scalar(int qtype, const uint8_t* b, int j, int8_t* q) {
   }
 }
 
-// Activation rows quantized per group of 32: codes [rows, k] int8, steps and exact fp32 sums
-// [rows, k / 32].
+// Activation rows quantized to int8 with one step per `block` inputs: 32 for the 32-input
+// kinds (a group's products become floats one group at a time), 256 for the K kinds, as
+// llama.cpp's Q8_K (a block's eight groups add up as integers, the group scales applied as
+// 16-bit integers, before one float multiply a block). Codes [rows, k]; steps [rows,
+// k / block]; exact fp32 sums per group of 32 [rows, k / 32] (the min terms); for block 256
+// also the codes' integer sums per 16 inputs [rows, k / 16] (Q6_K's offset of 32).
 struct QuantizedRows {
+  int64_t block;
   std::vector<int8_t> codes;
   std::vector<float> steps;
   std::vector<float> sums;
+  std::vector<int16_t> bsums;
+
+  QuantizedRows(int64_t rows, int64_t k, int64_t block_)
+      : block(block_), codes(rows * k), steps(rows * k / block_), sums(rows * k / kGroup),
+        bsums(block_ == kGroup ? 0 : rows * k / 16) {}
 };
 
+bool is_k_kind(int qtype) { return qtype == kQ4_K || qtype == kQ5_K || qtype == kQ6_K; }
+
 void quantize_rows_scalar(const float* x, int64_t rows, int64_t k, QuantizedRows& out) {
-  for (int64_t i = 0; i < rows * (k / kGroup); ++i) {
-    const float* v = x + i * kGroup;
-    float amax = 0.0f, sum = 0.0f;
-    for (int l = 0; l < kGroup; ++l) {
-      amax = std::max(amax, std::fabs(v[l]));
-      sum += v[l];
-    }
+  const int64_t block = out.block;
+  for (int64_t i = 0; i < rows * (k / block); ++i) {
+    const float* v = x + i * block;
+    float amax = 0.0f;
+    for (int64_t l = 0; l < block; ++l) amax = std::max(amax, std::fabs(v[l]));
     const float inverse = amax > 0.0f ? 127.0f / amax : 0.0f;
-    for (int l = 0; l < kGroup; ++l) {
-      out.codes[i * kGroup + l] = static_cast<int8_t>(std::nearbyint(v[l] * inverse));
+    for (int64_t l = 0; l < block; ++l) {
+      out.codes[i * block + l] = static_cast<int8_t>(std::nearbyint(v[l] * inverse));
     }
     out.steps[i] = amax / 127.0f;
-    out.sums[i] = sum;
+    for (int64_t g = 0; g < block / kGroup; ++g) {
+      float sum = 0.0f;
+      for (int l = 0; l < kGroup; ++l) sum += v[g * kGroup + l];
+      out.sums[i * (block / kGroup) + g] = sum;
+    }
+    for (int64_t h = 0; block != kGroup && h < block / 16; ++h) {
+      int sum = 0;
+      for (int l = 0; l < 16; ++l) sum += out.codes[i * block + h * 16 + l];
+      out.bsums[i * (block / 16) + h] = static_cast<int16_t>(sum);
+    }
   }
 }
 
@@ -200,7 +219,7 @@ void matmul_columns_scalar(int qtype, const uint8_t* weights, int64_t row_bytes,
           group_codes_scalar(qtype, b, j, q);
           int32_t dot[2] = {0, 0};
           for (int l = 0; l < 32; ++l) dot[l / 16] += q[l] * x[g * kGroup + l];
-          const float step = xq.steps[r * row_groups + g];
+          const float step = xq.steps[(r * k + g * kGroup) / xq.block];
           acc += (scales[2 * j] * static_cast<float>(dot[0]) +
                   scales[2 * j + 1] * static_cast<float>(dot[1])) * step +
                  mins[j] * xq.sums[r * row_groups + g];
@@ -238,6 +257,7 @@ void dequantize_rows_scalar(int qtype, const uint8_t* weights, int64_t row_bytes
 
 namespace avx2 {
 #include "ggml_blocks_simd.h"
+#include "ggml_kquants_simd.h"
 }  // namespace avx2
 
 #pragma GCC push_options
@@ -245,6 +265,7 @@ namespace avx2 {
 namespace vnni {
 #define MINIVLLM_GGML_VNNI
 #include "ggml_blocks_simd.h"
+#include "ggml_kquants_simd.h"
 #undef MINIVLLM_GGML_VNNI
 }  // namespace vnni
 #pragma GCC pop_options
@@ -276,42 +297,83 @@ Geometry check_blocks(const at::Tensor& blocks, int64_t qtype, int64_t k, const 
   return geo;
 }
 
-at::Tensor ggml_matmul(const at::Tensor& x, const at::Tensor& blocks, int64_t qtype,
-                       int64_t isa_arg) {
+// One weight of a fused layer's segments, as the matmul reads it.
+struct Segment {
+  const uint8_t* weights;
+  int64_t row_bytes, rows, column;  // its first output column in y
+  int qtype;
+};
+
+// Columns [begin, end) of one segment, on the chosen instruction set.
+void segment_columns(const Segment& seg, Isa isa, const QuantizedRows& x32,
+                     const QuantizedRows& x256, int64_t rows, int64_t k, float* y, int64_t ldy,
+                     int64_t begin, int64_t end) {
+  const bool k_kind = is_k_kind(seg.qtype);
+  const QuantizedRows& xq = k_kind ? x256 : x32;
+  float* ys = y + seg.column;
+  if (isa == kScalar) {
+    matmul_columns_scalar(seg.qtype, seg.weights, seg.row_bytes, xq, rows, k, ys, ldy, begin, end);
+  } else if (k_kind) {  // the same integer kernel on both instruction sets
+    avx2::matmul_columns_k(seg.qtype, seg.weights, seg.row_bytes, xq, rows, k, ys, ldy, begin, end);
+  } else if (isa == kVnni) {
+    vnni::matmul_columns(seg.qtype, seg.weights, seg.row_bytes, xq, rows, k, ys, ldy, begin, end);
+  } else {
+    avx2::matmul_columns(seg.qtype, seg.weights, seg.row_bytes, xq, rows, k, ys, ldy, begin, end);
+  }
+}
+
+// x @ [W_0; W_1; ...].T: the segments' outputs side by side in one [M, sum N_i] tensor. The
+// activations are quantized once for all the segments (once per block size their kinds use)
+// and the output columns of every segment split over the thread pool in one loop.
+at::Tensor ggml_matmul_segments(const at::Tensor& x, at::TensorList blocks,
+                                at::IntArrayRef qtypes, int64_t isa_arg) {
   TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
               "ggml_matmul: x must be [M, K] float32 or bfloat16");
-  const int64_t rows = x.size(0), k = x.size(1), n_out = blocks.size(0);
-  check_blocks(blocks, qtype, k, "ggml_matmul");
+  TORCH_CHECK(!blocks.empty() && blocks.size() == qtypes.size(),
+              "ggml_matmul: one qtype per blocks tensor, at least one");
+  const int64_t rows = x.size(0), k = x.size(1);
+  std::vector<Segment> segments;
+  int64_t n_out = 0, widest = 1;
+  bool any32 = false, any256 = false;
+  for (size_t i = 0; i < blocks.size(); ++i) {
+    check_blocks(blocks[i], qtypes[i], k, "ggml_matmul");
+    const int qt = static_cast<int>(qtypes[i]);
+    segments.push_back({blocks[i].data_ptr<uint8_t>(), blocks[i].size(1), blocks[i].size(0),
+                        n_out, qt});
+    n_out += blocks[i].size(0);
+    widest = std::max(widest, blocks[i].size(1));
+    (is_k_kind(qt) ? any256 : any32) = true;
+  }
   const Isa isa = resolve(isa_arg);
   const at::Tensor xf = x.to(at::kFloat).contiguous();
   at::Tensor y = at::empty({rows, n_out}, xf.options());
   if (rows == 0 || n_out == 0) return y;
-  QuantizedRows xq{std::vector<int8_t>(rows * k), std::vector<float>(rows * k / kGroup),
-                   std::vector<float>(rows * k / kGroup)};
+  QuantizedRows x32(any32 ? rows : 0, k, kGroup), x256(any256 ? rows : 0, k, 256);
+  const float* xp = xf.data_ptr<float>();
   if (isa == kScalar) {
-    quantize_rows_scalar(xf.data_ptr<float>(), rows, k, xq);
+    if (any32) quantize_rows_scalar(xp, rows, k, x32);
+    if (any256) quantize_rows_scalar(xp, rows, k, x256);
   } else {
-    avx2::quantize_rows(xf.data_ptr<float>(), rows, k, xq);
+    if (any32) avx2::quantize_rows(xp, rows, k, x32);
+    if (any256) avx2::quantize_rows_k(xp, rows, k, x256);
   }
-  const auto* w = blocks.data_ptr<uint8_t>();
-  const int64_t row_bytes = blocks.size(1);
-  const int qt = static_cast<int>(qtype);
   float* yp = y.data_ptr<float>();
   // enough weight rows a task that it streams tens of kilobytes
-  const int64_t grain = std::max<int64_t>(1, 32768 / row_bytes);
+  const int64_t grain = std::max<int64_t>(1, 32768 / widest);
   at::parallel_for(0, n_out, grain, [&](int64_t begin, int64_t end) {
-    switch (isa) {
-      case kScalar:
-        matmul_columns_scalar(qt, w, row_bytes, xq, rows, k, yp, n_out, begin, end);
-        break;
-      case kVnni:
-        vnni::matmul_columns(qt, w, row_bytes, xq, rows, k, yp, n_out, begin, end);
-        break;
-      default:
-        avx2::matmul_columns(qt, w, row_bytes, xq, rows, k, yp, n_out, begin, end);
+    for (const Segment& seg : segments) {
+      const int64_t b = std::max(begin, seg.column), e = std::min(end, seg.column + seg.rows);
+      if (b < e) {
+        segment_columns(seg, isa, x32, x256, rows, k, yp, n_out, b - seg.column, e - seg.column);
+      }
     }
   });
   return y;
+}
+
+at::Tensor ggml_matmul(const at::Tensor& x, const at::Tensor& blocks, int64_t qtype,
+                       int64_t isa_arg) {
+  return ggml_matmul_segments(x, {blocks}, {qtype}, isa_arg);
 }
 
 // Rows [begin, end) of `blocks` into `out` (fp32 or bf16), split over the thread pool.
@@ -382,6 +444,7 @@ at::Tensor ggml_dequant_matmul(const at::Tensor& x, const at::Tensor& blocks, in
 
 TORCH_LIBRARY_FRAGMENT(minivllm, m) {
   m.def("ggml_matmul(Tensor x, Tensor blocks, int qtype, int isa) -> Tensor");
+  m.def("ggml_matmul_segments(Tensor x, Tensor[] blocks, int[] qtypes, int isa) -> Tensor");
   m.def("ggml_dequantize(Tensor blocks, int qtype, int cols, ScalarType dtype, int isa) -> Tensor");
   m.def("ggml_dequant_matmul(Tensor x, Tensor blocks, int qtype, int tile_rows) -> Tensor");
   m.def("ggml_vnni() -> bool", [] { return vnni_available(); });
@@ -393,6 +456,7 @@ TORCH_LIBRARY_FRAGMENT(minivllm, m) {
 
 TORCH_LIBRARY_IMPL(minivllm, CPU, m) {
   m.impl("ggml_matmul", &ggml_matmul);
+  m.impl("ggml_matmul_segments", &ggml_matmul_segments);
   m.impl("ggml_dequantize", &ggml_dequantize);
   m.impl("ggml_dequant_matmul", &ggml_dequant_matmul);
 }

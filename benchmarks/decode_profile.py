@@ -24,7 +24,8 @@ import torch
 from minivllm import LLM, SamplingParams
 from minivllm.bench.workloads import Workload
 
-MATMUL_OPS = ("aten::_weight_int4pack_mm_for_cpu", "minivllm::ggml", "aten::linear", "aten::addmm", "aten::mm",
+MATMUL_OPS = ("aten::_weight_int4pack_mm_for_cpu", "minivllm::ggml", "aten::linear",
+              "aten::addmm", "aten::mm",
               "aten::matmul", "quantized::linear_dynamic", "mkldnn::", "aten::_weight_int8pack_mm",
               "minivllm::qgemv")
 

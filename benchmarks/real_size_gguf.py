@@ -14,6 +14,8 @@ than the published model's; every layer has the published shape. Rope scaling is
 from __future__ import annotations
 
 import argparse
+import json
+import math
 import os
 import shutil
 import subprocess
@@ -67,12 +69,50 @@ def write_checkpoint(shape: str, out_dir: Path) -> None:
     config = AutoConfig.for_model(
         model_type, vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id, dtype="bfloat16", **shapes)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-    model.save_pretrained(out_dir, safe_serialization=True)
+    with torch.device("meta"):  # names and shapes only: an 8B model would not fit in RAM
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    shapes_of = {name: tuple(t.shape) for name, t in model.state_dict().items()
+                 if not (config.tie_word_embeddings and name == "lm_head.weight")}
+    write_random_shards(shapes_of, out_dir)
+    config.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
-    print(f"wrote {shape}: {sum(p.numel() for p in model.parameters()) / 1e9:.2f}B parameters",
-          flush=True)
+    print(f"wrote {shape}: {sum(math.prod(s) for s in shapes_of.values()) / 1e9:.2f}B "
+          "parameters", flush=True)
+
+
+def write_random_shards(shapes: dict[str, tuple[int, ...]], out_dir: Path,
+                        shard_bytes: int = 2 << 30) -> None:
+    """Random bf16 tensors (norm weights 1, others N(0, 0.02)) in safetensors shards of at
+    most `shard_bytes`, with the index transformers reads: one shard in memory at a time."""
+    from safetensors.torch import save_file
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    generator = torch.Generator().manual_seed(0)
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    weight_map: dict[str, int] = {}
+    size = 0
+
+    def flush() -> None:
+        save_file(shards[-1], str(out_dir / f"part-{len(shards):05d}.safetensors"),
+                  metadata={"format": "pt"})
+        shards[-1] = {}
+
+    for name, shape in shapes.items():
+        if "norm" in name:
+            tensor = torch.ones(shape, dtype=torch.bfloat16)
+        else:
+            tensor = (torch.randn(shape, generator=generator) * 0.02).to(torch.bfloat16)
+        if size and size + tensor.nbytes > shard_bytes:
+            flush()
+            shards.append({})
+            size = 0
+        shards[-1][name] = tensor
+        weight_map[name] = len(shards)
+        size += tensor.nbytes
+    flush()
+    index = {"metadata": {"total_size": sum(2 * math.prod(s) for s in shapes.values())},
+             "weight_map": {n: f"part-{i:05d}.safetensors" for n, i in weight_map.items()}}
+    (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
 
 
 def main() -> None:

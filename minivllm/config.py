@@ -107,7 +107,8 @@ class EngineConfig:
     num_kv_blocks: int | None = _option(
         None, "KV pool size, overriding the memory budget (tiny pools force preemption)")
     kv_cache_memory_gb: float | None = _option(
-        None, "KV budget on the CPU (default: a share of free RAM)")
+        None, "KV cache budget on the CPU, in GB (vLLM's kv_cache_memory_bytes; default: a "
+        "quarter of the memory available after loading the weights, at most 2 GB)")
     gpu_memory_utilization: float = _option(0.9, "share of GPU memory the engine may use")
     device: str | None = _option(
         None, "cpu or cuda (default: cuda when available)", ("cpu", "cuda"))

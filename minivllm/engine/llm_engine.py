@@ -83,6 +83,7 @@ class LLMEngine:
     def from_options(cls, tracer: NullTracer | None = None, **options: Any) -> LLMEngine:
         """Build an engine on a real model: `model` (HF dir, .gguf, or None for the default)
         and any EngineConfig option."""
+        from minivllm.engine.memory import fit_max_model_len
         from minivllm.engine.model_runner import ModelRunner
         from minivllm.models.config import load_tokenizer, resolve_config
 
@@ -97,6 +98,8 @@ class LLMEngine:
             runner: ModelRunnerLike = TPModelRunner(config, model_dir, hf_config)
         else:
             runner = ModelRunner(config, model_dir, hf_config)
+        config = fit_max_model_len(config, runner.num_kv_blocks, getattr(runner, "memory", None),
+                                   max_model_len_given=options.get("max_model_len") is not None)
         return cls(config, runner, tokenizer, tracer, defaults)
 
     def close(self) -> None:
@@ -334,9 +337,12 @@ class LLMEngine:
     # ---- introspection ----------------------------------------------------------------------
 
     def stats(self) -> dict[str, float]:
-        """Counters for metrics: queue sizes, KV usage, prefix cache, preemptions, speculation."""
+        """Counters for metrics: queue sizes, KV usage, prefix cache, preemptions, speculation,
+        and the memory the runner measured at start-up."""
         bm = self.scheduler.block_manager
+        memory = getattr(self.model_runner, "memory", None)  # a real runner's MemoryReport
         return {
+            **(memory.gauges() if memory is not None else {}),
             "num_requests_running": len(self.scheduler.running),
             "num_requests_waiting": len(self.scheduler.waiting),
             "kv_cache_usage_perc": bm.usage,

@@ -10,7 +10,6 @@ never changes a Sequence: committing the step is the Scheduler's job.
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,25 +21,23 @@ import torch
 from minivllm.config import EngineConfig
 from minivllm.distributed import parallel_state
 from minivllm.distributed.heads import shard_heads
+from minivllm.engine import memory
 from minivllm.engine.compiled_decode import CompiledDecode, compile_decode_step
 from minivllm.engine.device import resolve_device, resolve_dtype
 from minivllm.engine.scheduler import SampledToken, ScheduledBatch
-from minivllm.engine.sequence import Sequence, blocks_for
+from minivllm.engine.sequence import Sequence
 from minivllm.engine.weight_policy import WeightPolicy, apply_weight_policy, log_block_weights
 from minivllm.layers.attention import AttentionMetadata
 from minivllm.layers.attention.paged_decode import paged_decode_supported
 from minivllm.layers.rejection_sampler import verify
 from minivllm.layers.sampler import Sampler, SamplingBatch, gather_logprobs
-from minivllm.models.gguf import iter_state
+from minivllm.models.gguf import iter_state, warn_dense_fallback
 from minivllm.models.gguf_blocks import attach_blocks
 from minivllm.models.gguf_file import GGUFFile
 from minivllm.models.loader import load_model
 from minivllm.models.paths import gguf_source
 
 logger = logging.getLogger(__name__)
-
-DEFAULT_CPU_KV_GB = 2.0  # cap of the default CPU KV budget (a share of free RAM below it)
-
 
 def slot_mapping_for(block_table: list[int], start: int, length: int, block_size: int) -> list[int]:
     """KV slots of positions start .. start+length-1 (the tutorial chapter's formula)."""
@@ -212,11 +209,9 @@ class ModelRunner:
                                            quantized=self.weight_kernel == "blocks")
             self.compiled_decode = CompiledDecode(self.model, paged=paged)
             self.compiled_decode.warm_up(self.kv_caches, self.block_size)
-        logger.info(
-            "KV cache: %d blocks x %d tokens = %d tokens (%.2f GB, %s, %s)",
-            self.num_kv_blocks, self.block_size, self.num_kv_blocks * self.block_size,
-            self.num_kv_blocks * self._bytes_per_block() / 1e9, self.device, self.kv_dtype,
-        )
+        self.memory = memory.measure(self.model, self.kv_caches, self.num_kv_blocks,
+                                     self.gguf.addresses() if self.gguf else range(0))
+        logger.info(self.memory.log_line(self.block_size, self.kv_dtype, self.device))
 
     def _load_model(self, model_dir: Path, tp_rank: int, tp_size: int) -> tuple[Any, Any]:
         """Build the model and load its weights, how each runs decided first, once
@@ -225,6 +220,7 @@ class ModelRunner:
         stored blocks where the policy says so."""
         source = gguf_source(self.config.model)
         self.gguf = GGUFFile(source) if source else None
+        warn_dense_fallback(self.gguf, self.dtype)
         self.weight_policy = WeightPolicy.decide(self.config, self.device, self.dtype, tp_size,
                                                  gguf=self.gguf is not None)
         # checkpoint names of the weights kept as the GGUF's blocks, filled before loading
@@ -256,25 +252,10 @@ class ModelRunner:
         return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * element
 
     def _blocks_from_memory_budget(self) -> int:
-        if self.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(self.device)
-            used_by_others = total - free
-            budget = total * self.config.gpu_memory_utilization - used_by_others
-            budget -= 1 << 30  # room for activations and the sampler
-        elif self.config.kv_cache_memory_gb is not None:
-            budget = self.config.kv_cache_memory_gb * 1e9
-        else:
-            budget = min(DEFAULT_CPU_KV_GB * 1e9, 0.25 * _available_ram())
-        blocks = int(budget // self._bytes_per_block())
-        # More blocks than max_num_seqs full-length sequences could ever use are wasted.
-        most = self.config.max_num_seqs * blocks_for(self.config.max_model_len, self.block_size)
-        blocks = min(blocks, most)
-        if blocks < 1:
-            raise ValueError(
-                f"no room for a single KV block in the memory budget ({budget / 1e9:.2f} GB); "
-                "raise kv_cache_memory_gb / gpu_memory_utilization or set num_kv_blocks"
-            )
-        return blocks
+        mapped = self.gguf.addresses() if self.gguf else range(0)
+        budget = memory.kv_cache_budget(self.config, self.device,
+                                        memory.weight_bytes(self.model, mapped)[1])
+        return memory.kv_blocks_for_budget(self.config, budget, self._bytes_per_block())
 
     def _take_prompt_logprobs(
         self, batch: ScheduledBatch, inputs: StepInputs, slices: Iterator[torch.Tensor],
@@ -336,9 +317,3 @@ class ModelRunner:
         accepted = out.num_accepted or [0] * len(out.token_ids)
         return [SampledToken(t, lp, n) for t, lp, n in zip(out.token_ids, logprobs, accepted)]
 
-
-def _available_ram() -> float:
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError):
-        return 8e9

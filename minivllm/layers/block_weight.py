@@ -5,13 +5,14 @@ Q8_0 files hold) keeps no dense weight: its `BlockWeight` is the file's rows of 
 of the memory map, or for llama's permuted q/k rows a reordered copy), and every step size runs
 on them (`minivllm.layers.ggml_blocks`):
 
-- decode-sized steps (at most `INT_DOT_MAX_ROWS` rows): the activations rounded to 8 bits and
-  integer dot products, each weight row read once for the whole step;
-- prefill-sized steps: the weight dequantized a tile at a time into one reused buffer, each
-  tile multiplied by torch's matmul.
+- the integer kernel: the activations rounded to 8 bits and integer dot products, each weight
+  row unpacked once for 4 activation rows; every step size for the K kinds, up to
+  `INT_DOT_MAX_ROWS` rows for the 32-input ones;
+- beyond (32-input kinds' prefills): the weight dequantized a tile at a time into one reused
+  buffer, each tile multiplied by torch's matmul.
 
 A fused layer (qkv_proj, gate_up_proj) holds one segment per checkpoint tensor, each in its own
-type (Q4_K_M stores some `attn_v` in Q6_K), whose outputs are concatenated.
+type (Q4_K_M stores some `attn_v` in Q6_K): one kernel call computes them side by side.
 
 Q4_0 and Q4_1 tensors are not in `BLOCK_TYPES`: they keep the 4-bit kernels of
 `minivllm.layers.linear_method`, faster at one row on those types (docs/ggml-kernels.md).
@@ -33,9 +34,16 @@ BLOCK_TYPES = frozenset({
     GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K, GGMLQuantizationType.Q6_K,
     GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q5_0, GGMLQuantizationType.Q5_1,
 })
-# Up to how many rows a step takes the integer-dot kernel (beyond: tile-by-tile
-# dequantization and torch's matmul): the row table's value, the same for both kinds of CPU.
-INT_DOT_MAX_ROWS = KERNEL_ROWS["AVX2"].ggml_int_dot
+# The K kinds' integer kernel (activations rounded per block of 256) beats the dequantizing
+# path at every row count; the 32-input kinds' (a float multiply each group) only up to a
+# threshold: both from the row table (minivllm.layers.kernel_rows), the same on both CPU kinds.
+_ROWS = KERNEL_ROWS["AVX2"]
+INT_DOT_MAX_ROWS: dict[GGMLQuantizationType, float] = {
+    **dict.fromkeys((GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K,
+                     GGMLQuantizationType.Q6_K), _ROWS.ggml_int_dot_k),
+    **dict.fromkeys((GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q5_0,
+                     GGMLQuantizationType.Q5_1), _ROWS.ggml_int_dot),
+}
 # The token embedding and the LM head run as stored blocks in these types (what K-quant files
 # hold); a Q8_0 head keeps the 8-bit head path of minivllm.layers.linear_method.
 EMBEDDING_BLOCK_TYPES = frozenset({
@@ -78,6 +86,7 @@ class BlockWeight:
         self._blocks = [s.blocks.contiguous() for s in segments]
         self._qtypes = [int(s.qtype) for s in segments]
         self._kernels = cpu_kernels_available()
+        self._int_dot_rows = min(INT_DOT_MAX_ROWS.get(s.qtype, 32) for s in segments)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -89,7 +98,7 @@ class BlockWeight:
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """`x @ W.T`: `[..., in]` -> `[..., out]` in x's dtype (fp32 or bf16)."""
-        if x.numel() // x.shape[-1] <= INT_DOT_MAX_ROWS:  # one call: x rounded once
+        if x.numel() // x.shape[-1] <= self._int_dot_rows:  # one call: x rounded once
             if self._kernels:
                 rows = x.reshape(-1, self.cols)  # [M, in]
                 out = torch.ops.minivllm.ggml_matmul_segments(rows, self._blocks, self._qtypes, 0)

@@ -31,15 +31,17 @@ class KernelRows:
     # qgemv's AVX-512 VNNI path on a bf16 layer's 4-bit weight over torch's int4 kernel: as
     # fast at 2-4 rows, but there it fails the quality bar (tests/models/test_quality.py)
     qgemv_vnni_bf16: int
-    # the integer-dot kernel on stored GGUF blocks over tile-by-tile dequantization
+    # the integer-dot kernel on stored GGUF blocks of the 32-input kinds (Q8_0, Q5_0, Q5_1)
+    # over tile-by-tile dequantization; the K kinds' (Q4_K, Q5_K, Q6_K) wins at every count
     ggml_int_dot: int
+    ggml_int_dot_k: float
 
 
 KERNEL_ROWS = {
     "AVX512": KernelRows(int4=4, int8_as_int4_pair=1, qgemv=16, qgemv_bf16_head=1,
-                         qgemv_vnni_bf16=1, ggml_int_dot=32),
+                         qgemv_vnni_bf16=1, ggml_int_dot=32, ggml_int_dot_k=float("inf")),
     "AVX2": KernelRows(int4=4, int8_as_int4_pair=0, qgemv=16, qgemv_bf16_head=1,
-                       qgemv_vnni_bf16=1, ggml_int_dot=32),
+                       qgemv_vnni_bf16=1, ggml_int_dot=32, ggml_int_dot_k=float("inf")),
 }
 
 

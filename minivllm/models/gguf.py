@@ -20,6 +20,7 @@ tests that compare the two.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
@@ -33,10 +34,12 @@ from typing import Any
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize as _gguf_dequantize
+from tqdm import tqdm
 
 from minivllm.cache import cache_dir
+from minivllm.layers.block_weight import BLOCK_TYPES
 from minivllm.models.gguf_arch import (
     ARCHITECTURES,
     CONFIG_TENSORS,
@@ -76,6 +79,15 @@ TESTED_TENSOR_TYPES = (
     GGMLQuantizationType.Q4_K,
     GGMLQuantizationType.Q6_K,
 )
+
+# Types some path of ours runs as they are: dense floats, the stored-block kernels
+# (minivllm.layers.block_weight) and the 4-bit ones (minivllm.layers.linear_method). Any other
+# type gguf-py can decode (IQ*, TQ*, Q2_K, Q3_K, MXFP4, ...) is dequantized at load into dense
+# weights, with a warning saying what that costs.
+KERNEL_TYPES = BLOCK_TYPES | {
+    GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16,
+    GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1,
+}
 
 _LAYER_NAME_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 _GLOBAL_NAME_RE = re.compile(r"^(\w+)\.(weight|bias)$")
@@ -122,6 +134,43 @@ def dequantize_tensor(tensor: GGUFTensor) -> np.ndarray:
     values = np.ascontiguousarray(values, dtype=np.float32).reshape(shape)
     # F32 tensors come back as views of the read-only memory map; torch wants owned memory.
     return values if values.flags.writeable else values.copy()
+
+
+@functools.cache
+def readable_type(tensor_type: GGMLQuantizationType) -> bool:
+    """Whether gguf-py can decode `tensor_type` (tried on one block of zeros)."""
+    block_bytes = GGML_QUANT_SIZES[tensor_type][1]
+    try:
+        _gguf_dequantize(np.zeros((1, block_bytes), dtype=np.uint8), tensor_type)
+    except NotImplementedError:
+        return False
+    return True
+
+
+def check_tensor_types(reader: GGUFFile) -> None:
+    """GGUFConversionError naming the first tensor of a type nothing here can read."""
+    for tensor in reader.tensors:
+        if not readable_type(tensor.tensor_type):
+            raise GGUFConversionError(
+                f"{reader.path}: tensor {tensor.name!r} has type {tensor.tensor_type.name}, "
+                "which minivllm cannot read (no kernel runs it and gguf-py cannot dequantize it)"
+            )
+
+
+def warn_dense_fallback(reader: GGUFFile | None, dtype: torch.dtype) -> None:
+    """One warning line when some tensors have a type no kernel of ours runs as stored: they
+    are dequantized at load into dense `dtype` weights, which the line prices."""
+    slow = [t for t in reader.tensors if t.tensor_type not in KERNEL_TYPES] if reader else []
+    if reader is None or not slow:
+        return
+    types = "/".join(sorted({t.tensor_type.name for t in slow}))
+    dense = sum(t.n_elements for t in slow) * torch.empty(0, dtype=dtype).element_size()
+    logger.warning(
+        "%s: %d tensors of type %s have no kernel here: dequantized at load into dense %s "
+        "weights, %.1f MB in memory against %.1f MB as stored (slower loads and steps)",
+        reader.path.name, len(slow), types, str(dtype).removeprefix("torch."), dense / 1e6,
+        sum(t.n_bytes for t in slow) / 1e6,
+    )
 
 
 def permute_qk(weight: np.ndarray, n_head: int) -> np.ndarray:
@@ -172,6 +221,12 @@ def qk_heads(reader: GGUFFile, hf_name: str) -> int | None:
     return None
 
 
+def load_progress(tensors: list[GGUFTensor], desc: str) -> Iterator[GGUFTensor]:
+    """`tensors`, with a progress bar on stderr when it is a terminal and the loop has run for
+    a second (tqdm's `delay`); silent otherwise (tests, logs, pipes)."""
+    return iter(tqdm(tensors, desc=desc, unit="tensor", disable=None, delay=1.0, leave=False))
+
+
 def iter_state(
     reader: GGUFFile, skip: Callable[[str], bool] = lambda name: False
 ) -> Iterator[tuple[str, torch.Tensor]]:
@@ -180,7 +235,7 @@ def iter_state(
     tensor is dequantized at a time, so a dense load holds one float copy at most."""
     arch = architecture(reader)
     spec = ARCHITECTURES[arch]
-    for tensor in reader.tensors:
+    for tensor in load_progress(reader.tensors, f"Loading {reader.path.name}"):
         if tensor.name == "rope_freqs.weight":
             raise GGUFConversionError(
                 "this GGUF carries `rope_freqs` (Llama-3 style rope scaling), which the "
@@ -294,9 +349,12 @@ def gguf_model_dir(gguf_path: str | Path) -> Path:
     The files are written into a temporary sibling directory and renamed into place, so the
     directory either exists complete or not at all; a concurrent writer that loses the rename
     race uses the winner's. Every tensor's bytes are checked to be in the file first, so a
-    truncated or corrupt file fails here with one line and leaves nothing in the cache.
+    truncated or corrupt file, an unsupported architecture or a tensor type nothing here reads
+    fails here with one line and leaves nothing in the cache.
     """
     reader = GGUFFile(gguf_path)
+    architecture(reader)  # what no engine could load is refused before anything is written
+    check_tensor_types(reader)
     target = cached_dir_for(gguf_path)
     if (target / "config.json").is_file():
         return target

@@ -202,6 +202,9 @@ class GGUFFile:
             raise GGUFFileError(f"{self.path}: tensor {name!r} has unknown ggml type id "
                                 f"{type_id}") from None
         block, block_bytes = GGML_QUANT_SIZES[tensor_type]
+        if 0 in shape:
+            raise GGUFFileError(f"{self.path}: tensor {name!r} has shape {list(shape)}, with an "
+                                "empty dimension: corrupt tensor table")
         if shape[0] % block:
             raise GGUFFileError(f"{self.path}: tensor {name!r} ({tensor_type.name}) has rows of "
                                 f"{shape[0]} values, not a multiple of its block of {block}")
@@ -218,6 +221,12 @@ class GGUFFile:
     def n_bytes(self) -> int:
         """The bytes of all tensors (what the weights take when every page is touched)."""
         return sum(t.n_bytes for t in self.tensors)
+
+    def addresses(self) -> range:
+        """The addresses the file is mapped at: a tensor whose memory lies in them is the
+        file's own pages (shared with the page cache, not a copy)."""
+        start = np.frombuffer(self._map, dtype=np.uint8, count=1).ctypes.data
+        return range(start, start + self.size)
 
     def release_pages(self) -> None:
         """Drop the file's pages from this process's resident set (they stay in the OS page

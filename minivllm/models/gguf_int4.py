@@ -24,7 +24,7 @@ import torch
 from gguf import GGMLQuantizationType
 
 from minivllm.layers.int4 import Int4Weight, split_int8
-from minivllm.models.gguf import hf_tensor_name, qk_heads, unpermute_qk
+from minivllm.models.gguf import hf_tensor_name, load_progress, qk_heads, unpermute_qk
 from minivllm.models.gguf_arch import architecture
 from minivllm.models.gguf_file import GGUFFile, GGUFTensor
 
@@ -122,7 +122,7 @@ def read_int4_weights(reader: GGUFFile, exclude: Collection[str] = ()) -> dict[s
     Q8_0 LM head's two halves under LM_HEAD_HIGH and LM_HEAD_LOW."""
     arch = architecture(reader)
     weights: dict[str, Int4Weight] = {}
-    for tensor in reader.tensors:
+    for tensor in load_progress(reader.tensors, "Packing 4-bit weights"):
         if tensor.tensor_type not in INT4_TENSOR_TYPES:
             continue
         name = hf_tensor_name(tensor.name, arch)

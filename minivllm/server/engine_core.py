@@ -149,7 +149,8 @@ def engine_main(fd: int) -> None:
     try:
         engine = LLMEngine.from_options(**start.engine_options)
     except Exception as exc:
-        conn.send(EngineFailed(f"{type(exc).__name__}: {exc}"))
+        bad_input = exc if isinstance(exc, (ValueError, FileNotFoundError, TypeError)) else None
+        conn.send(EngineFailed(f"{type(exc).__name__}: {exc}", _portable(bad_input)))
         return
     if start.small_step_threads is not None:
         engine.model_runner.small_step_threads = start.small_step_threads

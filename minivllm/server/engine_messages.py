@@ -65,6 +65,9 @@ class EngineReady:
 @dataclass
 class EngineFailed:
     error: str
+    # a bad input (model path, file, option), raised again as is on the HTTP side: the CLI
+    # then prints its one line and exits 2, as when the engine is built in-process
+    bad_input: Exception | None = None
 
 
 @dataclass

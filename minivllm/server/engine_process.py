@@ -121,6 +121,8 @@ class EngineProcess:
             ) from None
         if isinstance(message, EngineFailed):
             self._join(10)
+            if message.bad_input is not None:
+                raise message.bad_input
             raise RuntimeError(f"the engine could not start: {message.error}")
         assert isinstance(message, EngineReady), message
         return message

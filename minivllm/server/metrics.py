@@ -26,6 +26,15 @@ _GAUGES = {
     "num_requests_waiting": "Requests waiting to be scheduled.",
     "kv_cache_usage_perc": "Fraction of KV-cache blocks in use (0 to 1).",
 }
+# Measured once at start-up (minivllm/engine/memory.py); minivllm's own, no vLLM alias.
+_MEMORY_GAUGES = {
+    "model_weights_bytes": "Bytes of the model's weights in memory (a memory-mapped GGUF "
+                           "tensor counted once).",
+    "kv_cache_bytes": "Bytes of the KV-cache pool.",
+    "kv_cache_num_blocks": "Blocks in the KV-cache pool.",
+    "startup_peak_rss_bytes": "Peak resident memory of the engine process at the end of "
+                              "start-up (loading the weights, allocating the KV pool).",
+}
 _COUNTERS = {
     "prefix_cache_queries": "Prompt tokens looked up in the prefix cache.",
     "prefix_cache_hits": "Prompt tokens found in the prefix cache.",
@@ -50,6 +59,9 @@ class _EngineStatsCollector(Collector):
             alias = GaugeMetricFamily(f"vllm:{name}", doc, labels=["model_name"])
             alias.add_metric([self.model_name], value)
             yield alias
+        for name, doc in _MEMORY_GAUGES.items():
+            if name in stats:
+                yield GaugeMetricFamily(f"minivllm:{name}", doc, value=float(stats[name]))
         for name, doc in _COUNTERS.items():
             value = float(stats.get(name, 0))
             yield CounterMetricFamily(f"minivllm:{name}", doc, value=value)

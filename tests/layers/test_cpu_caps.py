@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from gguf import GGMLQuantizationType
 
 import minivllm
 from minivllm.layers import block_weight
@@ -61,8 +62,11 @@ def test_each_kernel_reads_its_threshold_from_the_table() -> None:
     rows = kernel_rows()
     weight = quantize_int4(torch.randn(16, 64))
     assert QGemvWeight.from_int4(weight).max_rows == rows.qgemv
-    assert block_weight.INT_DOT_MAX_ROWS == rows.ggml_int_dot
-    assert all(r.ggml_int_dot == rows.ggml_int_dot for r in KERNEL_ROWS.values())
+    int_dot = block_weight.INT_DOT_MAX_ROWS
+    assert int_dot[GGMLQuantizationType.Q8_0] == rows.ggml_int_dot
+    assert int_dot[GGMLQuantizationType.Q4_K] == rows.ggml_int_dot_k
+    assert all((r.ggml_int_dot, r.ggml_int_dot_k) == (rows.ggml_int_dot, rows.ggml_int_dot_k)
+               for r in KERNEL_ROWS.values())  # block_weight reads one kind's: the same
     if hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"):
         assert PackedInt4(weight).max_rows == rows.int4
         codes = torch.randint(-128, 128, (16, 64), dtype=torch.int8)

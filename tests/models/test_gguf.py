@@ -7,6 +7,9 @@ transformers' own GGUF loading and generation. Nothing here touches the network.
 
 from __future__ import annotations
 
+import io
+import sys
+import time
 from pathlib import Path
 
 import gguf
@@ -581,3 +584,24 @@ def test_real_model_generates_paris_with_hf_runtime(real_dir: Path) -> None:
         out = model.generate(ids, max_new_tokens=12, do_sample=False)
     answer = tok.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
     assert "Paris" in answer, answer
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+@pytest.mark.parametrize("tty", [True, False])
+def test_load_progress_only_on_a_terminal_and_only_when_slow(
+    tty: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The loading bar shows on a terminal once a load has run for a second, never on a pipe
+    (whose readers, tests and log parsers, see no bar)."""
+    stderr = _Terminal() if tty else io.StringIO()
+    monkeypatch.setattr(sys, "stderr", stderr)
+    for _ in mgguf.load_progress(["fast"] * 3, "Loading fast.gguf"):
+        pass
+    assert stderr.getvalue() == ""
+    for _ in mgguf.load_progress(["slow"] * 2, "Loading slow.gguf"):
+        time.sleep(0.6)
+    assert ("Loading slow.gguf" in stderr.getvalue()) == tty

@@ -1,9 +1,12 @@
 """The GGUF header parser: what gguf-py's reader sees, and one clear line naming the file for
-every kind of bad file (truncated anywhere, not a GGUF, unknown version or type), also from
-the command line (exit status 2, no traceback)."""
+every kind of bad file (truncated anywhere, not a GGUF, unknown version, type or
+architecture), also from every command (exit status 2, no traceback, nothing cached); tensor
+types without a kernel loaded dequantized, with one warning."""
 
 from __future__ import annotations
 
+import logging
+import os
 import struct
 import subprocess
 import sys
@@ -13,7 +16,9 @@ import gguf
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as QT
+from support.gguf_files import write_tiny_llama_gguf
 
+from minivllm.cli import main
 from minivllm.models.gguf_file import GGUFFile, GGUFFileError
 
 
@@ -85,11 +90,104 @@ def test_unknown_tensor_type_is_named(good: Path, tmp_path: Path) -> None:
         GGUFFile(_bad(tmp_path, bytes(raw)))
 
 
-def test_cli_says_one_line_and_exits_2(good: Path, tmp_path: Path) -> None:
-    path = _bad(tmp_path, good.read_bytes()[:-8])
-    proc = subprocess.run([sys.executable, "-m", "minivllm.cli", "generate", "hi", "--model",
-                           str(path)], capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 2
-    lines = proc.stderr.strip().splitlines()
-    assert lines[-1].startswith("minivllm: error: ") and str(path) in lines[-1]
-    assert "Traceback" not in proc.stderr
+@pytest.fixture(scope="module")
+def bad_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, str]]:
+    """kind -> (a bad file, what its one line must say), from a loadable tiny llama GGUF."""
+    out = tmp_path_factory.mktemp("bad")
+    raw = write_tiny_llama_gguf(out / "tiny.gguf").read_bytes()
+    table = raw.index(b"blk.0.ffn_up.weight") + len(b"blk.0.ffn_up.weight")
+
+    def patched(at: int, value: bytes) -> bytes:
+        return raw[:at] + value + raw[at + len(value):]
+
+    files = {
+        "truncated": (raw[:-100], "'blk.1.ffn_down.weight' needs 65536 bytes"),
+        "header": (raw[:table], "the file is truncated"),
+        "not gguf": (b"PK\x03\x04" + raw[4:], "not a GGUF file"),
+        "unknown type": (patched(table + 4 + 2 * 8, struct.pack("<I", 250)),
+                         "'blk.0.ffn_up.weight' has unknown ggml type id 250"),
+        "empty dimension": (patched(table + 4, struct.pack("<Q", 0)),
+                            "'blk.0.ffn_up.weight' has shape [0, 256], with an empty dimension"),
+    }
+    paths = {}
+    for kind, (data, expected) in files.items():
+        path = out / f"{kind.replace(' ', '-')}.gguf"
+        path.write_bytes(data)
+        paths[kind] = (path, expected)
+    paths["architecture"] = (write_tiny_llama_gguf(out / "mamba.gguf", arch="mamba"),
+                             "GGUF architecture 'mamba' is not supported")
+    paths["unreadable type"] = (
+        write_tiny_llama_gguf(out / "q8k.gguf", ffn_type=QT.Q8_K),
+        "'blk.0.ffn_down.weight' has type Q8_K, which minivllm cannot read")
+    return paths
+
+
+BAD_KINDS = ["truncated", "header", "not gguf", "unknown type", "empty dimension",
+             "architecture", "unreadable type"]
+
+
+def _assert_one_line(stderr: str, path: Path, expected: str, cache: Path) -> None:
+    lines = [line for line in stderr.strip().splitlines() if line]
+    assert lines[-1].startswith("minivllm: error: ") and str(path) in lines[-1], stderr
+    assert expected in lines[-1], stderr
+    assert "Traceback" not in stderr
+    assert not cache.exists() or not any(cache.rglob("*")), list(cache.rglob("*"))
+
+
+@pytest.mark.parametrize("kind", BAD_KINDS)
+def test_cli_refuses_each_bad_file_in_one_line(
+    bad_files: dict[str, tuple[Path, str]], kind: str, tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+) -> None:
+    """`minivllm generate --model BAD.gguf`: exit status 2, one line naming the file, the
+    tensor and what is wrong, and nothing written to the cache."""
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("MINIVLLM_CACHE", str(cache))
+    path, expected = bad_files[kind]
+    assert main(["generate", "hi", "--model", str(path)]) == 2
+    _assert_one_line(capsys.readouterr().err, path, expected, cache)
+
+
+@pytest.mark.parametrize("command,kind", [
+    (["generate", "hi"], "truncated"),
+    (["serve", "--port", "0"], "architecture"),  # the engine in its own process
+    (["bench", "throughput"], "unknown type"),
+])
+def test_every_command_exits_2_without_traceback(
+    bad_files: dict[str, tuple[Path, str]], command: list[str], kind: str, tmp_path: Path,
+) -> None:
+    """The same through the installed command, as a user runs it: generate, serve (whose
+    engine process reports the error back) and bench."""
+    cache = tmp_path / "cache"
+    path, expected = bad_files[kind]
+    env = dict(os.environ, MINIVLLM_CACHE=str(cache))
+    proc = subprocess.run([sys.executable, "-m", "minivllm.cli", *command, "--model",
+                           str(path)], capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 2, proc.stderr
+    _assert_one_line(proc.stderr, path, expected, cache)
+
+
+def test_types_without_a_kernel_load_dequantized_with_one_warning(
+    bad_files: dict[str, tuple[Path, str]], tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """An IQ4_NL tensor (no kernel of ours runs it) is decoded at load into the dense weight
+    gguf-py's dequantization gives, and one warning names the type and what it costs."""
+    from minivllm import LLM, SamplingParams
+    from minivllm.layers.cpu_kernels import cpu_kernels_available
+    from minivllm.models.gguf import dequantize_tensor
+
+    cpu_kernels_available()  # built once in the usual cache, not again in this test's
+    monkeypatch.setenv("MINIVLLM_CACHE", str(tmp_path / "cache"))
+    path = write_tiny_llama_gguf(tmp_path / "iq4nl.gguf", ffn_type=QT.IQ4_NL)
+    with caplog.at_level(logging.WARNING, logger="minivllm.models.gguf"):
+        llm = LLM(model=str(path), dtype="float32", enforce_eager=True, device="cpu")
+    warnings = [r.getMessage() for r in caplog.records if "no kernel" in r.getMessage()]
+    assert warnings == ["iq4nl.gguf: 2 tensors of type IQ4_NL have no kernel here: dequantized "
+                        "at load into dense float32 weights, 0.1 MB in memory against 0.0 MB "
+                        "as stored (slower loads and steps)"]
+    weight = llm.llm_engine.model_runner.model.model.layers[0].mlp.down_proj.weight
+    expected = dequantize_tensor(GGUFFile(path).by_name["blk.0.ffn_down.weight"])
+    np.testing.assert_array_equal(weight.numpy(), expected)
+    out = llm.generate("hello", SamplingParams(max_tokens=2, temperature=0.0), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 2

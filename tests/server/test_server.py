@@ -596,6 +596,18 @@ def test_metrics_names(tiny_server: Live) -> None:
     assert m["minivllm:e2e_request_latency_seconds_count"] > 0
 
 
+def test_memory_gauges(tiny_server: Live, tiny_llama_long_dir: Path) -> None:
+    """/metrics says what start-up measured: the KV pool's blocks and bytes (K and V, 2
+    layers, 2 KV heads of 16, fp32), the weights' bytes (the fp32 checkpoint's, tied
+    embedding once, plus the model's own buffers) and the peak resident memory."""
+    m = tiny_server.metrics()
+    assert m["minivllm:kv_cache_num_blocks"] == 512
+    assert m["minivllm:kv_cache_bytes"] == 512 * 16 * 2 * 2 * 2 * 16 * 4
+    checkpoint = (tiny_llama_long_dir / "model.safetensors").stat().st_size
+    assert checkpoint * 0.9 < m["minivllm:model_weights_bytes"] < checkpoint * 1.5
+    assert m["minivllm:startup_peak_rss_bytes"] > m["minivllm:model_weights_bytes"]
+
+
 # ---- the default model --------------------------------------------------------------------
 
 

@@ -174,9 +174,24 @@ struct QuantizedRows {
         bsums(block_ == kGroup ? 0 : rows * k / 16) {}
 };
 
+// Rows of a QuantizedRows from one row on, where a quantizer writes.
+struct QuantizedView {
+  int64_t block;
+  int8_t* codes;
+  float* steps;
+  float* sums;
+  int16_t* bsums;
+};
+
+QuantizedView rows_from(QuantizedRows& all, int64_t row, int64_t k) {
+  return {all.block, all.codes.data() + row * k, all.steps.data() + row * k / all.block,
+          all.sums.data() + row * k / kGroup,
+          all.bsums.empty() ? nullptr : all.bsums.data() + row * k / 16};
+}
+
 bool is_k_kind(int qtype) { return qtype == kQ4_K || qtype == kQ5_K || qtype == kQ6_K; }
 
-void quantize_rows_scalar(const float* x, int64_t rows, int64_t k, QuantizedRows& out) {
+void quantize_rows_scalar(const float* x, int64_t rows, int64_t k, QuantizedView out) {
   const int64_t block = out.block;
   for (int64_t i = 0; i < rows * (k / block); ++i) {
     const float* v = x + i * block;
@@ -297,6 +312,26 @@ Geometry check_blocks(const at::Tensor& blocks, int64_t qtype, int64_t k, const 
   return geo;
 }
 
+// The activation rows quantized into each of x32 / x256 given (rows split over the thread
+// pool: a prefill's rows are many).
+void quantize_activations(const float* x, int64_t rows, int64_t k, Isa isa, QuantizedRows* x32,
+                          QuantizedRows* x256) {
+  at::parallel_for(0, rows, std::max<int64_t>(1, 65536 / k), [&](int64_t begin, int64_t end) {
+    for (QuantizedRows* all : {x32, x256}) {
+      if (all == nullptr) continue;
+      const QuantizedView out = rows_from(*all, begin, k);
+      const float* from = x + begin * k;
+      if (isa == kScalar) {
+        quantize_rows_scalar(from, end - begin, k, out);
+      } else if (all->block == kGroup) {
+        avx2::quantize_rows(from, end - begin, k, out);
+      } else {
+        avx2::quantize_rows_k(from, end - begin, k, out);
+      }
+    }
+  });
+}
+
 // One weight of a fused layer's segments, as the matmul reads it.
 struct Segment {
   const uint8_t* weights;
@@ -349,14 +384,8 @@ at::Tensor ggml_matmul_segments(const at::Tensor& x, at::TensorList blocks,
   at::Tensor y = at::empty({rows, n_out}, xf.options());
   if (rows == 0 || n_out == 0) return y;
   QuantizedRows x32(any32 ? rows : 0, k, kGroup), x256(any256 ? rows : 0, k, 256);
-  const float* xp = xf.data_ptr<float>();
-  if (isa == kScalar) {
-    if (any32) quantize_rows_scalar(xp, rows, k, x32);
-    if (any256) quantize_rows_scalar(xp, rows, k, x256);
-  } else {
-    if (any32) avx2::quantize_rows(xp, rows, k, x32);
-    if (any256) avx2::quantize_rows_k(xp, rows, k, x256);
-  }
+  quantize_activations(xf.data_ptr<float>(), rows, k, isa, any32 ? &x32 : nullptr,
+                       any256 ? &x256 : nullptr);
   float* yp = y.data_ptr<float>();
   // enough weight rows a task that it streams tens of kilobytes
   const int64_t grain = std::max<int64_t>(1, 32768 / widest);

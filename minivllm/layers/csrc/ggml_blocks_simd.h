@@ -87,7 +87,7 @@ inline __m256i dot_u8s8(__m256i w, __m256i x) {
 
 // Activations quantized per row and group of 32 (the SIMD twin of quantize_rows_scalar, same
 // rounding, so the same codes): codes [rows, k] int8, steps and exact fp32 sums [rows, k/32].
-inline void quantize_rows(const float* x, int64_t rows, int64_t k, QuantizedRows& out) {
+inline void quantize_rows(const float* x, int64_t rows, int64_t k, QuantizedView out) {
   const int64_t groups = rows * (k / kGroup);
   const __m256 sign = _mm256_set1_ps(-0.0f);
   for (int64_t i = 0; i < groups; ++i) {  // group i: row i / (k / 32), contiguous in x
@@ -109,7 +109,7 @@ inline void quantize_rows(const float* x, int64_t rows, int64_t k, QuantizedRows
     const __m256i words01 = _mm256_packs_epi32(q[0], q[1]), words23 = _mm256_packs_epi32(q[2], q[3]);
     const __m256i bytes = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(words01, words23),
                                                       _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out.codes.data() + i * kGroup), bytes);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out.codes + i * kGroup), bytes);
     out.steps[i] = amax / 127.0f;
     const __m256 s = _mm256_add_ps(_mm256_add_ps(v[0], v[1]), _mm256_add_ps(v[2], v[3]));
     __m128 h = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
@@ -217,22 +217,29 @@ void dot_row(const uint8_t* w, int64_t blocks, const QuantizedRows& xq, int64_t 
   }
 }
 
-// Output columns [begin, end) for every row of xq.
+// Output columns [begin, end) for every row of xq, blocked for the caches as the K kinds'
+// matmul_columns_k_of: rows 64 at a time, weight rows 8 at a time, 4 activation rows each.
 template <int QT>
 void matmul_columns_of(const uint8_t* weights, int64_t row_bytes, const QuantizedRows& xq,
                        int64_t rows, int64_t k, float* y, int64_t n_out, int64_t begin,
                        int64_t end) {
   const int64_t blocks = k / geometry(QT).elems;
-  for (int64_t n = begin; n < end; ++n) {
-    const uint8_t* w = weights + n * row_bytes;
-    float* yn = y + n;
-    int64_t r0 = 0;
-    for (; r0 + 4 <= rows; r0 += 4) dot_row<QT, 4>(w, blocks, xq, r0, k, yn + r0 * n_out, n_out);
-    switch (rows - r0) {
-      case 3: dot_row<QT, 3>(w, blocks, xq, r0, k, yn + r0 * n_out, n_out); break;
-      case 2: dot_row<QT, 2>(w, blocks, xq, r0, k, yn + r0 * n_out, n_out); break;
-      case 1: dot_row<QT, 1>(w, blocks, xq, r0, k, yn + r0 * n_out, n_out); break;
-      default: break;
+  for (int64_t c0 = 0; c0 < rows; c0 += 64) {
+    const int64_t c1 = std::min(rows, c0 + 64);
+    for (int64_t n0 = begin; n0 < end; n0 += 8) {
+      const int64_t n1 = std::min(end, n0 + 8);
+      for (int64_t r0 = c0; r0 < c1; r0 += 4) {
+        for (int64_t n = n0; n < n1; ++n) {
+          const uint8_t* w = weights + n * row_bytes;
+          float* out = y + r0 * n_out + n;
+          switch (std::min<int64_t>(4, c1 - r0)) {
+            case 4: dot_row<QT, 4>(w, blocks, xq, r0, k, out, n_out); break;
+            case 3: dot_row<QT, 3>(w, blocks, xq, r0, k, out, n_out); break;
+            case 2: dot_row<QT, 2>(w, blocks, xq, r0, k, out, n_out); break;
+            default: dot_row<QT, 1>(w, blocks, xq, r0, k, out, n_out); break;
+          }
+        }
+      }
     }
   }
 }

@@ -14,7 +14,7 @@
 
 // Activations quantized with one step per block of 256 inputs (the SIMD twin of
 // quantize_rows_scalar with block 256: the same codes).
-inline void quantize_rows_k(const float* x, int64_t rows, int64_t k, QuantizedRows& out) {
+inline void quantize_rows_k(const float* x, int64_t rows, int64_t k, QuantizedView out) {
   const __m256 sign = _mm256_set1_ps(-0.0f);
   for (int64_t i = 0; i < rows * (k / 256); ++i) {  // block i: 256 contiguous inputs
     const float* v = x + i * 256;
@@ -37,7 +37,7 @@ inline void quantize_rows_k(const float* x, int64_t rows, int64_t k, QuantizedRo
       const __m256i words01 = _mm256_packs_epi32(q[0], q[1]), words23 = _mm256_packs_epi32(q[2], q[3]);
       const __m256i bytes = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(words01, words23),
                                                         _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out.codes.data() + i * 256 + 32 * g), bytes);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out.codes + i * 256 + 32 * g), bytes);
       out.sums[i * 8 + g] = hsum(s);
       for (int h = 0; h < 2; ++h) {  // the integer sums of inputs 0..15 and 16..31
         const __m256i pair = _mm256_add_epi32(q[2 * h], q[2 * h + 1]);
@@ -151,8 +151,9 @@ void dot_row_k(const uint8_t* w, int64_t blocks, const QuantizedRows& xq, int64_
 }
 
 // Output columns [begin, end) of a K-kind weight for every row of xq (block 256): y[r * ldy +
-// n]. Rows are taken 64 at a time so that their codes stay in cache while the columns' weight
-// rows stream past, and 4 at a time for each weight row (its codes unpacked once for 4).
+// n]. Blocked for the caches: rows 64 at a time (their codes stay in L2 while the weight rows
+// stream past), weight rows 8 at a time (they stay in L1 while 4 activation rows at a time,
+// also in L1, meet each of them: the codes of a weight row are unpacked once for 4 rows).
 template <int QT>
 void matmul_columns_k_of(const uint8_t* weights, int64_t row_bytes, const QuantizedRows& xq,
                          int64_t rows, int64_t k, float* y, int64_t ldy, int64_t begin,
@@ -160,15 +161,19 @@ void matmul_columns_k_of(const uint8_t* weights, int64_t row_bytes, const Quanti
   const int64_t blocks = k / 256;
   for (int64_t c0 = 0; c0 < rows; c0 += 64) {
     const int64_t c1 = std::min(rows, c0 + 64);
-    for (int64_t n = begin; n < end; ++n) {
-      const uint8_t* w = weights + n * row_bytes;
-      int64_t r0 = c0;
-      for (; r0 + 4 <= c1; r0 += 4) dot_row_k<QT, 4>(w, blocks, xq, r0, k, y + r0 * ldy + n, ldy);
-      switch (c1 - r0) {
-        case 3: dot_row_k<QT, 3>(w, blocks, xq, r0, k, y + r0 * ldy + n, ldy); break;
-        case 2: dot_row_k<QT, 2>(w, blocks, xq, r0, k, y + r0 * ldy + n, ldy); break;
-        case 1: dot_row_k<QT, 1>(w, blocks, xq, r0, k, y + r0 * ldy + n, ldy); break;
-        default: break;
+    for (int64_t n0 = begin; n0 < end; n0 += 8) {
+      const int64_t n1 = std::min(end, n0 + 8);
+      for (int64_t r0 = c0; r0 < c1; r0 += 4) {
+        for (int64_t n = n0; n < n1; ++n) {
+          const uint8_t* w = weights + n * row_bytes;
+          float* out = y + r0 * ldy + n;
+          switch (std::min<int64_t>(4, c1 - r0)) {
+            case 4: dot_row_k<QT, 4>(w, blocks, xq, r0, k, out, ldy); break;
+            case 3: dot_row_k<QT, 3>(w, blocks, xq, r0, k, out, ldy); break;
+            case 2: dot_row_k<QT, 2>(w, blocks, xq, r0, k, out, ldy); break;
+            default: dot_row_k<QT, 1>(w, blocks, xq, r0, k, out, ldy); break;
+          }
+        }
       }
     }
   }

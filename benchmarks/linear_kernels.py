@@ -7,13 +7,13 @@ with: dense fp32, dense bf16 (`F.linear`, and prepacked for oneDNN as the engine
 zero each) with bf16 activations (with fp32 activations the kernel is scalar on x86, 8-100x
 slower than dense fp32 in a first run here, so it is left out), and for the LM head (Q8_0 in
 the default model's file) "int8 pair": two int4 calls, the 8-bit weight split in 4-bit
-halves (`minivllm.layers.int4.split_int8`, INT8_AS_INT4_PAIR_MAX_ROWS); and our qgemv kernel
+halves (`minivllm.layers.int4.split_int8`, `int8_as_int4_pair`); and our qgemv kernel
 (`minivllm.layers.qgemv`: fp32 activations, 4-bit weights, or the Q8_0 head's 8-bit ones), the
 fp32 path of AVX2-only CPUs. It prints microseconds per call and the speed-up over fp32, from
-which `minivllm.layers.int4.INT4_MAX_ROWS` (packed int4 at or below it, dense bf16 above) is
-chosen for each CPU kind, and `minivllm.layers.qgemv.QGEMV_MAX_ROWS`. Columns a CPU cannot run
-(oneDNN bf16 on an AVX2-only CPU) are left out. The layer's shapes are timed
-over `--layers` distinct copies (default 30, SmolLM2's depth) so that their weights stream from
+which the `int4` row threshold (packed int4 at or below it, dense bf16 above) and the `qgemv`
+one of `minivllm.layers.kernel_rows.KERNEL_ROWS` are chosen for each CPU kind. Columns a CPU
+cannot run (oneDNN bf16 on an AVX2-only CPU) are left out. The layer's shapes are timed over
+`--layers` distinct copies (default 30, SmolLM2's depth) so that their weights stream from
 memory as in the model, not from cache. Run it on each CPU kind:
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/linear_kernels.py

@@ -1,5 +1,5 @@
 """A one-sequence decode step with the 4-bit layers on torch's int4 kernel and on our qgemv
-kernel's AVX-512 VNNI path (`minivllm.layers.stored_weights.Int4WithQGemvRow`), two engines
+kernel's AVX-512 VNNI path (`minivllm.layers.linear_method.Int4WithQGemvRow`), two engines
 in one process stepped in interleaved rounds, so that the machine's drift hits both alike.
 
     .venv/bin/python benchmarks/one_row_kernels.py [--rounds 12] [--steps 20] [--context 200]
@@ -10,24 +10,27 @@ Prints the median and min ms per step of each. Needs a CPU where the VNNI path r
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import time
 from typing import Any
 
-import minivllm.layers.stored_weights as stored_weights
 from minivllm import LLM, SamplingParams
 from minivllm.bench.workloads import Workload
+from minivllm.layers import kernel_rows
+from minivllm.layers.cpu_kernels import cpu_caps
 
 
 def decoding_engine(vnni: bool, context: int) -> Any:
-    """An engine decoding one sequence, its 4-bit layers packed with (or without) the VNNI
-    path for one row."""
-    real = stored_weights.vnni_path
-    stored_weights.vnni_path = real if vnni else (lambda: False)
+    """An engine decoding one sequence, its 4-bit layers taking (or not) the VNNI path at one
+    row: its row threshold in the table is 1 (or 0) while the weights are packed."""
+    kind = cpu_caps().kind
+    real = kernel_rows.KERNEL_ROWS[kind]
+    kernel_rows.KERNEL_ROWS[kind] = dataclasses.replace(real, qgemv_vnni_bf16=int(vnni))
     try:
         engine = LLM(None, num_kv_blocks=512).llm_engine
     finally:
-        stored_weights.vnni_path = real
+        kernel_rows.KERNEL_ROWS[kind] = real
     prompts, _ = Workload(1, (context, context), (1, 1)).make(engine.model_runner.vocab_size)
     engine.add_request(prompts[0], SamplingParams(max_tokens=4000, ignore_eos=True,
                                                   temperature=0.6))
@@ -42,10 +45,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--context", type=int, default=200)
     args = parser.parse_args()
-    from minivllm.layers.cpu_kernels import cpu_kernels_available
-    from minivllm.layers.qgemv import vnni_path
-
-    if not (cpu_kernels_available() and vnni_path()):
+    if not cpu_caps().qgemv_vnni:
         raise SystemExit("qgemv's VNNI path does not run here")
     engines = {"torch int4": decoding_engine(False, args.context),
                "qgemv VNNI": decoding_engine(True, args.context)}

@@ -44,7 +44,8 @@ from tqdm import tqdm
 from minivllm.cache import cache_dir
 from minivllm.layers.attention import AttentionMetadata
 from minivllm.layers.attention.decode import DecodeMetadata
-from minivllm.layers.int4 import int4_max_rows
+from minivllm.layers.cpu_kernels import cpu_caps
+from minivllm.layers.kernel_rows import kernel_rows
 
 logger = logging.getLogger(__name__)
 
@@ -95,7 +96,7 @@ def inductor_cache_dir() -> str:
     chosen = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
     if chosen and os.path.abspath(chosen) != os.path.abspath(default_cache_dir()):
         return chosen
-    return str(cache_dir() / "inductor" / torch.backends.cpu.get_cpu_capability())
+    return str(cache_dir() / "inductor" / cpu_caps().capability)
 
 
 def _keep_guards_on_values(entries: list[Any]) -> list[bool]:
@@ -186,7 +187,7 @@ class CompiledDecode:
         # As many sequences as the int4 kernel takes rows: above, the eager step's
         # oneDNN-prepacked matmuls (opaque to Inductor) beat the graph's aten::mm
         # (docs/benchmarks.md, "The thresholds the code uses").
-        self.max_seqs = int4_max_rows() if paged else 1
+        self.max_seqs = kernel_rows().int4 if paged else 1
         # Without this, a context length that happens to equal a model dim (head_dim / 2 at
         # warm-up, say) is traced as that dim, and the graph holds for that length only.
         torch.fx.experimental._config.use_duck_shape = False

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from minivllm.config import EngineConfig
+from minivllm.layers.cpu_kernels import cpu_caps
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -19,13 +20,6 @@ def resolve_device(config: EngineConfig) -> torch.device:
     return device
 
 
-def cpu_has_native_bf16() -> bool:
-    """Whether torch runs AVX-512 kernels on a CPU with the BF16 instructions (forcing
-    `ATEN_CPU_CAPABILITY=avx2` answers no, as on an AVX2-only CPU)."""
-    capability = torch.backends.cpu.get_cpu_capability()
-    return capability.startswith("AVX512") and torch.cpu._is_avx512_bf16_supported()
-
-
 def resolve_dtype(config: EngineConfig, device: torch.device) -> torch.dtype:
     """The compute dtype: the one asked for, else ("auto") bf16 on CUDA and on CPUs with
     native bf16, fp32 on other CPUs and for int8 weights (fp32 activations)."""
@@ -33,6 +27,6 @@ def resolve_dtype(config: EngineConfig, device: torch.device) -> torch.dtype:
         return DTYPES[config.dtype]
     if device.type == "cuda":
         return torch.bfloat16
-    if config.quantization == "int8" or not cpu_has_native_bf16():
+    if config.quantization == "int8" or not cpu_caps().native_bf16:
         return torch.float32
     return torch.bfloat16

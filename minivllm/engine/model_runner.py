@@ -27,21 +27,17 @@ from minivllm.engine.logits import compute_logits_in_slices, score_prompt_rows
 from minivllm.engine.runner_output import RunnerOutput, SampledToken
 from minivllm.engine.scheduler import ScheduledBatch
 from minivllm.engine.sequence import Sequence
+from minivllm.engine.weight_policy import WeightPolicy, apply_weight_policy, log_block_weights
 from minivllm.layers.attention import AttentionMetadata
 from minivllm.layers.attention.backends import AttentionSpec
 from minivllm.layers.attention.layer import bind_attention_backends
 from minivllm.layers.attention.paged_decode import paged_decode_supported
-from minivllm.layers.cpu_kernels import cpu_kernels_available
-from minivllm.layers.onednn import prepack_model
-from minivllm.layers.quantization import check_quantization, quantize_model_int8
 from minivllm.layers.rejection_sampler import verify
 from minivllm.layers.sampler import Sampler, SamplingBatch
-from minivllm.layers.stored_weights import pack_8bit_halves, stored_weight_kernel
 from minivllm.models.gguf import iter_state, warn_dense_fallback
 from minivllm.models.gguf_blocks import attach_blocks
 from minivllm.models.gguf_file import GGUFFile
-from minivllm.models.gguf_int4 import LM_HEAD_HIGH, LM_HEAD_LOW, read_int4_weights
-from minivllm.models.loader import attach_int4, load_model, quantize_linear_int4
+from minivllm.models.loader import load_model
 from minivllm.models.paths import gguf_source
 
 logger = logging.getLogger(__name__)
@@ -177,7 +173,7 @@ class ModelRunner:
         # measure the memory it all holds.
         self.model, self.hf_config = self._load_model(model_dir, tp_rank, tp_size)
         # the kernel of the weights kept as stored: "int4", "qgemv" or None (dense)
-        self.weight_kernel = self._pack_weights(tp_size)
+        self.weight_kernel = self._quantize()
         self._read_model_shape(tp_rank, tp_size)
         self.num_kv_blocks = self._size_kv_cache(tp_size)
         self.kv_caches = self._allocate_kv_cache()
@@ -188,18 +184,6 @@ class ModelRunner:
         self.small_step_threads: int | None = None
         self.compiled_decode = self._warm_up_compiled_decode(tp_size)
         self.memory = self._measure_memory()
-
-    def _pack_weights(self, tp_size: int) -> str | None:
-        """Quantize (`_quantize`), then pack the dense weights for their kernels (the LM
-        head's and the bf16 linear layers' oneDNN layouts). Returns the stored weights'
-        kernel."""
-        kernel = self._quantize(tp_size)
-        lm_head = getattr(self.model, "lm_head", None)
-        if lm_head is not None and hasattr(lm_head, "pack_for_cpu") and lm_head.pack_for_cpu():
-            logger.info("LM head: oneDNN-packed %s weight", self.dtype)
-        if count := prepack_model(self.model):
-            logger.info("oneDNN-prepacked bf16 weights for %d linear layers", count)
-        return kernel
 
     def _read_model_shape(self, tp_rank: int, tp_size: int) -> None:
         """The sizes the cache and the sampler need, from the model's config."""
@@ -261,82 +245,38 @@ class ModelRunner:
         return report
 
     def _load_model(self, model_dir: Path, tp_rank: int, tp_size: int) -> tuple[Any, Any]:
-        """Build the model and load its weights. A GGUF is read in place (memory-mapped;
-        `model_dir` then holds its config and tokenizer), its K-quant and 8-bit linear weights
-        kept as stored blocks where `_keeps_blocks` says so."""
+        """Build the model and load its weights, how each runs decided first, once
+        (`minivllm.engine.weight_policy`). A GGUF is read in place (memory-mapped; `model_dir`
+        then holds its config and tokenizer), its K-quant and 8-bit linear weights kept as
+        stored blocks where the policy says so."""
         source = gguf_source(self.config.model)
         self.gguf = GGUFFile(source) if source else None
         warn_dense_fallback(self.gguf, self.dtype)
+        self.weight_policy = WeightPolicy.decide(self.config, self.device, self.dtype, tp_size,
+                                                 gguf=self.gguf is not None)
         # checkpoint names of the weights kept as the GGUF's blocks, filled before loading
         self.block_weights: set[str] = set()
         model, hf_config = load_model(
             model_dir, self.dtype, self.device, tp_rank=tp_rank, tp_size=tp_size,
             weights=iter_state(self.gguf, skip=self.block_weights.__contains__)
             if self.gguf else None,
-            attach=self._attach_blocks if self._keeps_blocks(tp_size) else None,
+            attach=self._attach_blocks if self.weight_policy.keep_blocks else None,
         )
         if self.gguf is not None:
             self.gguf.release_pages()
         if self.block_weights:
-            stored = sum(m.block_weight.nbytes for m in model.modules()
-                         if getattr(m, "block_weight", None) is not None)
-            dense = sum(p.numel() * p.element_size() for p in model.parameters())
-            logger.info("weights: %d GGUF tensors kept as stored blocks (%.2f GB, no dense "
-                        "copy), %.2f GB dense", len(self.block_weights), stored / 1e9,
-                        dense / 1e9)
+            log_block_weights(model, len(self.block_weights))
         return model, hf_config
-
-    def _keeps_blocks(self, tp_size: int) -> bool:
-        """Whether a GGUF's K-quant and 8-bit tensors stay as stored blocks: on the CPU, one
-        process, the default quantization, and not when float32 was asked for (that is the
-        dense path held token-exact to HF)."""
-        explicit_fp32 = self.config.dtype not in (None, "auto") and self.dtype == torch.float32
-        return (self.gguf is not None and self.device.type == "cpu" and tp_size == 1
-                and self.config.quantization is None and not explicit_fp32
-                and cpu_kernels_available())
 
     def _attach_blocks(self, model: torch.nn.Module) -> set[str]:
         assert self.gguf is not None
         self.block_weights.update(attach_blocks(model, self.gguf))
         return self.block_weights
 
-    def _quantize(self, tp_size: int) -> str | None:
-        """Switch linear layers to the quantized kernels `config.quantization` asks for: by
-        default a GGUF's 4-bit tensors (and a Q8_0 LM head) run as stored where a kernel for
-        them is fast (`minivllm.layers.stored_weights`: torch's int4 in bf16 on the CPU, our
-        qgemv in fp32 on AVX2 CPUs, the latter not when `dtype="float32"` was asked for: that
-        is the token-exact dense path); "int4" quantizes the other linear layers too; "none"
-        keeps them dense. Returns the kernel of the weights kept as stored (None: dense)."""
-        method = self.config.quantization
-        if method == "int8":
-            check_quantization(method, self.device, self.dtype)
-            logger.info("int8 weights for %d linear layers", quantize_model_int8(self.model))
-            return None
-        if method == "none" or (method is None and tp_size > 1):
-            return None
-        kernel = stored_weight_kernel(self.device, self.dtype)
-        if kernel == "qgemv" and method is None and self.config.dtype not in (None, "auto"):
-            kernel = None
-        if kernel is None or tp_size > 1:
-            if method == "int4":
-                raise ValueError("quantization='int4' runs on the CPU (bfloat16, or float32 on "
-                                 "an x86 CPU with AVX2) with tensor_parallel_size=1 (got "
-                                 f"device {self.device.type}, dtype {self.dtype}, "
-                                 f"tensor_parallel_size {tp_size})")
-            return None
-        weights = read_int4_weights(self.gguf, exclude=self.block_weights) if self.gguf else {}
-        if LM_HEAD_HIGH in weights and hasattr(self.model, "lm_head"):
-            head = pack_8bit_halves(weights.pop(LM_HEAD_HIGH), weights.pop(LM_HEAD_LOW),
-                                    self.dtype)
-            if head is not None:
-                self.model.lm_head.set_int8_head(head)
-                logger.info("LM head: its Q8_0 weight as stored for small steps (%s)", kernel)
-        count = attach_int4(self.model, weights)
-        if method == "int4":
-            count += quantize_linear_int4(self.model)
-        logger.info("4-bit weights for %d linear layers (%s kernel, %s)", count, kernel,
-                    "from the GGUF's 4-bit blocks" if self.gguf else "quantized at load")
-        return kernel if count else ("blocks" if self.block_weights else None)
+    def _quantize(self) -> str | None:
+        """Give the loaded layers the methods the weight policy chose; returns the kernel of
+        the weights kept as stored ("int4", "qgemv", "blocks"; None: none are)."""
+        return apply_weight_policy(self.model, self.weight_policy, self.gguf, self.block_weights)
 
     def _bytes_per_block(self) -> int:
         """One block's K and V over all layers."""

@@ -15,7 +15,7 @@ A fused layer (qkv_proj, gate_up_proj) holds one segment per checkpoint tensor, 
 type (Q4_K_M stores some `attn_v` in Q6_K): one kernel call computes them side by side.
 
 Q4_0 and Q4_1 tensors are not in `BLOCK_TYPES`: they keep the 4-bit kernels of
-`minivllm.layers.stored_weights`, faster at one row on those types (docs/ggml-kernels.md).
+`minivllm.layers.linear_method`, faster at one row on those types (docs/ggml-kernels.md).
 """
 
 from __future__ import annotations
@@ -27,23 +27,25 @@ from gguf import GGMLQuantizationType
 
 from minivllm.layers.cpu_kernels import cpu_kernels_available
 from minivllm.layers.ggml_blocks import dequant_matmul, ggml_matmul_segments, row_bytes
+from minivllm.layers.kernel_rows import KERNEL_ROWS
 
-# The one table of which GGUF tensor types run as stored blocks, and up to how many rows a
-# step takes the integer-dot kernel (beyond: tile-by-tile dequantization and torch's matmul).
+# The one table of which GGUF tensor types run as stored blocks.
 BLOCK_TYPES = frozenset({
     GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K, GGMLQuantizationType.Q6_K,
     GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q5_0, GGMLQuantizationType.Q5_1,
 })
 # The K kinds' integer kernel (activations rounded per block of 256) beats the dequantizing
-# path at every row count; the 32-input kinds' (a float multiply each group) only up to 32
-# rows (docs/ggml-kernels.md).
+# path at every row count; the 32-input kinds' (a float multiply each group) only up to a
+# threshold: both from the row table (minivllm.layers.kernel_rows), the same on both CPU kinds.
+_ROWS = KERNEL_ROWS["AVX2"]
 INT_DOT_MAX_ROWS: dict[GGMLQuantizationType, float] = {
-    GGMLQuantizationType.Q4_K: float("inf"), GGMLQuantizationType.Q5_K: float("inf"),
-    GGMLQuantizationType.Q6_K: float("inf"), GGMLQuantizationType.Q8_0: 32,
-    GGMLQuantizationType.Q5_0: 32, GGMLQuantizationType.Q5_1: 32,
+    **dict.fromkeys((GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K,
+                     GGMLQuantizationType.Q6_K), _ROWS.ggml_int_dot_k),
+    **dict.fromkeys((GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q5_0,
+                     GGMLQuantizationType.Q5_1), _ROWS.ggml_int_dot),
 }
 # The token embedding and the LM head run as stored blocks in these types (what K-quant files
-# hold); a Q8_0 head keeps the 8-bit head path of minivllm.layers.stored_weights.
+# hold); a Q8_0 head keeps the 8-bit head path of minivllm.layers.linear_method.
 EMBEDDING_BLOCK_TYPES = frozenset({
     GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K, GGMLQuantizationType.Q6_K,
 })

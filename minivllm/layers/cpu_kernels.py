@@ -1,4 +1,10 @@
-"""Our C++ CPU kernels (`csrc/*.cpp`): built once, loaded as torch operators `minivllm::*`.
+"""The CPU this process runs on, probed once (`cpu_caps()`), and our C++ kernels
+(`csrc/*.cpp`), built once and loaded as torch operators `minivllm::*`.
+
+`CpuCaps` is the one answer to "what does this CPU run": the kind of kernels torch dispatches
+to (`ATEN_CPU_CAPABILITY` included, so forcing `avx2` reads as an AVX2-only CPU everywhere),
+VNNI, native BF16, AMX, oneDNN's bf16 kernels, and whether our kernels loaded. Every module
+that picks a CPU path reads it; none probes the CPU itself.
 
 The kernels use AVX2 and FMA, so they run on every x86 CPU this project runs on (AVX2-only and
 AVX-512 alike; qgemv also has an AVX-512 VNNI path, compiled as such function by function and
@@ -29,6 +35,7 @@ import os
 import platform
 import subprocess
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -45,12 +52,6 @@ FLAGS = ["-O3", "-fopenmp", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-
 
 class KernelBuildError(RuntimeError):
     """The C++ kernels could not be compiled here."""
-
-
-def _cpu_has_avx2() -> bool:
-    return platform.machine().lower() in ("x86_64", "amd64") and (
-        torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
-    )
 
 
 def _library_path() -> Path:
@@ -88,14 +89,73 @@ def _build(target: Path) -> None:
         os.replace(built, target)
 
 
+@dataclass(frozen=True)
+class CpuCaps:
+    """What this CPU runs, probed once per process (`cpu_caps()`)."""
+
+    machine: str  # platform.machine(), e.g. "x86_64"
+    capability: str  # torch's kernel kind: "AVX512", "AVX2", "DEFAULT"... (env override applied)
+    vnni: bool  # AVX-512 VNNI in hardware (fbgemm's int8 kernels use it whatever torch runs)
+    avx512_bf16: bool  # the AVX-512 BF16 instructions in hardware
+    amx: bool  # AMX tiles in hardware
+    onednn_bf16: bool  # oneDNN has bf16 kernels here and torch exposes its prepacked linear
+    kernels: bool  # our `minivllm::*` operators built and loaded
+    qgemv_vnni: bool  # qgemv's AVX-512 VNNI path runs (csrc/cpu_features.h decides)
+
+    @property
+    def kind(self) -> str:
+        """The kernel kind the row thresholds are measured for: "AVX512" or "AVX2"."""
+        return "AVX512" if self.capability.startswith("AVX512") else "AVX2"
+
+    @property
+    def native_bf16(self) -> bool:
+        """torch runs AVX-512 kernels on a CPU with the BF16 instructions: bf16 is the fast
+        dtype (forcing `ATEN_CPU_CAPABILITY=avx2` answers no, as on an AVX2-only CPU)."""
+        return self.kind == "AVX512" and self.avx512_bf16
+
+
+def _onednn_bf16() -> bool:
+    """oneDNN's bf16 kernels (AVX-512 BW/VL/DQ or AVX-NE-CONVERT; none on an AVX2-only CPU
+    such as AMD Zen 3) and torch's prepacked linear ops."""
+    return (torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+            and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()))
+
+
 @functools.cache
+def cpu_caps() -> CpuCaps:
+    """This CPU's capabilities, probed (and our kernels built or loaded) once; logged once."""
+    machine = platform.machine()
+    capability = torch.backends.cpu.get_cpu_capability()
+    kernels = _load_kernels(machine, capability)
+    caps = CpuCaps(
+        machine=machine,
+        capability=capability,
+        vnni=bool(getattr(torch.cpu, "_is_vnni_supported", lambda: False)()),
+        avx512_bf16=bool(getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)()),
+        amx=bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)()),
+        onednn_bf16=_onednn_bf16(),
+        kernels=kernels,
+        qgemv_vnni=kernels and bool(torch.ops.minivllm.qgemv_vnni()),
+    )
+    logger.info("CPU: torch %s kernels, VNNI %s, BF16 %s, AMX %s, oneDNN bf16 %s, minivllm "
+                "kernels %s", caps.capability, caps.vnni, caps.avx512_bf16, caps.amx,
+                caps.onednn_bf16, "loaded" if caps.kernels else "not used")
+    return caps
+
+
+@torch.compiler.assume_constant_result  # compiled graphs take the answer, not the probe
 def cpu_kernels_available() -> bool:
-    """Whether the `minivllm::*` operators run here (building and loading them the first
-    time); the answer and the reason for a no are logged once."""
-    if not _cpu_has_avx2():
+    """Whether the `minivllm::*` operators run here (`cpu_caps().kernels`)."""
+    return cpu_caps().kernels
+
+
+def _load_kernels(machine: str, capability: str) -> bool:
+    """Build (the first time) and load the kernels; False, and why in the log, where they
+    cannot run: they need an x86 CPU with AVX2."""
+    if machine.lower() not in ("x86_64", "amd64") or capability not in ("AVX2", "AVX512"):
         logger.info("minivllm CPU kernels: not used (they need an x86 CPU with AVX2; torch "
-                    "runs %s kernels on %s)", torch.backends.cpu.get_cpu_capability(),
-                    platform.machine())
+                    "runs %s kernels on %s)", capability, machine)
         return False
     path = _library_path()
     try:

@@ -105,7 +105,7 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def set_int8_head(self, head: PackedInt4Pair | QGemvWeight) -> None:
         """Run decode-sized steps on an 8-bit head as stored (`minivllm.layers.
-        stored_weights.pack_8bit_halves`); larger steps keep the dense weight."""
+        linear_method.pack_8bit_halves`); larger steps keep the dense weight."""
         if self.tp_size != 1:
             raise ValueError("an 8-bit LM head needs tensor_parallel_size=1")
         self.int8_head = head

@@ -12,28 +12,18 @@ The kernel is vectorised for bf16 activations only (fp32 activations run it scal
 than dense fp32), so int4 is used where the model computes in bf16. It reads 4x fewer bytes
 than dense bf16 and wins at decode-sized row counts; at prefill sizes the dense bf16 matmul is
 faster, so a layer with int4 weights keeps its dense weight too and picks per call
-(`PackedInt4.fits`, crossover `INT4_MAX_ROWS` per CPU kind, measured by
-`benchmarks/linear_kernels.py`).
+(`PackedInt4.fits`, crossover `int4` of `minivllm.layers.kernel_rows`, per CPU kind).
 """
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
 
+from minivllm.layers.kernel_rows import kernel_rows
+
 GROUP_SIZE = 32
-# Row counts (tokens in the step) at or below which the packed int4 matmul runs, per kernel
-# kind torch dispatches to; above it the dense bf16 one, prepacked for oneDNN
-# (minivllm/layers/onednn.py). benchmarks/linear_kernels.py (docs/benchmarks.md): over the 30
-# layers' weights int4 wins up to 4 rows with either kind of kernel.
-INT4_MAX_ROWS = {"AVX512": 4, "AVX2": 4}
-# The same for an 8-bit weight run as two 4-bit halves (`split_int8`, the Q8_0 LM head, where
-# our qgemv kernel is not built: it is faster, `minivllm.layers.stored_weights`): two int4
-# calls beat the prepacked dense bf16 head at one row (a one-sequence decode step) with the
-# AVX-512 kernels, never with AVX2.
-INT8_AS_INT4_PAIR_MAX_ROWS = {"AVX512": 1, "AVX2": 0}
 
 
 @dataclass
@@ -112,7 +102,7 @@ class PackedInt4:
             raise ValueError(f"int4 needs the input size ({size}) to be a multiple of "
                              f"{GROUP_SIZE}")
         self.out_features = out
-        self.max_rows = int4_max_rows()  # read here, once: the compiled step cannot call it
+        self.max_rows = kernel_rows().int4  # read here, once: the compiled step cannot call it
         self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
             weight.codes.to(torch.int32).contiguous(), 2
         )
@@ -135,23 +125,13 @@ class PackedInt4:
         return out.view(*x.shape[:-1], self.out_features)
 
 
-def _kernel_kind() -> str:
-    return "AVX512" if torch.backends.cpu.get_cpu_capability().startswith("AVX512") else "AVX2"
-
-
-@functools.cache
-def int4_max_rows() -> int:
-    """INT4_MAX_ROWS for the kernels torch runs on this CPU."""
-    return INT4_MAX_ROWS[_kernel_kind()]
-
-
 class PackedInt4Pair:
     """An 8-bit weight as two packed 4-bit halves (`split_int8`), for the LM head: `matmul`
     sums the halves' products in float32 (`[..., in]` -> `[..., out]` float32)."""
 
     def __init__(self, high: Int4Weight, low: Int4Weight) -> None:
         self.high, self.low = PackedInt4(high), PackedInt4(low)
-        self.max_rows = INT8_AS_INT4_PAIR_MAX_ROWS[_kernel_kind()]
+        self.max_rows = kernel_rows().int8_as_int4_pair
 
     def fits(self, x: torch.Tensor) -> bool:
         """Decode-sized bf16 steps (up to `max_rows` rows of `x`)."""

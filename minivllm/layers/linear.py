@@ -12,21 +12,19 @@ rank's part of a checkpoint tensor into it:
 A rank's slice is `[tp_rank * size, (tp_rank + 1) * size)` unless a layer is given an explicit
 `shard=(offset, size)`: attention heads split in whole KV groups can be uneven
 (`minivllm.distributed.heads`), and so are the q/k/v and o_proj slices that follow them.
+
+How a layer's weight runs (dense, int8, 4-bit kernels, a GGUF's stored blocks) is its `method`
+(`minivllm.layers.linear_method`), chosen once at load by `minivllm.engine.weight_policy`.
 """
 
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from minivllm.distributed import parallel_state
 from minivllm.distributed.heads import shard_heads
-from minivllm.layers.block_weight import BlockWeight
-from minivllm.layers.int4 import Int4Weight
-from minivllm.layers.onednn import OneDnnWeight, onednn_prepack_supported
-from minivllm.layers.quantization import int8_linear, pack_int8
-from minivllm.layers.stored_weights import SmallStepWeight, pack_4bit
+from minivllm.layers.linear_method import LinearMethod, UnquantizedMethod
 
 
 def _divide(numerator: int, denominator: int, what: str) -> int:
@@ -91,12 +89,8 @@ class LinearBase(nn.Module):
             self.bias.weight_loader = self.weight_loader
         else:
             self.register_parameter("bias", None)
-        self.int8_weight: Any = None  # prepacked int8 weight once quantize_int8() has run
-        # 4-bit weights for small steps, in their kernel's layout, once set_int4() has run
-        self.int4_weight: SmallStepWeight | None = None
-        self.onednn_weight: OneDnnWeight | None = None  # once prepack_for_cpu() has run
-        # the GGUF's quantized blocks, once set_blocks() has run: then the only weight
-        self.block_weight: BlockWeight | None = None
+        # how the weight runs: dense until the weight policy picks another at load
+        self.method: LinearMethod = UnquantizedMethod()
 
     @property
     def shard_ids(self) -> tuple[int | str | None, ...]:
@@ -119,70 +113,19 @@ class LinearBase(nn.Module):
         _check_shape(loaded, tuple(full_shape))
         param.data.copy_(loaded.narrow(dim, self.shard_offset, self.shard_size))
 
-    def quantize_int8(self) -> None:
-        """Compute with int8 weights from now on (CPU; see minivllm/layers/quantization.py)."""
-        self.int8_weight = pack_int8(self.weight)
-
-    def set_int4(self, weight: Int4Weight) -> bool:
-        """Run decode-sized steps on 4-bit weights from now on, `weight` being the whole
-        (unsplit, shards stacked) `[out, in]` one, packed for the kernel of the layer's dtype
-        (`minivllm.layers.stored_weights`); the dense weight stays for prefill-sized steps.
-        False where that kernel does not take the layer's shape (it stays dense).
-        Single-process only."""
-        if self.tp_size != 1:
-            raise ValueError("int4 weights are supported with tensor_parallel_size=1 only")
-        if weight.shape != tuple(self.weight.shape):
-            raise ValueError(f"int4 weight of shape {weight.shape} for a {type(self).__name__} "
-                             f"of shape {tuple(self.weight.shape)}")
-        self.int4_weight = pack_4bit(weight, self.weight.dtype)
-        return self.int4_weight is not None
-
-    def set_blocks(self, weight: BlockWeight) -> None:
-        """Compute on `weight`, the whole `[out, in]` weight as a GGUF's quantized blocks
-        (minivllm/layers/block_weight.py), for every step size from now on; the dense weight,
-        not loaded yet, is dropped. Single-process only."""
-        if self.tp_size != 1:
-            raise ValueError("GGUF block weights are supported with tensor_parallel_size=1 only")
-        if weight.shape != tuple(self.weight.shape):
-            raise ValueError(f"block weight of shape {weight.shape} for a {type(self).__name__} "
-                             f"of shape {tuple(self.weight.shape)}")
-        self.block_weight = weight
-        # [0, in]: keeps the dtype and device for whoever asks, holds nothing
-        self.weight = nn.Parameter(self.weight.new_empty(0, self.weight.shape[1]),
-                                   requires_grad=False)
-
-    def prepack_for_cpu(self) -> bool:
-        """Keep a oneDNN-prepacked copy of the loaded dense bf16 weight for the dense steps
-        (minivllm/layers/onednn.py); False (nothing done) where it does not apply."""
-        if (self.int8_weight is not None or self.block_weight is not None
-                or not onednn_prepack_supported(self.weight)):
-            return False
-        self.onednn_weight = OneDnnWeight(self.weight)
-        return True
-
-    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """`x @ weight.T (+ bias)`: on the GGUF's blocks when set, on the 4-bit weights for
-        few rows when set, on the int8 weights when quantized, else dense (oneDNN-prepacked
-        when eager and packed)."""
-        if self.block_weight is not None:
-            out = self.block_weight.matmul(x)
-        elif self.int4_weight is not None and self.int4_weight.fits(x):
-            out = self.int4_weight.matmul(x)
-        elif self.int8_weight is not None:
-            out = int8_linear(x, self.int8_weight)
-        elif self.onednn_weight is not None and not torch.compiler.is_compiling():
-            return self.onednn_weight.matmul(x, bias)
-        else:
-            return F.linear(x, self.weight, bias)
-        return out if bias is None else out + bias
+    def set_method(self, method: LinearMethod) -> None:
+        """Run the weight with `method` from now on (its `create_weights` runs here; its
+        `process_weights_after_loading` once the checkpoint is loaded)."""
+        method.create_weights(self)
+        self.method = method
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.matmul(x, self.bias)
+        return self.method.apply(self, x, self.bias)
 
     def extra_repr(self) -> str:
         return (
             f"in={self.input_size}, out={self.output_size}, bias={self.bias is not None}, "
-            f"tp_dim={self.tp_dim}, tp_size={self.tp_size}"
+            f"tp_dim={self.tp_dim}, tp_size={self.tp_size}, method={self.method.name}"
         )
 
 
@@ -342,7 +285,7 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return self.matmul(x, self.bias)
+            return self.method.apply(self, x, self.bias)
         # The bias is whole on every rank: only rank 0 adds it, so the sum has it once.
-        out = self.matmul(x, self.bias if self.tp_rank == 0 else None)
+        out = self.method.apply(self, x, self.bias if self.tp_rank == 0 else None)
         return parallel_state.all_reduce(out)

@@ -17,20 +17,20 @@ from __future__ import annotations
 
 import torch
 
+from minivllm.layers.cpu_kernels import cpu_caps
+
 # The row count oneDNN picks its packed layout for; any row count runs on it.
 PACK_ROWS_HINT = 16
 
 
 def onednn_prepack_supported(weight: torch.Tensor) -> bool:
     """Whether `weight` can be prepacked here: bf16 on a CPU whose oneDNN has bf16 kernels
-    (AVX-512 BW/VL/DQ or AVX-NE-CONVERT; an AVX2-only CPU such as AMD Zen 3 has none, and
-    the reorder raises there, so its bf16 layers keep `F.linear`)."""
+    (`CpuCaps.onednn_bf16`: an AVX2-only CPU such as AMD Zen 3 has none, and the reorder
+    raises there, so its bf16 layers keep `F.linear`)."""
     return (
         weight.device.type == "cpu"
         and weight.dtype == torch.bfloat16
-        and torch.backends.mkldnn.is_available()
-        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-        and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+        and cpu_caps().onednn_bf16
     )
 
 
@@ -49,12 +49,3 @@ class OneDnnWeight:
         rows = x.reshape(-1, x.shape[-1]).contiguous()  # [N, in]
         out = torch.ops.mkldnn._linear_pointwise(rows, self.packed, bias, "none", [], "")
         return out.view(*x.shape[:-1], self.out_features)  # [..., out]
-
-
-def prepack_model(model: torch.nn.Module) -> int:
-    """Prepack the dense bf16 weight of every layer of `model` that can take one (its
-    `prepack_for_cpu()`); returns how many did."""
-    return sum(
-        1 for module in model.modules()
-        if hasattr(module, "prepack_for_cpu") and module.prepack_for_cpu()
-    )

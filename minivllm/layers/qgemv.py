@@ -14,9 +14,9 @@ columns interleaved group by group (`QGemvWeight` packs them), read in one strea
 scales and mins as GGUF stores them. It is the torch operator `minivllm::qgemv`, built and
 loaded by `minivllm.layers.cpu_kernels` (so compiled graphs call it too).
 
-The kernel is for few rows (decode steps); from `QGEMV_MAX_ROWS` rows up the dense fp32
-matmul (MKL) is as fast, so a layer keeps its dense weight for those steps and picks per call
-(`QGemvWeight.fits`), as the int4 layers do.
+The kernel is for few rows (decode steps); above `qgemv` rows (`minivllm.layers.kernel_rows`)
+the dense fp32 matmul (MKL) is as fast, so a layer keeps its dense weight for those steps and
+picks per call (`QGemvWeight.fits`), as the int4 layers do.
 """
 
 from __future__ import annotations
@@ -24,15 +24,7 @@ from __future__ import annotations
 import torch
 
 from minivllm.layers.int4 import GROUP_SIZE, Int4Weight
-
-# Rows (tokens in the step) up to which the kernel beats the dense fp32 matmul over the same
-# layer on an AVX2-only CPU (`benchmarks/linear_kernels.py`, docs/benchmarks.md).
-QGEMV_MAX_ROWS = 16
-# The same for a bf16 model's Q8_0 LM head (its bf16 activations widened to fp32), against
-# the oneDNN-prepacked dense bf16 head and torch's int4 kernel on the weight's two 4-bit halves:
-# faster at one row, no faster from two (docs/benchmarks.md, "The thresholds the code uses").
-QGEMV_BF16_HEAD_MAX_ROWS = 1
-
+from minivllm.layers.kernel_rows import kernel_rows
 
 COLUMNS = 4  # output columns whose groups the kernel stores interleaved
 
@@ -55,19 +47,13 @@ def _interleave(t: torch.Tensor) -> torch.Tensor:
     return blocks.contiguous().reshape(n, -1)
 
 
-def vnni_path() -> bool:
-    """Whether steps of up to 8 rows of 4-bit weights take the kernel's AVX-512 VNNI path (the
-    CPU has it and torch runs its AVX-512 kernels); the kernels must be loaded."""
-    return bool(torch.ops.minivllm.qgemv_vnni())
-
-
 class QGemvWeight:
     """A `[out, in]` weight in the kernel's layout, ready for `matmul` (fp32 activations).
     `codes` `[out, in * bits / 8]` bytes and `scales`, `mins` `[out, in / 32]` are given in
     plain row order and interleaved here."""
 
     def __init__(self, codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,
-                 bits: int, max_rows: int = QGEMV_MAX_ROWS) -> None:
+                 bits: int, max_rows: int | None = None) -> None:
         out, width = codes.shape
         groups = width * 8 // bits // GROUP_SIZE
         if bits not in (4, 8) or scales.shape != (out, groups):
@@ -82,7 +68,7 @@ class QGemvWeight:
         self.scales = _interleave(scales.half()[..., None])  # [out, in / 32]
         self.mins = (torch.empty(0, dtype=torch.half) if mins is None
                      else _interleave(mins.half()[..., None]))
-        self.max_rows = max_rows
+        self.max_rows = kernel_rows().qgemv if max_rows is None else max_rows
 
     @staticmethod
     def supports(weight: Int4Weight) -> bool:
@@ -100,7 +86,7 @@ class QGemvWeight:
 
     @staticmethod
     def from_int8_halves(high: Int4Weight, low: Int4Weight,
-                         max_rows: int = QGEMV_MAX_ROWS) -> QGemvWeight:
+                         max_rows: int | None = None) -> QGemvWeight:
         """The 8-bit weight that `int4.split_int8` split in two halves, whole again: codes
         `q = 16 (h - 8) + l` (int8), scales those of the low half."""
         q = 16 * (high.codes.to(torch.int16) - 8) + low.codes.to(torch.int16)  # [out, in]

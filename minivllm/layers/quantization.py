@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 
+from minivllm.layers.cpu_kernels import cpu_caps
+
 logger = logging.getLogger(__name__)
 
 QUANTIZATION_METHODS = ("int8",)
@@ -66,7 +68,7 @@ def int8_reduce_range() -> bool:
     accumulate straight into int32 and the 8th bit is worth keeping: with 7 bits on an
     AVX-512 VNNI CPU the default model's chat answer loses "Paris".
     """
-    has_vnni = getattr(torch.cpu, "_is_vnni_supported", lambda: False)()
+    has_vnni = cpu_caps().vnni
     logger.info("int8 linear layers: %s-bit activations (VNNI %s)", 8 if has_vnni else 7,
                 "present" if has_vnni else "absent")
     return not has_vnni
@@ -79,14 +81,3 @@ def int8_linear(x: torch.Tensor, packed: Any) -> torch.Tensor:
     # row scale come back out of the product exactly.
     scale = x.abs().amax(dim=-1, keepdim=True).clamp_(min=1e-6)  # [..., 1]
     return torch.ops.quantized.linear_dynamic(x / scale, packed, int8_reduce_range()) * scale
-
-
-def quantize_model_int8(model: torch.nn.Module) -> int:
-    """Switch the INT8_LAYERS of `model` to int8 weights; returns how many layers."""
-    layers = [
-        module for name, module in model.named_modules()
-        if name.rsplit(".", 1)[-1] in INT8_LAYERS and hasattr(module, "quantize_int8")
-    ]
-    for layer in layers:
-        layer.quantize_int8()
-    return len(layers)

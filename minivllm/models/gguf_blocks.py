@@ -1,10 +1,11 @@
 """A GGUF's quantized linear weights given to the model as stored blocks, no dense copy.
 
 `attach_blocks` runs after the model is built and before its weights are loaded: every linear
-layer whose checkpoint tensors all have a type in `BLOCK_TYPES` gets a `BlockWeight` over the
-memory-mapped file (`minivllm.layers.block_weight`) and drops its dense weight, never written;
-the names it returns are the checkpoint tensors the dense loader then skips. llama's q/k rows,
-permuted by llama.cpp's converter, are put back in HF's order by moving whole rows of blocks.
+layer whose checkpoint tensors all have a type in `BLOCK_TYPES` gets a `GgmlBlockMethod` over
+a `BlockWeight` of the memory-mapped file (`minivllm.layers.block_weight`) and drops its dense
+weight, never written; the names it returns are the checkpoint tensors the dense loader then
+skips. llama's q/k rows, permuted by llama.cpp's converter, are put back in HF's order by
+moving whole rows of blocks.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from minivllm.layers.block_weight import (
 )
 from minivllm.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from minivllm.layers.linear import LinearBase
+from minivllm.layers.linear_method import GgmlBlockMethod
 from minivllm.models.gguf import hf_tensor_name, qk_heads, unpermute_qk
 from minivllm.models.gguf_arch import architecture
 from minivllm.models.gguf_file import GGUFFile, GGUFTensor
@@ -65,7 +67,7 @@ def attach_blocks(model: nn.Module, reader: GGUFFile) -> set[str]:
             continue
         names = [parts[i][0] for i in module.shard_ids]
         segments = [_segment(reader, parts[i][1], parts[i][0]) for i in module.shard_ids]
-        module.set_blocks(BlockWeight(segments, module.input_size))
+        module.set_method(GgmlBlockMethod(BlockWeight(segments, module.input_size)))
         supplied.update(names)
     return supplied | _attach_embedding_blocks(model, reader)
 

@@ -17,8 +17,6 @@ from safetensors import safe_open
 from torch import nn
 from transformers import AutoConfig, PretrainedConfig
 
-from minivllm.layers.int4 import Int4Weight, quantize_int4
-from minivllm.layers.linear import LinearBase
 from minivllm.models.registry import get_model_class
 
 logger = logging.getLogger(__name__)
@@ -162,35 +160,6 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
     if missing:
         shown = ", ".join(missing[:20]) + (", ..." if len(missing) > 20 else "")
         raise ValueError(f"checkpoint is missing {len(missing)} weight(s): {shown}")
-
-
-def attach_int4(model: nn.Module, weights: dict[str, Int4Weight]) -> int:
-    """Give every linear layer whose checkpoint tensors are all in `weights` (checkpoint name
-    -> 4-bit weight) its packed int4 weights, shards stacked as in the fused layer. A fused
-    layer with one shard missing (e.g. k/q in 4 bits, v in 6) stays dense. Returns how many
-    layers got int4 weights."""
-    packed: PackedMapping = getattr(model, "packed_modules_mapping", {})
-    shards: dict[str, dict[int | str | None, Int4Weight]] = {}
-    for ckpt_name, weight in weights.items():
-        param_name, shard_id = checkpoint_to_param_name(ckpt_name, packed)
-        module_name, _, kind = param_name.rpartition(".")
-        if kind == "weight":
-            shards.setdefault(module_name, {})[shard_id] = weight
-    count = 0
-    for module_name, parts in shards.items():
-        module = model.get_submodule(module_name)
-        if (isinstance(module, LinearBase) and module.block_weight is None
-                and set(parts) == set(module.shard_ids)):
-            count += module.set_int4(Int4Weight.cat([parts[i] for i in module.shard_ids]))
-    return count
-
-
-def quantize_linear_int4(model: nn.Module) -> int:
-    """Quantize every linear layer still without int4 weights from its dense weight
-    (`quantization="int4"` on an HF checkpoint). Returns how many layers."""
-    layers = [m for m in model.modules() if isinstance(m, LinearBase) and m.int4_weight is None
-              and m.block_weight is None]
-    return sum(layer.set_int4(quantize_int4(layer.weight)) for layer in layers)
 
 
 @contextmanager

@@ -10,12 +10,13 @@ from minivllm.layers.int4 import (
     GROUP_SIZE,
     PackedInt4,
     PackedInt4Pair,
-    int4_max_rows,
     int4_supported,
     quantize_int4,
     split_int8,
 )
+from minivllm.layers.kernel_rows import kernel_rows
 from minivllm.layers.linear import MergedColumnParallelLinear, RowParallelLinear
+from minivllm.layers.linear_method import Int4Method
 
 needs_int4 = pytest.mark.skipif(
     not int4_supported(torch.device("cpu"), torch.bfloat16), reason="no int4 CPU kernel"
@@ -57,10 +58,10 @@ def test_linear_layer_uses_int4_for_decode_rows_and_dense_for_prefill_rows():
     gate, up = torch.randn(32, 64) * 0.1, torch.randn(32, 64) * 0.1
     layer.weight.data.copy_(torch.cat([gate, up]))
     q = quantize_int4(torch.cat([gate, up]))
-    layer.set_int4(q)
+    layer.set_method(Int4Method.for_layer(layer, q))
     layer.weight.data.zero_()  # only the int4 path can give a non-zero output now
-    few = torch.randn(int4_max_rows(), 64).bfloat16()
-    many = torch.randn(int4_max_rows() + 1, 64).bfloat16()
+    few = torch.randn(kernel_rows().int4, 64).bfloat16()
+    many = torch.randn(kernel_rows().int4 + 1, 64).bfloat16()
     torch.testing.assert_close(layer(few).float(), few.float() @ q.dequantize().t(),
                                rtol=2e-2, atol=2e-2)
     assert layer(many).abs().max() == 0
@@ -69,9 +70,10 @@ def test_linear_layer_uses_int4_for_decode_rows_and_dense_for_prefill_rows():
 def test_int4_weights_of_the_wrong_shape_or_with_tensor_parallelism_are_refused():
     layer = RowParallelLinear(64, 32)
     with pytest.raises(ValueError, match="shape"):
-        layer.set_int4(quantize_int4(torch.randn(32, 96)))
+        Int4Method.for_layer(layer, quantize_int4(torch.randn(32, 96)))
     with pytest.raises(ValueError, match="tensor_parallel_size=1"):
-        RowParallelLinear(64, 32, tp_size=2, tp_rank=0).set_int4(quantize_int4(torch.randn(32, 32)))
+        Int4Method.for_layer(RowParallelLinear(64, 32, tp_size=2, tp_rank=0),
+                             quantize_int4(torch.randn(32, 32)))
 
 
 def test_forced_avx2_kernels_pick_fp32_and_int4_still_matches_dense():

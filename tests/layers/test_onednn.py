@@ -37,13 +37,15 @@ def test_a_linear_layer_uses_its_prepacked_weight_and_keeps_its_answers() -> Non
     layer.bias.data = torch.randn(48).bfloat16()
     x = torch.randn(5, 64).bfloat16()
     before = layer(x)
-    assert layer.prepack_for_cpu() and layer.onednn_weight is not None
+    layer.method.process_weights_after_loading(layer)
+    assert layer.method.onednn is not None
     assert torch.equal(layer(x), before)
 
 
 def test_only_bf16_cpu_weights_are_prepacked() -> None:
     layer = ReplicatedLinear(64, 48, bias=False)  # fp32: the token-exact path keeps MKL
-    assert not layer.prepack_for_cpu() and layer.onednn_weight is None
+    layer.method.process_weights_after_loading(layer)
+    assert layer.method.onednn is None
     with pytest.raises(ValueError, match="bf16"):
         OneDnnWeight(torch.zeros(4, 4))
 
@@ -68,4 +70,4 @@ def test_the_runner_prepacks_the_dense_layers_of_a_bf16_model(dtype, packed, tin
               enforce_eager=True)
     layers = [m for m in llm.llm_engine.model_runner.model.modules()
               if isinstance(m, LinearBase)]
-    assert layers and all((m.onednn_weight is not None) == packed for m in layers)
+    assert layers and all((m.method.onednn is not None) == packed for m in layers)

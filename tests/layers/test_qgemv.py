@@ -12,16 +12,14 @@ import platform
 import pytest
 import torch
 
-from minivllm.layers.cpu_kernels import KernelBuildError, _build, cpu_kernels_available
+from minivllm.engine.weight_policy import stored_weight_kernel
+from minivllm.layers.cpu_kernels import KernelBuildError, _build, cpu_caps, cpu_kernels_available
 from minivllm.layers.embedding import ParallelLMHead
-from minivllm.layers.int4 import GROUP_SIZE, int4_max_rows, quantize_int4, split_int8
+from minivllm.layers.int4 import GROUP_SIZE, quantize_int4, split_int8
+from minivllm.layers.kernel_rows import kernel_rows
 from minivllm.layers.linear import MergedColumnParallelLinear
-from minivllm.layers.qgemv import QGEMV_MAX_ROWS, QGemvWeight, quantize_activations, vnni_path
-from minivllm.layers.stored_weights import (
-    Int4WithQGemvRow,
-    pack_8bit_halves,
-    stored_weight_kernel,
-)
+from minivllm.layers.linear_method import Int4Method, Int4WithQGemvRow, pack_8bit_halves
+from minivllm.layers.qgemv import QGemvWeight, quantize_activations
 
 x86 = platform.machine().lower() in ("x86_64", "amd64")
 pytestmark = pytest.mark.skipif(not x86, reason="the qgemv kernel is for x86 CPUs (AVX2)")
@@ -141,9 +139,9 @@ def test_linear_layer_uses_the_kernel_for_few_fp32_rows_and_dense_for_many():
     layer = MergedColumnParallelLinear(64, [32, 32])
     layer.weight.data.normal_()
     q = _int4_weight(64, 64, seed=3)
-    layer.set_int4(q)
-    assert isinstance(layer.int4_weight, QGemvWeight)
-    few, many = torch.randn(QGEMV_MAX_ROWS, 64), torch.randn(QGEMV_MAX_ROWS + 1, 64)
+    layer.set_method(Int4Method.for_layer(layer, q))
+    assert isinstance(layer.method.small, QGemvWeight)
+    few, many = torch.randn(kernel_rows().qgemv, 64), torch.randn(kernel_rows().qgemv + 1, 64)
     torch.testing.assert_close(layer(few), _reference(few, q.dequantize(),
                                                       q.zeros - 8 * q.scales),
                                rtol=1e-4, atol=1e-4)
@@ -159,7 +157,7 @@ def test_lm_head_runs_its_q8_0_weight_for_small_fp32_steps():
     head.set_int8_head(pack_8bit_halves(*split_int8(codes, scales), torch.float32))
     hidden = torch.randn(1, 64, generator=gen)
     assert head(hidden).abs().sum() > 0
-    assert head(torch.randn(QGEMV_MAX_ROWS + 1, 64)).abs().sum() == 0
+    assert head(torch.randn(kernel_rows().qgemv + 1, 64)).abs().sum() == 0
 
 
 def test_a_bf16_models_q8_0_head_runs_the_kernel_for_one_row_only():
@@ -181,7 +179,7 @@ def test_a_bf16_models_q8_0_head_runs_the_kernel_for_one_row_only():
     assert head(torch.randn(2, 64).bfloat16()).abs().sum() == 0
 
 
-@pytest.mark.skipif(not (x86 and cpu_kernels_available() and vnni_path()),
+@pytest.mark.skipif(not (x86 and cpu_kernels_available() and cpu_caps().qgemv_vnni),
                     reason="the AVX-512 VNNI path (the AVX2 path is tested above)")
 def test_a_bf16_layer_runs_one_row_on_the_vnni_path_and_more_on_torchs_int4_kernel():
     """The linear layer of a bf16 model with 4-bit weights, where the VNNI path runs: one row
@@ -191,8 +189,8 @@ def test_a_bf16_layer_runs_one_row_on_the_vnni_path_and_more_on_torchs_int4_kern
     layer = MergedColumnParallelLinear(576, [480, 480]).to(torch.bfloat16)
     layer.weight.data.normal_()
     q = _int4_weight(960, 576, seed=6)
-    assert layer.set_int4(q)
-    assert isinstance(layer.int4_weight, Int4WithQGemvRow)
+    layer.set_method(Int4Method.for_layer(layer, q))
+    assert isinstance(layer.method.small, Int4WithQGemvRow)
     one = torch.randn(1, 576).bfloat16()
     out = layer(one)
     assert out.dtype == torch.bfloat16
@@ -201,5 +199,5 @@ def test_a_bf16_layer_runs_one_row_on_the_vnni_path_and_more_on_torchs_int4_kern
     few = torch.randn(3, 576).bfloat16()
     torch.testing.assert_close(layer(few).float(), few.float() @ q.dequantize().t(), rtol=2e-2,
                                atol=2e-2)
-    many = torch.randn(int4_max_rows() + 1, 576).bfloat16()
+    many = torch.randn(kernel_rows().int4 + 1, 576).bfloat16()
     torch.testing.assert_close(layer(many), many @ layer.weight.t())

@@ -17,10 +17,11 @@ import torch
 from support.model_fixtures import allocate_kv_caches, make_attention_metadata
 
 from minivllm.engine.compiled_decode import CompiledDecode, decode_metadata
+from minivllm.engine.weight_policy import quantize_linear_int4
 from minivllm.layers.attention import Attention
 from minivllm.layers.cpu_kernels import cpu_kernels_available
 from minivllm.layers.qgemv import QGemvWeight
-from minivllm.models.loader import load_model, quantize_linear_int4
+from minivllm.models.loader import load_model
 
 BLOCK = 4
 
@@ -129,7 +130,7 @@ def test_the_compiled_fp32_step_with_qgemv_weights_matches_the_eager_one(tiny_ll
     the Inductor graph: the same hidden states as the eager step, to float rounding."""
     model, config = load_model(tiny_llama_dir, torch.float32, "cpu")
     assert quantize_linear_int4(model) > 0
-    assert isinstance(model.model.layers[0].mlp.down_proj.int4_weight, QGemvWeight)
+    assert isinstance(model.model.layers[0].mlp.down_proj.method.small, QGemvWeight)
 
     def caches():
         return allocate_kv_caches(config.num_hidden_layers, 8, BLOCK, config.num_key_value_heads,

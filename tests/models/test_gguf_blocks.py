@@ -17,6 +17,7 @@ from support.hf_reference import hf_prompt_logprobs
 from minivllm import LLM, SamplingParams
 from minivllm.layers.cpu_kernels import cpu_kernels_available
 from minivllm.layers.linear import LinearBase
+from minivllm.layers.linear_method import GgmlBlockMethod
 from minivllm.models.gguf import convert_gguf
 
 pytestmark = pytest.mark.skipif(not cpu_kernels_available(),
@@ -115,9 +116,10 @@ def test_block_typed_layers_hold_no_dense_weight(llm: LLM) -> None:
         for name in BLOCK_LAYERS:
             module = layer.get_submodule(name)
             assert isinstance(module, LinearBase)
-            assert module.block_weight is not None and module.weight.numel() == 0, (i, name)
-    assert layers[0].mlp.gate_up_proj.block_weight is not None
-    assert layers[1].mlp.gate_up_proj.block_weight is None
+            assert isinstance(module.method, GgmlBlockMethod), (i, name)
+            assert module.weight.numel() == 0, (i, name)
+    assert isinstance(layers[0].mlp.gate_up_proj.method, GgmlBlockMethod)
+    assert not isinstance(layers[1].mlp.gate_up_proj.method, GgmlBlockMethod)
     assert layers[1].mlp.gate_up_proj.weight.numel() == INTER * 2 * HIDDEN
     assert len(runner.block_weights) == LAYERS * 7 - 2 + 2  # + the embedding and tied head
     embedding, head = runner.model.model.embed_tokens, runner.model.lm_head
@@ -179,5 +181,5 @@ def test_dense_options_keep_dense_weights(model_files: tuple[Path, Path]) -> Non
         llm = LLM(model=str(model_files[0]), num_kv_blocks=16, enforce_eager=True, **options)
         assert llm.llm_engine.model_runner.block_weights == set()
         qkv = llm.llm_engine.model_runner.model.model.layers[0].self_attn.qkv_proj
-        assert qkv.block_weight is None and qkv.weight.numel() > 0
+        assert not isinstance(qkv.method, GgmlBlockMethod) and qkv.weight.numel() > 0
         del llm

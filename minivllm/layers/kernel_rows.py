@@ -1,0 +1,50 @@
+"""The one table of row thresholds: up to how many rows (tokens in the step) each weight kernel
+runs a layer, per kind of CPU kernels torch dispatches to; above it the layer's next path
+takes over (its dense weight, or for stored GGUF blocks tile-by-tile dequantization).
+
+Each value is where two kernels cross over the same weights, measured by
+`benchmarks/linear_kernels.py`, `benchmarks/one_row_kernels.py` and
+`benchmarks/ggml_kernels.py`; the figures are in docs/benchmarks.md ("The thresholds the code
+uses") and docs/ggml-kernels.md. The kernels read their value once, when a weight is packed:
+a compiled step cannot call back into the probe.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from minivllm.layers.cpu_kernels import cpu_caps
+
+
+@dataclass(frozen=True)
+class KernelRows:
+    """Row thresholds of one kind of CPU (each: at or below it the kernel runs)."""
+
+    # torch's packed int4 kernel (bf16 activations) over the oneDNN-prepacked dense bf16 one
+    int4: int
+    # an 8-bit LM head as two int4 halves (no qgemv built) over the dense bf16 head
+    int8_as_int4_pair: int
+    # our qgemv kernel (fp32 activations) over the dense fp32 matmul (MKL)
+    qgemv: int
+    # qgemv on a bf16 model's Q8_0 LM head (activations widened) over the dense bf16 head
+    qgemv_bf16_head: int
+    # qgemv's AVX-512 VNNI path on a bf16 layer's 4-bit weight over torch's int4 kernel: as
+    # fast at 2-4 rows, but there it fails the quality bar (tests/models/test_quality.py)
+    qgemv_vnni_bf16: int
+    # the integer-dot kernel on stored GGUF blocks of the 32-input kinds (Q8_0, Q5_0, Q5_1)
+    # over tile-by-tile dequantization; the K kinds' (Q4_K, Q5_K, Q6_K) wins at every count
+    ggml_int_dot: int
+    ggml_int_dot_k: float
+
+
+KERNEL_ROWS = {
+    "AVX512": KernelRows(int4=4, int8_as_int4_pair=1, qgemv=16, qgemv_bf16_head=1,
+                         qgemv_vnni_bf16=1, ggml_int_dot=32, ggml_int_dot_k=float("inf")),
+    "AVX2": KernelRows(int4=4, int8_as_int4_pair=0, qgemv=16, qgemv_bf16_head=1,
+                       qgemv_vnni_bf16=1, ggml_int_dot=32, ggml_int_dot_k=float("inf")),
+}
+
+
+def kernel_rows() -> KernelRows:
+    """The thresholds for the kernels torch runs on this CPU."""
+    return KERNEL_ROWS[cpu_caps().kind]

@@ -42,6 +42,7 @@ test-scale: $(STAMP)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check minivllm tests scripts benchmarks
+	$(VENV)/bin/ruff format --check minivllm tests scripts benchmarks
 
 # mypy over the engine core and its boundaries (the files in pyproject's [tool.mypy]).
 typecheck: $(STAMP)

@@ -39,28 +39,36 @@ CONFIGS = {
 }
 
 
-def llama_cpp_rates(bench: str, model: str, prefill_tokens: int,
-                    decode_tokens: int) -> dict:
+def llama_cpp_rates(bench: str, model: str, prefill_tokens: int, decode_tokens: int) -> dict:
     """llama-bench's prefill and decode tok/s in CPU seconds of one thread: prefill from a run
     of 3 repetitions less one of 1 (its warm-up prefills once too), decode from a run of
     16 + `decode_tokens` tokens less one of 16."""
+
     def cpu_s(*flags: str) -> float:
         before = resource.getrusage(resource.RUSAGE_CHILDREN)
-        subprocess.run([bench, "-m", model, "-t", "1", *flags], check=True,
-                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        subprocess.run(
+            [bench, "-m", model, "-t", "1", *flags],
+            check=True,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         after = resource.getrusage(resource.RUSAGE_CHILDREN)
         return (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
 
     p = str(prefill_tokens)
     prefill = cpu_s("-p", p, "-n", "0", "-r", "3") - cpu_s("-p", p, "-n", "0", "-r", "1")
-    decode = (cpu_s("-p", "0", "-n", str(16 + decode_tokens), "-r", "1")
-              - cpu_s("-p", "0", "-n", "16", "-r", "1"))
-    return {"prefill_tok_per_s": 2 * prefill_tokens / prefill,
-            "decode_tok_per_s": decode_tokens / decode}
+    decode = cpu_s("-p", "0", "-n", str(16 + decode_tokens), "-r", "1") - cpu_s(
+        "-p", "0", "-n", "16", "-r", "1"
+    )
+    return {
+        "prefill_tok_per_s": 2 * prefill_tokens / prefill,
+        "decode_tok_per_s": decode_tokens / decode,
+    }
 
 
-def measure(options: dict, decode_tokens: int, prefill_tokens: int, repeats: int,
-            model: str | None = None) -> dict:
+def measure(
+    options: dict, decode_tokens: int, prefill_tokens: int, repeats: int, model: str | None = None
+) -> dict:
     start = time.perf_counter()
     llm = LLM(model, num_kv_blocks=256, enable_prefix_caching=False, **options)
     load_s = time.perf_counter() - start
@@ -83,9 +91,12 @@ def measure(options: dict, decode_tokens: int, prefill_tokens: int, repeats: int
         t = time.process_time()
         llm.generate([long], one, use_tqdm=False)
         best_prefill = min(best_prefill, time.process_time() - t)
-    result = {"dtype": str(runner.dtype), "load_s": load_s,
-              "decode_tok_per_s": (decode_tokens - 1) / best_decode,
-              "prefill_tok_per_s": prefill_tokens / best_prefill}
+    result = {
+        "dtype": str(runner.dtype),
+        "load_s": load_s,
+        "decode_tok_per_s": (decode_tokens - 1) / best_decode,
+        "prefill_tok_per_s": prefill_tokens / best_prefill,
+    }
     del llm
     gc.collect()
     return result
@@ -98,18 +109,24 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--configs", nargs="*", default=list(CONFIGS), choices=list(CONFIGS))
     parser.add_argument("--output", default=None, help="write the JSON here")
-    parser.add_argument("--model", default=None, help="a model path or GGUF file (default: "
-                        "the default model)")
-    parser.add_argument("--llama-bench", default=None,
-                        help="llama.cpp's llama-bench: measure it on --model too")
+    parser.add_argument(
+        "--model", default=None, help="a model path or GGUF file (default: the default model)"
+    )
+    parser.add_argument(
+        "--llama-bench", default=None, help="llama.cpp's llama-bench: measure it on --model too"
+    )
     args = parser.parse_args()
     results = {}
     for name in args.configs:
-        results[name] = measure(CONFIGS[name], args.decode_tokens, args.prefill_tokens,
-                                args.repeats, args.model)
+        results[name] = measure(
+            CONFIGS[name], args.decode_tokens, args.prefill_tokens, args.repeats, args.model
+        )
         r = results[name]
-        print(f"{name:>10} ({r['dtype']}): decode {r['decode_tok_per_s']:.1f} tok/s, prefill "
-              f"{r['prefill_tok_per_s']:.0f} tok/s, load {r['load_s']:.1f} s", flush=True)
+        print(
+            f"{name:>10} ({r['dtype']}): decode {r['decode_tok_per_s']:.1f} tok/s, prefill "
+            f"{r['prefill_tok_per_s']:.0f} tok/s, load {r['load_s']:.1f} s",
+            flush=True,
+        )
     if "fp32" in results:
         base = results["fp32"]
         for name, r in results.items():
@@ -119,15 +136,18 @@ def main() -> None:
     if args.llama_bench:
         if args.model is None:
             parser.error("--llama-bench needs --model (a GGUF file)")
-        llama = llama_cpp_rates(args.llama_bench, args.model, args.prefill_tokens,
-                                args.decode_tokens)
+        llama = llama_cpp_rates(
+            args.llama_bench, args.model, args.prefill_tokens, args.decode_tokens
+        )
         results["llama.cpp"] = llama
         for name, r in results.items():
-            print(f"{name:>10} / llama.cpp: decode "
-                  f"{r['decode_tok_per_s'] / llama['decode_tok_per_s']:.2f}x "
-                  f"({llama['decode_tok_per_s']:.1f} tok/s), prefill "
-                  f"{r['prefill_tok_per_s'] / llama['prefill_tok_per_s']:.2f}x "
-                  f"({llama['prefill_tok_per_s']:.1f} tok/s)")
+            print(
+                f"{name:>10} / llama.cpp: decode "
+                f"{r['decode_tok_per_s'] / llama['decode_tok_per_s']:.2f}x "
+                f"({llama['decode_tok_per_s']:.1f} tok/s), prefill "
+                f"{r['prefill_tok_per_s'] / llama['prefill_tok_per_s']:.2f}x "
+                f"({llama['prefill_tok_per_s']:.1f} tok/s)"
+            )
     if args.output:
         with open(args.output, "w") as f:
             json.dump(results, f, indent=2)

@@ -24,35 +24,60 @@ import torch
 from minivllm import LLM, SamplingParams
 from minivllm.bench.workloads import Workload
 
-MATMUL_OPS = ("aten::_weight_int4pack_mm_for_cpu", "minivllm::ggml", "aten::linear",
-              "aten::addmm", "aten::mm",
-              "aten::matmul", "quantized::linear_dynamic", "mkldnn::", "aten::_weight_int8pack_mm",
-              "minivllm::qgemv")
+MATMUL_OPS = (
+    "aten::_weight_int4pack_mm_for_cpu",
+    "minivllm::ggml",
+    "aten::linear",
+    "aten::addmm",
+    "aten::mm",
+    "aten::matmul",
+    "quantized::linear_dynamic",
+    "mkldnn::",
+    "aten::_weight_int8pack_mm",
+    "minivllm::qgemv",
+)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default=None, help="a model path or GGUF file (default: "
-                        "the default model)")
+    parser.add_argument(
+        "--model", default=None, help="a model path or GGUF file (default: the default model)"
+    )
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--context", type=int, default=200)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--quantization", default=None)
     parser.add_argument("--enforce-eager", action="store_true")
-    parser.add_argument("--wall-rounds", type=int, default=0,
-                        help="rounds of --steps steps timed by the wall clock (0: none)")
+    parser.add_argument(
+        "--wall-rounds",
+        type=int,
+        default=0,
+        help="rounds of --steps steps timed by the wall clock (0: none)",
+    )
     args = parser.parse_args()
-    llm = LLM(args.model, dtype=args.dtype, quantization=args.quantization, num_kv_blocks=512,
-              enforce_eager=args.enforce_eager)
+    llm = LLM(
+        args.model,
+        dtype=args.dtype,
+        quantization=args.quantization,
+        num_kv_blocks=512,
+        enforce_eager=args.enforce_eager,
+    )
     engine = llm.llm_engine
     prompts, _ = Workload(args.batch, (args.context, args.context), (1, 1)).make(
-        engine.model_runner.vocab_size)
+        engine.model_runner.vocab_size
+    )
     for prompt in prompts:
-        engine.add_request(prompt, SamplingParams(
-            max_tokens=(2 + args.wall_rounds) * args.steps + 8, ignore_eos=True, temperature=0.6))
-    while any(s.num_cached_tokens < s.num_prompt_tokens for s in engine.scheduler.running) \
-            or engine.scheduler.waiting:
+        engine.add_request(
+            prompt,
+            SamplingParams(
+                max_tokens=(2 + args.wall_rounds) * args.steps + 8, ignore_eos=True, temperature=0.6
+            ),
+        )
+    while (
+        any(s.num_cached_tokens < s.num_prompt_tokens for s in engine.scheduler.running)
+        or engine.scheduler.waiting
+    ):
         engine.step()
     for _ in range(3):
         engine.step()  # warm-up decodes
@@ -67,8 +92,10 @@ def main() -> None:
             engine.step()
         rounds.append((time.perf_counter() - start) / args.steps * 1e3)
     if rounds:
-        print(f"wall ms per step over {len(rounds)} rounds of {args.steps}: min "
-              f"{min(rounds):.1f}, median {statistics.median(rounds):.1f}")
+        print(
+            f"wall ms per step over {len(rounds)} rounds of {args.steps}: min "
+            f"{min(rounds):.1f}, median {statistics.median(rounds):.1f}"
+        )
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         for _ in range(args.steps):
             engine.step()
@@ -76,14 +103,18 @@ def main() -> None:
     for event in prof.key_averages():
         per_op[event.key] += event.self_cpu_time_total / 1e3 / args.steps
     runner = engine.model_runner
-    print(f"{'eager' if runner.compiled_decode is None else 'compiled'} step, "
-          f"batch {args.batch}, context {args.context}, dtype {runner.dtype}, KV "
-          f"{runner.kv_dtype}: {wall:.1f} CPU ms per decode step unprofiled "
-          f"({args.batch / wall * 1e3:.1f} tok/s)")
+    print(
+        f"{'eager' if runner.compiled_decode is None else 'compiled'} step, "
+        f"batch {args.batch}, context {args.context}, dtype {runner.dtype}, KV "
+        f"{runner.kv_dtype}: {wall:.1f} CPU ms per decode step unprofiled "
+        f"({args.batch / wall * 1e3:.1f} tok/s)"
+    )
     matmul = sum(ms for op, ms in per_op.items() if op.startswith(MATMUL_OPS))
     total = sum(per_op.values())
-    print(f"profiled self time per step: {total:.1f} ms; matmuls {matmul:.1f} ms, "
-          f"other ops {total - matmul:.1f} ms")
+    print(
+        f"profiled self time per step: {total:.1f} ms; matmuls {matmul:.1f} ms, "
+        f"other ops {total - matmul:.1f} ms"
+    )
     for op, ms in sorted(per_op.items(), key=lambda kv: -kv[1])[:15]:
         print(f"  {ms:7.2f} ms  {op}")
     for seq in list(engine.scheduler.running):

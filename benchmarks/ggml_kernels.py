@@ -49,7 +49,7 @@ def random_blocks(qtype: T, n: int, k: int, rng: np.random.Generator) -> torch.T
     blocks = rng.integers(0, 256, size=(n, k // elems, nbytes), dtype=np.uint8)
     scales = (rng.random((n, k // elems, 2)) * 1e-3 + 1e-4).astype(np.float16).view(np.uint8)
     at = {T.Q6_K: 208}.get(qtype, 0)
-    blocks[..., at:at + 2] = scales[..., :2]
+    blocks[..., at : at + 2] = scales[..., :2]
     if qtype == T.Q4_K:
         blocks[..., 2:4] = scales[..., 2:]
     return torch.from_numpy(blocks.reshape(n, -1))
@@ -76,8 +76,12 @@ def kernels(k: int, n: int, rows: int) -> dict[str, tuple[Callable[[], object], 
 
     dense = torch.randn(n, k) * 0.02
     add("dense fp32", copies_of(dense.clone, n * k * 4), n * k * 4, lambda w: F.linear(x32, w))
-    add("dense bf16", copies_of(lambda: dense.bfloat16(), n * k * 2), n * k * 2,
-        lambda w: F.linear(x16, w))
+    add(
+        "dense bf16",
+        copies_of(lambda: dense.bfloat16(), n * k * 2),
+        n * k * 2,
+        lambda w: F.linear(x16, w),
+    )
     for qtype in (T.Q4_K, T.Q6_K, T.Q8_0):
         nbytes = n * k // GGML_QUANT_SIZES[qtype][0] * GGML_QUANT_SIZES[qtype][1]
         blocks = copies_of(lambda q=qtype: random_blocks(q, n, k, rng), nbytes)
@@ -86,10 +90,18 @@ def kernels(k: int, n: int, rows: int) -> dict[str, tuple[Callable[[], object], 
             add("dequant Q4_K fp32", blocks, nbytes, lambda w: dequant_matmul(x32, w, T.Q4_K))
             add("dequant Q4_K bf16", blocks, nbytes, lambda w: dequant_matmul(x16, w, T.Q4_K))
     int4 = quantize_int4(dense)
-    add("qgemv 4-bit", copies_of(lambda: QGemvWeight.from_int4(int4), n * k * 5 // 8),
-        n * k * 5 // 8, lambda w: w.matmul(x32))
-    add("int4 bf16", copies_of(lambda: PackedInt4(int4), n * k * 5 // 8), n * k * 5 // 8,
-        lambda w: w.matmul(x16))
+    add(
+        "qgemv 4-bit",
+        copies_of(lambda: QGemvWeight.from_int4(int4), n * k * 5 // 8),
+        n * k * 5 // 8,
+        lambda w: w.matmul(x32),
+    )
+    add(
+        "int4 bf16",
+        copies_of(lambda: PackedInt4(int4), n * k * 5 // 8),
+        n * k * 5 // 8,
+        lambda w: w.matmul(x16),
+    )
     return found
 
 
@@ -118,8 +130,10 @@ def main() -> None:
     args = parser.parse_args()
     if not cpu_kernels_available():
         raise SystemExit("the block kernels do not run here (they need x86 with AVX2)")
-    print(f"torch {torch.__version__}, kernels {torch.backends.cpu.get_cpu_capability()}, "
-          f"ggml paths {available_isas()}")
+    print(
+        f"torch {torch.__version__}, kernels {torch.backends.cpu.get_cpu_capability()}, "
+        f"ggml paths {available_isas()}"
+    )
     for threads in args.threads:
         torch.set_num_threads(threads)
         for k, n in SHAPES:

@@ -47,7 +47,8 @@ def main() -> None:
     for prompt in prompts:
         engine.add_request(prompt, SamplingParams(max_tokens=2000, ignore_eos=True))
     while engine.scheduler.waiting or any(
-            s.num_cached_tokens < s.num_prompt_tokens for s in engine.scheduler.running):
+        s.num_cached_tokens < s.num_prompt_tokens for s in engine.scheduler.running
+    ):
         engine.step()
     stop = threading.Event()
 
@@ -67,9 +68,12 @@ def main() -> None:
         beside = timed_steps(engine)
         stop.set()
         helper.join()
-        print(f"batch {args.batch}, {threads} torch threads: {alone[0]:.1f} / {alone[1]:.1f} ms "
-              f"per step alone, {beside[0]:.1f} / {beside[1]:.1f} beside the thread "
-              f"(min / median; {beside[1] / alone[1]:.2f}x)", flush=True)
+        print(
+            f"batch {args.batch}, {threads} torch threads: {alone[0]:.1f} / {alone[1]:.1f} ms "
+            f"per step alone, {beside[0]:.1f} / {beside[1]:.1f} beside the thread "
+            f"(min / median; {beside[1] / alone[1]:.2f}x)",
+            flush=True,
+        )
     for seq in list(engine.scheduler.running):
         engine.abort_request(seq.seq_id)
 

@@ -125,8 +125,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 16])
     parser.add_argument("--steps", type=int, default=64)
-    parser.add_argument("--torch-threads", type=int, default=None,
-                        help="torch's intra-op threads (1: steadier on a loaded machine)")
+    parser.add_argument(
+        "--torch-threads",
+        type=int,
+        default=None,
+        help="torch's intra-op threads (1: steadier on a loaded machine)",
+    )
     args = parser.parse_args()
     if args.torch_threads is not None:
         torch.set_num_threads(args.torch_threads)
@@ -136,8 +140,10 @@ def main() -> None:
     for batch in args.batch:
         for name, bench in [("xgrammar", bench_xgrammar), ("llguidance", bench_llguidance)]:
             r = bench(tokenizer, vocab, batch, args.steps)
-            print(f"{name:10s} batch {batch:2d}: fill {r['fill']:.3f}  apply {r['apply']:.3f}  "
-                  f"advance {r['advance']:.3f}  compile {r['compile_ms']:.1f} ms")
+            print(
+                f"{name:10s} batch {batch:2d}: fill {r['fill']:.3f}  apply {r['apply']:.3f}  "
+                f"advance {r['advance']:.3f}  compile {r['compile_ms']:.1f} ms"
+            )
 
 
 if __name__ == "__main__":

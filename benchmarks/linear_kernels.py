@@ -50,8 +50,13 @@ def timed(fn, repeats: int) -> float:
 
 def kernels(shapes: list[tuple[int, int]], rows: int):
     """`{name: callable}` running every shape once per call."""
-    fns: dict[str, list] = {"fp32": [], "bf16": [], "bf16 oneDNN": [], "int4 bf16": [],
-                            "qgemv fp32": []}
+    fns: dict[str, list] = {
+        "fp32": [],
+        "bf16": [],
+        "bf16 oneDNN": [],
+        "int4 bf16": [],
+        "qgemv fp32": [],
+    }
     for n, k in shapes:
         w = torch.randn(n, k) * 0.02
         q = torch.randint(0, 16, (n, k), dtype=torch.int32)
@@ -74,20 +79,28 @@ def kernels(shapes: list[tuple[int, int]], rows: int):
             fns["qgemv fp32"].append(lambda x=x32, w=qw: w.matmul(x))
         if n == SHAPES["lm_head"][0][0]:
             fns.setdefault("int8 pair", []).append(
-                lambda x=x16, p=packed, s=sz16: INT4_MM(x, p, GROUP, s).float()
-                + INT4_MM(x, p, GROUP, s).float())
+                lambda x=x16, p=packed, s=sz16: (
+                    INT4_MM(x, p, GROUP, s).float() + INT4_MM(x, p, GROUP, s).float()
+                )
+            )
     return {name: (lambda fs=fs: [f() for f in fs]) for name, fs in fns.items() if fs}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, nargs="*", default=[1, 2, 4, 8, 16, 32, 64, 256])
-    parser.add_argument("--layers", type=int, default=30,
-                        help="distinct copies of the layer's weights, so that they stream from "
-                             "memory as a whole model's do (SmolLM2 has 30); 1: cache-hot")
+    parser.add_argument(
+        "--layers",
+        type=int,
+        default=30,
+        help="distinct copies of the layer's weights, so that they stream from "
+        "memory as a whole model's do (SmolLM2 has 30); 1: cache-hot",
+    )
     args = parser.parse_args()
-    print(f"torch {torch.__version__}, CPU capability {torch.backends.cpu.get_cpu_capability()}, "
-          f"{torch.get_num_threads()} threads; us per call (speed-up over fp32)")
+    print(
+        f"torch {torch.__version__}, CPU capability {torch.backends.cpu.get_cpu_capability()}, "
+        f"{torch.get_num_threads()} threads; us per call (speed-up over fp32)"
+    )
     with torch.inference_mode():
         for part, shapes in SHAPES.items():
             copies = args.layers if part == "layer" else 1
@@ -95,8 +108,9 @@ def main() -> None:
                 repeats = max(2, 40 // rows)
                 fns = kernels(shapes * copies, rows)
                 times = {name: timed(fn, repeats) / copies for name, fn in fns.items()}
-                cells = ", ".join(f"{name} {t:8.0f} ({times['fp32'] / t:4.1f}x)"
-                                  for name, t in times.items())
+                cells = ", ".join(
+                    f"{name} {t:8.0f} ({times['fp32'] / t:4.1f}x)" for name, t in times.items()
+                )
                 print(f"{part:>7} M={rows:<4} {cells}", flush=True)
 
 

@@ -33,16 +33,22 @@ from minivllm.server import ServerThread, create_app
 MODES = ("off", "lab", "lab+viewer")
 
 
-async def _load(url: str, prompts: list[list[int]], max_tokens: int, concurrency: int,
-                viewer: bool) -> int:
+async def _load(
+    url: str, prompts: list[list[int]], max_tokens: int, concurrency: int, viewer: bool
+) -> int:
     """Send every prompt, `concurrency` at a time; returns the output tokens received."""
     semaphore = asyncio.Semaphore(concurrency)
     done = asyncio.Event()
     async with httpx.AsyncClient(timeout=600) as client:
 
         async def one(prompt: list[int]) -> int:
-            body = {"model": "m", "prompt": prompt, "max_tokens": max_tokens,
-                    "ignore_eos": True, "temperature": 0.0}
+            body = {
+                "model": "m",
+                "prompt": prompt,
+                "max_tokens": max_tokens,
+                "ignore_eos": True,
+                "temperature": 0.0,
+            }
             async with semaphore:
                 r = await client.post(f"{url}/v1/completions", json=body)
             r.raise_for_status()
@@ -69,8 +75,15 @@ def run(engine: LLMEngine, mode: str, prompts: list[list[int]], args: argparse.N
     app = create_app(engine, "m", lab=mode != "off")
     with ServerThread(app) as server:
         start = time.perf_counter()
-        tokens = asyncio.run(_load(server.base_url, prompts, args.max_tokens, args.concurrency,
-                                   viewer=mode == "lab+viewer"))
+        tokens = asyncio.run(
+            _load(
+                server.base_url,
+                prompts,
+                args.max_tokens,
+                args.concurrency,
+                viewer=mode == "lab+viewer",
+            )
+        )
         seconds = time.perf_counter() - start
     return tokens / seconds
 
@@ -108,10 +121,14 @@ def paired_steps(engine: LLMEngine, prompts: list[list[int]], steps: int) -> Non
         (lab_t[2 * q] + lab_t[2 * q + 1]) / (off_t[2 * q] + off_t[2 * q + 1])
         for q in range(len(off_t) // 2)
     ]
-    print(f"paired steps, {len(prompts)} sequences decoding, {steps} steps: mean step "
-          f"{off * 1e3:.2f} ms off, {lab * 1e3:.2f} ms with the recorder ({lab / off:.3f}x; "
-          f"median of the {len(quads)} four-step ratios {statistics.median(quads):.3f}x); "
-          f"the photo alone {photo * 1e6:.0f} us ({photo / off:.2%} of a step)", flush=True)
+    print(
+        f"paired steps, {len(prompts)} sequences decoding, {steps} steps: mean step "
+        f"{off * 1e3:.2f} ms off, {lab * 1e3:.2f} ms with the recorder ({lab / off:.3f}x; "
+        f"median of the {len(quads)} four-step ratios {statistics.median(quads):.3f}x); "
+        f"the photo alone {photo * 1e6:.0f} us ({photo / off:.2%} of a step)",
+        flush=True,
+    )
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -143,8 +160,10 @@ def main() -> None:
             results[mode].append(run(engine, mode, prompts(), args))
             print(f"round {r + 1} {mode:>10}: {results[mode][-1]:8.1f} output tok/s", flush=True)
     base = statistics.median(results["off"])
-    print(f"\nc={args.concurrency}, {args.requests} requests x {args.max_tokens} tokens, "
-          f"{args.rounds} rounds; median output tok/s and ratio to off:")
+    print(
+        f"\nc={args.concurrency}, {args.requests} requests x {args.max_tokens} tokens, "
+        f"{args.rounds} rounds; median output tok/s and ratio to off:"
+    )
     for mode in MODES:
         median = statistics.median(results[mode])
         print(f"  {mode:>10}: {median:8.1f}  ({median / base:.3f}x)")

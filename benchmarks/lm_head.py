@@ -42,8 +42,10 @@ def main() -> None:
             flops = 2 * m * hidden * vocab / 1e9
             dense = best_ms(lambda x=x: F.linear(x, head.weight))
             onednn = best_ms(lambda x=x: packed[0](x))
-            print(f"LM head GEMM, M={m}: F.linear {flops / dense * 1e3:.1f} GFLOP/s, "
-                  f"oneDNN packed {flops / onednn * 1e3:.1f} GFLOP/s")
+            print(
+                f"LM head GEMM, M={m}: F.linear {flops / dense * 1e3:.1f} GFLOP/s, "
+                f"oneDNN packed {flops / onednn * 1e3:.1f} GFLOP/s"
+            )
     rng = random.Random(0)
     params = SamplingParams(max_tokens=400, ignore_eos=True)
     for batch in (4, 16, 32):
@@ -62,8 +64,11 @@ def main() -> None:
                 ms = (time.perf_counter() - start) / 5 * 1e3
                 best[name] = min(best.get(name, float("inf")), ms)
         head._packed = packed
-        print(f"decode step, batch {batch}: F.linear {best['F.linear']:.1f} ms, oneDNN "
-              f"{best['oneDNN']:.1f} ms ({best['F.linear'] / best['oneDNN']:.2f}x)", flush=True)
+        print(
+            f"decode step, batch {batch}: F.linear {best['F.linear']:.1f} ms, oneDNN "
+            f"{best['oneDNN']:.1f} ms ({best['F.linear'] / best['oneDNN']:.2f}x)",
+            flush=True,
+        )
         for seq_id in list(engine._requests):
             engine.abort_request(seq_id)
 

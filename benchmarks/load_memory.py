@@ -50,15 +50,18 @@ def tree_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
-def load_once(model: str, cache: Path, tokens: int, engine_args: dict,
-              code: Path | None) -> dict:
+def load_once(model: str, cache: Path, tokens: int, engine_args: dict, code: Path | None) -> dict:
     env = dict(os.environ, MINIVLLM_CACHE=str(cache))
     if code is not None:  # `python -c` puts the working directory first on sys.path
         env["PYTHONPATH"] = str(code)
     before = tree_bytes(cache)
-    proc = subprocess.run([sys.executable, "-c", CHILD, model, str(tokens),
-                           json.dumps(engine_args)], env=env, capture_output=True, text=True,
-                          cwd=code)
+    proc = subprocess.run(
+        [sys.executable, "-c", CHILD, model, str(tokens), json.dumps(engine_args)],
+        env=env,
+        capture_output=True,
+        text=True,
+        cwd=code,
+    )
     if proc.returncode:
         sys.exit(f"load failed:\n{proc.stderr[-3000:]}")
     result = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -67,14 +70,24 @@ def load_once(model: str, cache: Path, tokens: int, engine_args: dict,
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("model")
     parser.add_argument("--tokens", type=int, default=32)
-    parser.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE",
-                        help="an LLM(...) option, the value read as JSON where it parses")
-    parser.add_argument("--code", type=Path, default=None,
-                        help="the checkout whose minivllm to run (default: this one)")
+    parser.add_argument(
+        "--engine-arg",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="an LLM(...) option, the value read as JSON where it parses",
+    )
+    parser.add_argument(
+        "--code",
+        type=Path,
+        default=None,
+        help="the checkout whose minivllm to run (default: this one)",
+    )
     args = parser.parse_args()
     engine_args = {}
     for item in args.engine_arg:
@@ -88,12 +101,14 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="minivllm-cache-") as tmp:
         for which in ("first", "second"):
             r = load_once(args.model, Path(tmp), args.tokens, engine_args, args.code)
-            print(f"{which:>6} load: ready in {r['ready_s']:.1f} s (weights loaded at "
-                  f"{r['load_s']:.1f} s), RSS {r['rss_loaded'] / 1e9:.2f} GB after load, "
-                  f"{r['rss_after_decode'] / 1e9:.2f} GB after answering, "
-                  f"peak {r['rss_peak'] / 1e9:.2f} GB, cache written "
-                  f"{r['cache_bytes_written'] / 1e6:.1f} MB, decode {r['decode_tok_s']:.1f} tok/s",
-                  flush=True)
+            print(
+                f"{which:>6} load: ready in {r['ready_s']:.1f} s (weights loaded at "
+                f"{r['load_s']:.1f} s), RSS {r['rss_loaded'] / 1e9:.2f} GB after load, "
+                f"{r['rss_after_decode'] / 1e9:.2f} GB after answering, "
+                f"peak {r['rss_peak'] / 1e9:.2f} GB, cache written "
+                f"{r['cache_bytes_written'] / 1e6:.1f} MB, decode {r['decode_tok_s']:.1f} tok/s",
+                flush=True,
+            )
             print(json.dumps({"load": which, "model": args.model} | r), flush=True)
 
 

@@ -44,8 +44,10 @@ def main() -> None:
         start = time.perf_counter()
         engine.step()
         mixed = time.perf_counter() - start
-        print(f"{name:>9}: decode step {decode * 1e3:.0f} ms, mixed step {mixed * 1e3:.0f} ms",
-              flush=True)
+        print(
+            f"{name:>9}: decode step {decode * 1e3:.0f} ms, mixed step {mixed * 1e3:.0f} ms",
+            flush=True,
+        )
         for seq_id in list(engine._requests):
             engine.abort_request(seq_id)
     attention_metadata.partition_batch = real

@@ -32,8 +32,9 @@ def decoding_engine(vnni: bool, context: int) -> Any:
     finally:
         kernel_rows.KERNEL_ROWS[kind] = real
     prompts, _ = Workload(1, (context, context), (1, 1)).make(engine.model_runner.vocab_size)
-    engine.add_request(prompts[0], SamplingParams(max_tokens=4000, ignore_eos=True,
-                                                  temperature=0.6))
+    engine.add_request(
+        prompts[0], SamplingParams(max_tokens=4000, ignore_eos=True, temperature=0.6)
+    )
     for _ in range(5):  # the prefill and warm-up decodes
         engine.step()
     return engine
@@ -47,8 +48,10 @@ def main() -> None:
     args = parser.parse_args()
     if not cpu_caps().qgemv_vnni:
         raise SystemExit("qgemv's VNNI path does not run here")
-    engines = {"torch int4": decoding_engine(False, args.context),
-               "qgemv VNNI": decoding_engine(True, args.context)}
+    engines = {
+        "torch int4": decoding_engine(False, args.context),
+        "qgemv VNNI": decoding_engine(True, args.context),
+    }
     times: dict[str, list[float]] = {name: [] for name in engines}
     for _ in range(args.rounds):
         for name, engine in engines.items():
@@ -57,8 +60,10 @@ def main() -> None:
                 engine.step()
             times[name].append((time.perf_counter() - start) / args.steps * 1e3)
     for name, values in times.items():
-        print(f"{name}: median {statistics.median(values):.2f} ms, min {min(values):.2f} ms a "
-              f"step ({args.rounds} interleaved rounds of {args.steps})")
+        print(
+            f"{name}: median {statistics.median(values):.2f} ms, min {min(values):.2f} ms a "
+            f"step ({args.rounds} interleaved rounds of {args.steps})"
+        )
 
 
 if __name__ == "__main__":

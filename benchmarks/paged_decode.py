@@ -33,17 +33,22 @@ def main() -> None:
     blocks_per_seq = -(-args.context // BLOCK)
     num_blocks = args.seqs * blocks_per_seq + 8
     kv_dtype = getattr(torch, args.kv_dtype)
-    caches = [(torch.randn(num_blocks, BLOCK, KV_HEADS, HEAD_DIM, dtype=kv_dtype),
-               torch.randn(num_blocks, BLOCK, KV_HEADS, HEAD_DIM, dtype=kv_dtype))
-              for _ in range(LAYERS)]
+    caches = [
+        (
+            torch.randn(num_blocks, BLOCK, KV_HEADS, HEAD_DIM, dtype=kv_dtype),
+            torch.randn(num_blocks, BLOCK, KV_HEADS, HEAD_DIM, dtype=kv_dtype),
+        )
+        for _ in range(LAYERS)
+    ]
     tables = torch.randperm(num_blocks)[: args.seqs * blocks_per_seq].view(args.seqs, -1)
     seq_lens = torch.full((args.seqs,), args.context, dtype=torch.long)
     q = torch.randn(args.seqs, HEADS, HEAD_DIM)
 
     def one_pass() -> None:
         for k_cache, v_cache in caches:
-            torch.ops.minivllm.paged_decode(q, k_cache, v_cache, tables, seq_lens,
-                                            HEAD_DIM**-0.5, 0, 0.0)
+            torch.ops.minivllm.paged_decode(
+                q, k_cache, v_cache, tables, seq_lens, HEAD_DIM**-0.5, 0, 0.0
+            )
 
     one_pass()
     best = float("inf")
@@ -51,8 +56,10 @@ def main() -> None:
         start = time.perf_counter()
         one_pass()
         best = min(best, (time.perf_counter() - start) / LAYERS)
-    print(f"paged_decode, {args.seqs} sequences x {args.context} tokens, {args.kv_dtype} "
-          f"cache, {args.threads} thread(s): {best * 1e6:.0f} us per layer")
+    print(
+        f"paged_decode, {args.seqs} sequences x {args.context} tokens, {args.kv_dtype} "
+        f"cache, {args.threads} thread(s): {best * 1e6:.0f} us per layer"
+    )
 
 
 if __name__ == "__main__":

@@ -53,15 +53,15 @@ def _wait_ready(url: str, proc: subprocess.Popen, replicas: int, timeout: float 
     raise RuntimeError(f"{url} not ready in {timeout}s")
 
 
-def measure(name: str, command: list[str], args: argparse.Namespace, port: int,
-            replicas: int = 1) -> dict:
+def measure(
+    name: str, command: list[str], args: argparse.Namespace, port: int, replicas: int = 1
+) -> dict:
     url = f"http://127.0.0.1:{port}"
     proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         _wait_ready(url, proc, replicas)
         model = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
-        workload = Workload(args.num_requests, (args.input_min, args.input_max), (1, 1),
-                            args.seed)
+        workload = Workload(args.num_requests, (args.input_min, args.input_max), (1, 1), args.seed)
         prompts, _ = workload.make(SERVE_VOCAB_SIZE)
         # Warm-up: every replica loads its kernels before the clock starts.
         asyncio.run(run_level(url, model, prompts[: args.concurrency], 4, args.concurrency))
@@ -73,9 +73,11 @@ def measure(name: str, command: list[str], args: argparse.Namespace, port: int,
         except subprocess.TimeoutExpired:
             proc.kill()
     level["setup"] = name
-    print(f"{name}: {level['output_tok_per_s']:.1f} tok/s, TTFT p50 "
-          f"{level['ttft_p50_s'] * 1e3:.0f} ms, ITL p50 {level['itl_p50_s'] * 1e3:.0f} ms",
-          flush=True)
+    print(
+        f"{name}: {level['output_tok_per_s']:.1f} tok/s, TTFT p50 "
+        f"{level['ttft_p50_s'] * 1e3:.0f} ms, ITL p50 {level['itl_p50_s'] * 1e3:.0f} ms",
+        flush=True,
+    )
     return level
 
 
@@ -99,13 +101,22 @@ def main() -> int:
     results.append(measure("1 server, 2 cores", [*serve, "--port", str(port)], args, port))
     for replicas in (1, 2):
         port = _free_port()
-        command = [*serve, "--port", str(port), "--ray", "--num-replicas", str(replicas),
-                   "--replica-cpus", "1"]
-        results.append(measure(f"{replicas} Ray replica(s) x 1 CPU", command, args, port,
-                               replicas))
+        command = [
+            *serve,
+            "--port",
+            str(port),
+            "--ray",
+            "--num-replicas",
+            str(replicas),
+            "--replica-cpus",
+            "1",
+        ]
+        results.append(measure(f"{replicas} Ray replica(s) x 1 CPU", command, args, port, replicas))
     one, two = results[1]["output_tok_per_s"], results[2]["output_tok_per_s"]
-    print(f"2 replicas / 1 replica: {two / one:.2f}x; 2 replicas / 1 server on 2 cores: "
-          f"{two / results[0]['output_tok_per_s']:.2f}x")
+    print(
+        f"2 replicas / 1 replica: {two / one:.2f}x; 2 replicas / 1 server on 2 cores: "
+        f"{two / results[0]['output_tok_per_s']:.2f}x"
+    )
     if args.output:
         with open(args.output, "w") as f:
             json.dump(results, f, indent=2)

@@ -40,20 +40,27 @@ def main() -> None:
     args, serve_options = parser.parse_known_args()
     port = free_loopback_port()
     url = f"http://127.0.0.1:{port}"
-    command = [sys.executable, "-m", "minivllm.cli", "serve", "--port", str(port),
-               *serve_options]
+    command = [sys.executable, "-m", "minivllm.cli", "serve", "--port", str(port), *serve_options]
     with running(command, url, "/v1/models") as server:
-        children = subprocess.run(["pgrep", "-P", str(server.pid)], capture_output=True,
-                                  text=True, check=False).stdout.split()
+        children = subprocess.run(
+            ["pgrep", "-P", str(server.pid)], capture_output=True, text=True, check=False
+        ).stdout.split()
         engine = int(children[0]) if children else None  # none with --no-engine-process
         model = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
         rng = random.Random(0)
 
         async def stream(count: int) -> list[tuple[float, list[float], int]]:
             async with httpx.AsyncClient(timeout=600) as client:
-                return [await one_request(client, url, model,
-                                          [rng.randrange(100, 20000) for _ in range(64)],
-                                          args.tokens) for _ in range(count)]
+                return [
+                    await one_request(
+                        client,
+                        url,
+                        model,
+                        [rng.randrange(100, 20000) for _ in range(64)],
+                        args.tokens,
+                    )
+                    for _ in range(count)
+                ]
 
         asyncio.run(stream(1))  # warm-up
         pids = [server.pid, engine]
@@ -65,9 +72,11 @@ def main() -> None:
     tokens = sum(r[2] for r in results)
     gaps = [g for r in results for g in r[1]]
     http, engine_ms, client = ((b - a) / tokens * 1e3 for a, b in zip(before, after))
-    print(f"{tokens / wall:.1f} tok/s, inter-token p50 {statistics.median(gaps) * 1e3:.2f} ms; "
-          f"CPU ms per token: HTTP process {http:.2f}, engine process {engine_ms:.2f}, "
-          f"client {client:.2f}")
+    print(
+        f"{tokens / wall:.1f} tok/s, inter-token p50 {statistics.median(gaps) * 1e3:.2f} ms; "
+        f"CPU ms per token: HTTP process {http:.2f}, engine process {engine_ms:.2f}, "
+        f"client {client:.2f}"
+    )
 
 
 if __name__ == "__main__":

@@ -46,9 +46,12 @@ def main() -> None:
             with running(command, url, ready):
                 levels = load_levels(url, seed=0)
             for level in levels:
-                print(f"{name:>9} {level['name']:>5}: {level['tok_per_s']:6.1f} tok/s, "
-                      f"TTFT p50 {level['ttft_p50_s'] * 1e3:5.0f} ms, "
-                      f"ITL p50 {level['itl_p50_s'] * 1e3:5.1f} ms", flush=True)
+                print(
+                    f"{name:>9} {level['name']:>5}: {level['tok_per_s']:6.1f} tok/s, "
+                    f"TTFT p50 {level['ttft_p50_s'] * 1e3:5.0f} ms, "
+                    f"ITL p50 {level['itl_p50_s'] * 1e3:5.1f} ms",
+                    flush=True,
+                )
 
 
 if __name__ == "__main__":

@@ -28,8 +28,11 @@ def main() -> None:
 
     def generate(tokens: int) -> float:
         start = time.perf_counter()
-        llm.generate([prompt], SamplingParams(max_tokens=tokens, ignore_eos=True,
-                                              temperature=0.6), use_tqdm=False)
+        llm.generate(
+            [prompt],
+            SamplingParams(max_tokens=tokens, ignore_eos=True, temperature=0.6),
+            use_tqdm=False,
+        )
         return time.perf_counter() - start
 
     generate(8)  # warm-up

@@ -25,8 +25,11 @@ def metadata(context_lens: list[int], query_lens: list[int]) -> AttentionMetadat
     """Sequence i owns a contiguous run of blocks; fresh per step (its caches are per step)."""
     per_seq = (max(c + q for c, q in zip(context_lens, query_lens)) + BLOCK - 1) // BLOCK
     seq_lens = [c + q for c, q in zip(context_lens, query_lens)]
-    slots = [i * per_seq * BLOCK + p for i, (c, q) in enumerate(zip(context_lens, query_lens))
-             for p in range(c, c + q)]
+    slots = [
+        i * per_seq * BLOCK + p
+        for i, (c, q) in enumerate(zip(context_lens, query_lens))
+        for p in range(c, c + q)
+    ]
     return AttentionMetadata(
         slot_mapping=torch.tensor(slots),
         query_start_loc=torch.tensor(list(itertools.accumulate(query_lens, initial=0))),
@@ -56,8 +59,7 @@ def run(name: str, context_lens: list[int], query_lens: list[int]) -> None:
             layer(q, k, v, cache, meta)
             best[window] = min(best[window], time.perf_counter() - start)
     full, windowed = best[None] * 1e3, best[WINDOW] * 1e3
-    print(f"{name}: full {full:.2f} ms, window {WINDOW} {windowed:.2f} ms, "
-          f"{full / windowed:.1f}x")
+    print(f"{name}: full {full:.2f} ms, window {WINDOW} {windowed:.2f} ms, {full / windowed:.1f}x")
 
 
 if __name__ == "__main__":

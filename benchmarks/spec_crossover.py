@@ -52,44 +52,63 @@ def main() -> None:
     parser.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
     parser.add_argument("--dtype", default="auto")
     args = parser.parse_args()
-    spec = {"method": "ngram", "num_speculative_tokens": args.k,
-            "disable_by_batch_size": None, "draft_token_cost": 0.0}
-    messages = [{"role": "user", "content": "Repeat the following text exactly, word for "
-                 f"word, and nothing else.\n\n{DOCUMENT}"}]
+    spec = {
+        "method": "ngram",
+        "num_speculative_tokens": args.k,
+        "disable_by_batch_size": None,
+        "draft_token_cost": 0.0,
+    }
+    messages = [
+        {
+            "role": "user",
+            "content": "Repeat the following text exactly, word for "
+            f"word, and nothing else.\n\n{DOCUMENT}",
+        }
+    ]
     rates: dict[str, dict[int, float]] = {}
     drafts_per_step = accepted = steps = 0.0
     for name, config in [("plain", None), ("ngram", spec)]:
-        llm = LLM(args.model, dtype=args.dtype, speculative_config=config,
-                  max_num_seqs=max(args.batch_sizes))
+        llm = LLM(
+            args.model,
+            dtype=args.dtype,
+            speculative_config=config,
+            max_num_seqs=max(args.batch_sizes),
+        )
         engine = llm.llm_engine
         prompt = llm.apply_chat_template(messages)
         decode_rate(engine, prompt, 1, 8)  # warm-up
         before = engine.stats()
-        rates[name] = {b: decode_rate(engine, prompt, b, args.max_tokens)
-                       for b in args.batch_sizes}
+        rates[name] = {b: decode_rate(engine, prompt, b, args.max_tokens) for b in args.batch_sizes}
         after = engine.stats()
         if config is not None:
             drafted = after["spec_decode_num_draft_tokens"] - before["spec_decode_num_draft_tokens"]
-            accepted = (after["spec_decode_num_accepted_tokens"]
-                        - before["spec_decode_num_accepted_tokens"])
+            accepted = (
+                after["spec_decode_num_accepted_tokens"] - before["spec_decode_num_accepted_tokens"]
+            )
             steps = after["spec_decode_num_drafts"] - before["spec_decode_num_drafts"]
             drafts_per_step = drafted / max(steps, 1)
-            print(f"acceptance: {accepted / max(drafted, 1):.1%} of {drafted:.0f} draft tokens, "
-                  f"{drafts_per_step:.2f} drafts and {1 + accepted / max(steps, 1):.2f} tokens "
-                  "per verifying step")
+            print(
+                f"acceptance: {accepted / max(drafted, 1):.1%} of {drafted:.0f} draft tokens, "
+                f"{drafts_per_step:.2f} drafts and {1 + accepted / max(steps, 1):.2f} tokens "
+                "per verifying step"
+            )
         engine.close()
     for b in args.batch_sizes:
         plain, ngram = rates["plain"][b], rates["ngram"][b]
-        print(f"B={b:>3}: plain {plain:7.1f} tok/s, ngram {ngram:7.1f} tok/s, "
-              f"ratio {ngram / plain:.2f}")
+        print(
+            f"B={b:>3}: plain {plain:7.1f} tok/s, ngram {ngram:7.1f} tok/s, "
+            f"ratio {ngram / plain:.2f}"
+        )
     # The cost model's figure, from the smallest B: a plain step yields B tokens, a verifying
     # one B * (1 + a * d); their step times' ratio r = (1 + c * (1 + d)) / (1 + c) gives c.
     b = min(args.batch_sizes)
     tokens = 1 + accepted / max(steps, 1) if steps else 1.0
     r = tokens * rates["plain"][b] / rates["ngram"][b]  # verifying step / plain step, in time
     if drafts_per_step and 1 + drafts_per_step > r:
-        print(f"B={b}: a verifying step takes {r:.2f}x a plain one for {drafts_per_step:.2f} "
-              f"drafts: draft_token_cost c = {(r - 1) / (1 + drafts_per_step - r):.3f}")
+        print(
+            f"B={b}: a verifying step takes {r:.2f}x a plain one for {drafts_per_step:.2f} "
+            f"drafts: draft_token_cost c = {(r - 1) / (1 + drafts_per_step - r):.3f}"
+        )
 
 
 if __name__ == "__main__":

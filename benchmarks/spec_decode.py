@@ -42,11 +42,19 @@ def main() -> None:
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--device", default=None)
     args = parser.parse_args()
-    spec = {"method": "ngram", "num_speculative_tokens": args.k,
-            "prompt_lookup_min": args.prompt_lookup_min,
-            "prompt_lookup_max": args.prompt_lookup_max}
-    messages = [{"role": "user", "content": "Repeat the following text exactly, word for "
-                 f"word, and nothing else.\n\n{DOCUMENT}"}]
+    spec = {
+        "method": "ngram",
+        "num_speculative_tokens": args.k,
+        "prompt_lookup_min": args.prompt_lookup_min,
+        "prompt_lookup_max": args.prompt_lookup_max,
+    }
+    messages = [
+        {
+            "role": "user",
+            "content": "Repeat the following text exactly, word for "
+            f"word, and nothing else.\n\n{DOCUMENT}",
+        }
+    ]
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
 
     results = {}
@@ -74,8 +82,10 @@ def main() -> None:
     steps = delta["spec_decode_num_drafts"]
     print(f"speedup: {spec_rate / base:.2f}x with {json.dumps(spec)}")
     if drafts:
-        print(f"acceptance: {accepted / drafts:.1%} of {drafts} draft tokens; "
-              f"{(accepted + steps) / steps:.2f} tokens per verification step")
+        print(
+            f"acceptance: {accepted / drafts:.1%} of {drafts} draft tokens; "
+            f"{(accepted + steps) / steps:.2f} tokens per verification step"
+        )
     print(f"same tokens as without speculation: {tokens == results['no speculation'][1]}")
 
     proposer = NgramProposer(SpeculativeConfig(**spec))

@@ -20,11 +20,17 @@ from minivllm.sampling_params import StructuredOutputsParams
 # runs generate the same number of tokens.
 SCHEMA = {
     "type": "object",
-    "properties": {"notes": {"type": "array", "minItems": 50,
-                             "items": {"type": "object",
-                                       "properties": {"id": {"type": "integer"},
-                                                      "text": {"type": "string"}},
-                                       "required": ["id", "text"]}}},
+    "properties": {
+        "notes": {
+            "type": "array",
+            "minItems": 50,
+            "items": {
+                "type": "object",
+                "properties": {"id": {"type": "integer"}, "text": {"type": "string"}},
+                "required": ["id", "text"],
+            },
+        }
+    },
     "required": ["notes"],
 }
 
@@ -32,8 +38,9 @@ SCHEMA = {
 def run(llm: LLM, concurrency: int, max_tokens: int, spec: StructuredOutputsParams | None) -> float:
     prompts = [f"Request {i}: list some records as JSON." for i in range(concurrency)]
     params = [
-        SamplingParams(temperature=0.8, seed=i, max_tokens=max_tokens, ignore_eos=True,
-                       structured_outputs=spec)
+        SamplingParams(
+            temperature=0.8, seed=i, max_tokens=max_tokens, ignore_eos=True, structured_outputs=spec
+        )
         for i in range(concurrency)
     ]
     start = time.perf_counter()
@@ -58,8 +65,10 @@ def main() -> None:
         for _ in range(args.repeats):
             free.append(run(llm, c, args.max_tokens, None))
             constrained.append(run(llm, c, args.max_tokens, spec))
-        print(f"c={c:2d}: free {max(free):7.1f} tok/s, schema {max(constrained):7.1f} tok/s, "
-              f"ratio {max(constrained) / max(free):.2f}")
+        print(
+            f"c={c:2d}: free {max(free):7.1f} tok/s, schema {max(constrained):7.1f} tok/s, "
+            f"ratio {max(constrained) / max(free):.2f}"
+        )
 
 
 if __name__ == "__main__":

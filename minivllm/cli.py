@@ -31,15 +31,22 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
         kind = next((t for name, t in _TYPES.items() if name in str(f.type)), str)
         if kind is bool and f.default:  # the options that default to on: a --no-... switch
             flag = cli_flag(f.name, negated=True)
-            g.add_argument(flag, dest=f.name, action="store_false", default=None,
-                           help=f"do not {f.metadata['help']}")
+            g.add_argument(
+                flag,
+                dest=f.name,
+                action="store_false",
+                default=None,
+                help=f"do not {f.metadata['help']}",
+            )
             continue
         if kind is bool:  # off by default: a plain switch
-            g.add_argument(flag, dest=f.name, action="store_true", default=None,
-                           help=f.metadata["help"])
+            g.add_argument(
+                flag, dest=f.name, action="store_true", default=None, help=f.metadata["help"]
+            )
             continue
-        g.add_argument(flag, type=kind, default=None, choices=f.metadata["choices"],
-                       help=f.metadata["help"])
+        g.add_argument(
+            flag, type=kind, default=None, choices=f.metadata["choices"], help=f.metadata["help"]
+        )
 
 
 def engine_fields() -> list[Field]:
@@ -49,7 +56,8 @@ def engine_fields() -> list[Field]:
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:
     """The engine options the user set (unset ones keep EngineConfig's defaults)."""
     return {
-        f.name: getattr(args, f.name) for f in engine_fields()
+        f.name: getattr(args, f.name)
+        for f in engine_fields()
         if getattr(args, f.name, None) is not None
     }
 
@@ -58,11 +66,16 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from minivllm import LLM, SamplingParams
 
     llm = LLM(**engine_options(args))
-    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                            max_tokens=args.max_tokens, seed=args.seed_sampling,
-                            repetition_penalty=args.repetition_penalty,
-                            presence_penalty=args.presence_penalty,
-                            frequency_penalty=args.frequency_penalty)
+    params = SamplingParams(
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        max_tokens=args.max_tokens,
+        seed=args.seed_sampling,
+        repetition_penalty=args.repetition_penalty,
+        presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty,
+    )
     if args.chat:
         outputs = llm.chat([{"role": "user", "content": args.prompt}], params, use_tqdm=False)
     else:
@@ -78,8 +91,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     llm = LLM(**engine_options(args))
     load_s = time.perf_counter() - start
-    print(f"model loaded in {load_s:.1f} s "
-          f"({llm.llm_engine.model_runner.num_kv_blocks} KV blocks)\n")
+    print(
+        f"model loaded in {load_s:.1f} s ({llm.llm_engine.model_runner.num_kv_blocks} KV blocks)\n"
+    )
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
     conversations = [[{"role": "user", "content": q}] for q in DEMO_QUESTIONS]
     start = time.perf_counter()
@@ -88,8 +102,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
     tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
     for question, out in zip(DEMO_QUESTIONS, outputs):
         print(f"Q: {question}\nA: {out.outputs[0].text.strip()}\n")
-    print(f"{len(outputs)} requests, {tokens} generated tokens in {seconds:.2f} s: "
-          f"{tokens / seconds:.1f} tok/s")
+    print(
+        f"{len(outputs)} requests, {tokens} generated tokens in {seconds:.2f} s: "
+        f"{tokens / seconds:.1f} tok/s"
+    )
     return 0
 
 
@@ -125,52 +141,135 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def add_serve_parser(sub: Any) -> None:
     """`minivllm serve [MODEL]`: the server's flags, then the engine's."""
     p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server")
-    p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
-                   help="the model, as `vllm serve MODEL` (same as --model)")
+    p.add_argument(
+        "model_tag",
+        nargs="?",
+        default=None,
+        metavar="MODEL",
+        help="the model, as `vllm serve MODEL` (same as --model)",
+    )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
-    p.add_argument("--served-model-name", default=None,
-                   help="the model name clients use (default: the model path's name)")
-    p.add_argument("--max-waiting-requests", type=int, default=1024,
-                   help="answer 503 when this many requests are already waiting")
-    p.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024,
-                   help="answer 413 to a request body larger than this")
-    p.add_argument("--shutdown-timeout", type=float, default=5.0,
-                   help="seconds in-flight requests get to finish on SIGTERM/Ctrl-C")
-    p.add_argument("--lab", action="store_true",
-                   help="record the engine between steps and show it live at /lab")
-    p.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
-                   help="step the engine in a process of its own (default; --lab steps it "
-                        "on a thread of the HTTP process)")
-    p.add_argument("--chat-template", default=None,
-                   help="a Jinja chat template (a file, or the template itself) for the model's")
-    p.add_argument("--chat-template-kwargs", default=None, metavar="JSON",
-                   help='default chat-template variables, e.g. \'{"enable_thinking": false}\'')
-    p.add_argument("--reasoning-parser", default=None, choices=["qwen3", "deepseek_r1"],
-                   help="split <think>...</think> into message.reasoning_content")
-    p.add_argument("--allowed-origins", nargs="+", default=None, metavar="ORIGIN",
-                   help="browser origins CORS lets in ('*' for any); none by default")
-    p.add_argument("--response-store-max-responses", type=int, default=None,
-                   help="responses kept for GET and previous_response_id (default 1024)")
-    p.add_argument("--response-store-max-bytes", type=int, default=None,
-                   help="bytes the response store may hold (default 64 MiB)")
-    p.add_argument("--no-response-store", action="store_true",
-                   help="keep no responses (store: true is ignored)")
-    g = p.add_argument_group("replicas on Ray Serve (pip install 'minivllm[ray]')")
-    g.add_argument("--ray", action="store_true",
-                   help="serve N engine replicas on the Ray cluster at RAY_ADDRESS (else a "
-                        "local one) behind Ray Serve's proxy on --host:--port")
-    g.add_argument("--num-replicas", type=int, default=1, help="with --ray: replicas")
-    g.add_argument("--replica-cpus", type=float, default=1.0,
-                   help="with --ray: CPUs each replica reserves (and its torch threads)")
-    g.add_argument("--replica-memory-gb", type=float, default=None,
-                   help="with --ray: memory each replica reserves")
-    g.add_argument("--autoscaling-config", default=None, metavar="JSON",
-                   help="with --ray: Ray Serve's autoscaling_config, e.g. '{\"min_replicas\": 1, "
-                        "\"max_replicas\": 4, \"target_ongoing_requests\": 8}'")
+    p.add_argument(
+        "--served-model-name",
+        default=None,
+        help="the model name clients use (default: the model path's name)",
+    )
+    p.add_argument(
+        "--max-waiting-requests",
+        type=int,
+        default=1024,
+        help="answer 503 when this many requests are already waiting",
+    )
+    p.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=4 * 1024 * 1024,
+        help="answer 413 to a request body larger than this",
+    )
+    _add_serving_options(p)
+    _add_ray_options(p)
     add_engine_options(p)
     p.set_defaults(func=cmd_serve)
+
+
+def _add_serving_options(p: argparse.ArgumentParser) -> None:
+    """The server's behaviour: shutdown, the lab, its process layout, chat, CORS; then the
+    Responses API's store."""
+    p.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=5.0,
+        help="seconds in-flight requests get to finish on SIGTERM/Ctrl-C",
+    )
+    p.add_argument(
+        "--lab",
+        action="store_true",
+        help="record the engine between steps and show it live at /lab",
+    )
+    p.add_argument(
+        "--engine-process",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="step the engine in a process of its own (default; --lab steps it "
+        "on a thread of the HTTP process)",
+    )
+    p.add_argument(
+        "--chat-template",
+        default=None,
+        help="a Jinja chat template (a file, or the template itself) for the model's",
+    )
+    p.add_argument(
+        "--chat-template-kwargs",
+        default=None,
+        metavar="JSON",
+        help="default chat-template variables, e.g. '{\"enable_thinking\": false}'",
+    )
+    p.add_argument(
+        "--reasoning-parser",
+        default=None,
+        choices=["qwen3", "deepseek_r1"],
+        help="split <think>...</think> into message.reasoning_content",
+    )
+    p.add_argument(
+        "--allowed-origins",
+        nargs="+",
+        default=None,
+        metavar="ORIGIN",
+        help="browser origins CORS lets in ('*' for any); none by default",
+    )
+    _add_response_store_options(p)
+
+
+def _add_response_store_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--response-store-max-responses",
+        type=int,
+        default=None,
+        help="responses kept for GET and previous_response_id (default 1024)",
+    )
+    p.add_argument(
+        "--response-store-max-bytes",
+        type=int,
+        default=None,
+        help="bytes the response store may hold (default 64 MiB)",
+    )
+    p.add_argument(
+        "--no-response-store",
+        action="store_true",
+        help="keep no responses (store: true is ignored)",
+    )
+
+
+def _add_ray_options(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("replicas on Ray Serve (pip install 'minivllm[ray]')")
+    g.add_argument(
+        "--ray",
+        action="store_true",
+        help="serve N engine replicas on the Ray cluster at RAY_ADDRESS (else a "
+        "local one) behind Ray Serve's proxy on --host:--port",
+    )
+    g.add_argument("--num-replicas", type=int, default=1, help="with --ray: replicas")
+    g.add_argument(
+        "--replica-cpus",
+        type=float,
+        default=1.0,
+        help="with --ray: CPUs each replica reserves (and its torch threads)",
+    )
+    g.add_argument(
+        "--replica-memory-gb",
+        type=float,
+        default=None,
+        help="with --ray: memory each replica reserves",
+    )
+    g.add_argument(
+        "--autoscaling-config",
+        default=None,
+        metavar="JSON",
+        help="with --ray: Ray Serve's autoscaling_config, e.g. '{\"min_replicas\": 1, "
+        '"max_replicas": 4, "target_ongoing_requests": 8}\'',
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -188,8 +287,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repetition-penalty", type=float, default=1.0)
     p.add_argument("--presence-penalty", type=float, default=0.0)
     p.add_argument("--frequency-penalty", type=float, default=0.0)
-    p.add_argument("--sampling-seed", dest="seed_sampling", type=int, default=None,
-                   help="seed of this request's sampling")
+    p.add_argument(
+        "--sampling-seed",
+        dest="seed_sampling",
+        type=int,
+        default=None,
+        help="seed of this request's sampling",
+    )
     add_engine_options(p)
     p.set_defaults(func=cmd_generate)
 
@@ -219,8 +323,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
-                        format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING,
+        format="%(levelname)s %(name)s: %(message)s",
+    )
     try:
         return args.func(args)
     except (ValueError, FileNotFoundError, TypeError) as exc:

@@ -11,8 +11,9 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 
-def _option(default: Any, help: str, choices: tuple[str, ...] | None = None,
-            cli: bool = True) -> Any:
+def _option(
+    default: Any, help: str, choices: tuple[str, ...] | None = None, cli: bool = True
+) -> Any:
     """A config field with its help text: the CLI's `--flags` are made from these."""
     return field(default=default, metadata={"help": help, "choices": choices, "cli": cli})
 
@@ -90,8 +91,8 @@ class SpeculativeConfig:
                 raise ValueError(f"speculative_config is not valid JSON: {exc}") from None
         if not isinstance(value, dict):
             raise ValueError(
-                f"speculative_config must be a dict such as {{\"method\": \"ngram\", "
-                f"\"num_speculative_tokens\": 4}}, got {value!r}"
+                f'speculative_config must be a dict such as {{"method": "ngram", '
+                f'"num_speculative_tokens": 4}}, got {value!r}'
             )
         options = dict(value)
         if "model" in options and options.get("method") in (None, "draft_model"):
@@ -104,9 +105,7 @@ class SpeculativeConfig:
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(options) - known)
         if unknown:
-            raise ValueError(
-                f"unknown speculative_config key(s) {unknown}; known: {sorted(known)}"
-            )
+            raise ValueError(f"unknown speculative_config key(s) {unknown}; known: {sorted(known)}")
         return cls(**options)
 
 
@@ -115,44 +114,61 @@ class EngineConfig:
     """Every knob of one engine. Pure Python; no torch import here."""
 
     model: str | None = _option(
-        None, "HF model directory or .gguf file (default: SmolLM2-135M-Instruct)")
+        None, "HF model directory or .gguf file (default: SmolLM2-135M-Instruct)"
+    )
     block_size: int = _option(16, "tokens per KV block")
     max_num_seqs: int = _option(256, "most sequences RUNNING at once")
     max_num_batched_tokens: int = _option(
-        4096, "token budget of one step (decodes + prefill chunks)")
+        4096, "token budget of one step (decodes + prefill chunks)"
+    )
     max_model_len: int | None = _option(
-        None, "prompt + completion limit (default: the model's own)")
+        None, "prompt + completion limit (default: the model's own)"
+    )
     enable_prefix_caching: bool = _option(True, "reuse KV blocks of identical prompt prefixes")
     num_kv_blocks: int | None = _option(
-        None, "KV pool size, overriding the memory budget (tiny pools force preemption)")
+        None, "KV pool size, overriding the memory budget (tiny pools force preemption)"
+    )
     kv_cache_memory_gb: float | None = _option(
-        None, "KV cache budget on the CPU, in GB (vLLM's kv_cache_memory_bytes; default: a "
-        "quarter of the memory available after loading the weights, at most 2 GB)")
+        None,
+        "KV cache budget on the CPU, in GB (vLLM's kv_cache_memory_bytes; default: a "
+        "quarter of the memory available after loading the weights, at most 2 GB)",
+    )
     gpu_memory_utilization: float = _option(0.9, "share of GPU memory the engine may use")
     device: str | None = _option(
-        None, "cpu or cuda (default: cuda when available)", ("cpu", "cuda"))
+        None, "cpu or cuda (default: cuda when available)", ("cpu", "cuda")
+    )
     dtype: str | None = _option(
-        "auto", "compute dtype; auto: bfloat16 on CUDA and on CPUs with native bf16 "
+        "auto",
+        "compute dtype; auto: bfloat16 on CUDA and on CPUs with native bf16 "
         "(AVX-512 BF16), else float32; float32 is the token-exact path",
-        ("auto", "float32", "bfloat16", "float16"))
+        ("auto", "float32", "bfloat16", "float16"),
+    )
     seed: int = _option(0, "the engine's random seed (requests without their own seed)")
     tensor_parallel_size: int = _option(1, "processes the model is split over")
     quantization: str | None = _option(
-        None, "weights: default = as stored (on the CPU a GGUF's 4-bit tensors run packed: "
+        None,
+        "weights: default = as stored (on the CPU a GGUF's 4-bit tensors run packed: "
         "torch's int4 kernel in bf16, ours in float32); int4: also quantize the other linear "
         "layers (HF checkpoints); int8: int8 MLP gate/up (CPU, float32); none: dense",
-        ("int4", "int8", "none"))
+        ("int4", "int8", "none"),
+    )
     enforce_eager: bool = _option(
-        False, "run every step eagerly: skip compiling the decode step (torch.compile, done "
-        "on the CPU at start-up for steps of up to 4 sequences, cached on disk)")
+        False,
+        "run every step eagerly: skip compiling the decode step (torch.compile, done "
+        "on the CPU at start-up for steps of up to 4 sequences, cached on disk)",
+    )
     generation_config: str = _option(
-        "auto", "sampling defaults of requests that leave a field unset: auto (the model's "
+        "auto",
+        "sampling defaults of requests that leave a field unset: auto (the model's "
         "generation_config.json, as vLLM), vllm (vLLM's neutral defaults) or a folder holding "
-        "a generation_config.json")
+        "a generation_config.json",
+    )
     speculative_config: SpeculativeConfig | None = _option(
-        None, "speculative decoding, vLLM's shape as JSON: '{\"method\": \"ngram\", "
-        "\"num_speculative_tokens\": 4, \"prompt_lookup_min\": 2, \"prompt_lookup_max\": 4}' "
-        "(prompt lookup; greedy and sampled requests)")
+        None,
+        'speculative decoding, vLLM\'s shape as JSON: \'{"method": "ngram", '
+        '"num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}\' '
+        "(prompt lookup; greedy and sampled requests)",
+    )
     # filled from the model when the engine is built
     eos_token_ids: tuple[int, ...] = _option((), "end-of-sequence token ids", cli=False)
 
@@ -203,7 +219,5 @@ class EngineConfig:
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(options) - known)
         if unknown:
-            raise TypeError(
-                f"unknown engine option(s) {unknown}; known options: {sorted(known)}"
-            )
+            raise TypeError(f"unknown engine option(s) {unknown}; known options: {sorted(known)}")
         return cls(**options)  # type: ignore[arg-type]

@@ -111,8 +111,11 @@ class LLM:
         """The conversation's prompt token ids through the model's chat template."""
         try:
             return requests.chat_prompt(
-                self.get_tokenizer(), messages, add_generation_prompt=add_generation_prompt,
-                tools=tools, chat_template_kwargs=chat_template_kwargs,
+                self.get_tokenizer(),
+                messages,
+                add_generation_prompt=add_generation_prompt,
+                tools=tools,
+                chat_template_kwargs=chat_template_kwargs,
             )
         except requests.NoChatTemplateError:
             raise ValueError(
@@ -122,8 +125,9 @@ class LLM:
     def _run(self, num_requests: int, use_tqdm: bool) -> dict[str, RequestOutput]:
         engine = self.llm_engine
         finals: dict[str, RequestOutput] = {}
-        bar = tqdm(total=num_requests, desc="Processed prompts", disable=not use_tqdm,
-                   dynamic_ncols=True)
+        bar = tqdm(
+            total=num_requests, desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True
+        )
         prefill_tokens = decode_tokens = 0
         start = time.perf_counter()
         try:
@@ -141,9 +145,9 @@ class LLM:
                 elapsed = max(time.perf_counter() - start, 1e-9)
                 bar.set_postfix_str(
                     f"prefill {prefill_tokens / elapsed:.0f} tok/s, "
-                    f"decode {decode_tokens / elapsed:.0f} tok/s", refresh=False
+                    f"decode {decode_tokens / elapsed:.0f} tok/s",
+                    refresh=False,
                 )
         finally:
             bar.close()
         return finals
-

@@ -43,9 +43,7 @@ def logprob_entry(
 ) -> dict[int, Logprob]:
     """A token's entry: the top-N (ranks 1..N, most likely first), then the token itself with
     its own rank unless it is one of them."""
-    entry = {
-        t: Logprob(v, r) for r, (t, v) in enumerate(zip(top_ids, top_values, strict=True), 1)
-    }
+    entry = {t: Logprob(v, r) for r, (t, v) in enumerate(zip(top_ids, top_values, strict=True), 1)}
     if token_id not in entry:
         entry[token_id] = Logprob(logprob, rank)
     return entry

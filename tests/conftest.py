@@ -38,8 +38,13 @@ def pytest_configure(config: pytest.Config) -> None:
 def make_engine() -> Iterator[Callable[..., LLMEngine]]:
     engines: list[LLMEngine] = []
 
-    def make(num_blocks: int = 64, trace: bool = False, vocab_size: int = 1000,
-             order: int | None = None, **options: object) -> LLMEngine:
+    def make(
+        num_blocks: int = 64,
+        trace: bool = False,
+        vocab_size: int = 1000,
+        order: int | None = None,
+        **options: object,
+    ) -> LLMEngine:
         options.setdefault("block_size", 4)
         options.setdefault("max_model_len", 512)
         config = EngineConfig(**options)  # type: ignore[arg-type]

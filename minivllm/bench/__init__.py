@@ -29,23 +29,35 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--input-max", type=int, default=256)
     parser.add_argument("--output-min", type=int, default=32)
     parser.add_argument("--output-max", type=int, default=256)
-    parser.add_argument("--gpu-scale", action="store_true",
-                        help="nano-vllm's GPU workload: 256 requests, lengths 100-1024")
+    parser.add_argument(
+        "--gpu-scale",
+        action="store_true",
+        help="nano-vllm's GPU workload: 256 requests, lengths 100-1024",
+    )
     parser.add_argument("--temperature", type=float, default=0.6)
     parser.add_argument("--compare", nargs="*", default=[], choices=["hf", "llama.cpp"])
     parser.add_argument("--prefix-len", type=int, default=512)
     parser.add_argument("--suffix-len", type=int, default=16)
     parser.add_argument("--output-len", type=int, default=8)
     parser.add_argument("--bench-seed", dest="seed", type=int, default=0)
-    parser.add_argument("--decode-chunk", type=int, default=1,
-                        help="quality: tokens per step of the decode-sized scoring")
+    parser.add_argument(
+        "--decode-chunk",
+        type=int,
+        default=1,
+        help="quality: tokens per step of the decode-sized scoring",
+    )
     parser.add_argument("--output", type=Path, default=None, help="write the JSON here")
     parser.add_argument("--chart", type=Path, default=None, help="draw a PNG chart here")
-    parser.add_argument("--url", default="http://127.0.0.1:8000",
-                        help="serve: the server to benchmark")
-    parser.add_argument("--llama-server", default=None, metavar="PATH",
-                        help="serve --compare llama.cpp: llama.cpp's server binary (default: "
-                        "$LLAMA_SERVER, else benchmarks/build_llama_cpp.sh's build)")
+    parser.add_argument(
+        "--url", default="http://127.0.0.1:8000", help="serve: the server to benchmark"
+    )
+    parser.add_argument(
+        "--llama-server",
+        default=None,
+        metavar="PATH",
+        help="serve --compare llama.cpp: llama.cpp's server binary (default: "
+        "$LLAMA_SERVER, else benchmarks/build_llama_cpp.sh's build)",
+    )
 
 
 def run_bench(args: argparse.Namespace, options: dict[str, Any]) -> int:

@@ -33,10 +33,15 @@ class Result:
         return None if self.cpu_seconds is None else self.output_tokens / self.cpu_seconds
 
     def line(self) -> str:
-        cpu = "" if self.cpu_seconds is None else (
-            f"; {self.cpu_seconds:.2f} CPU s, {self.tok_per_cpu_s:.1f} tok per CPU s")
-        return (f"{self.name:>12}: {self.requests} requests, {self.output_tokens} output tokens, "
-                f"{self.seconds:.2f} s, {self.tok_per_s:.1f} tok/s{cpu}")
+        cpu = (
+            ""
+            if self.cpu_seconds is None
+            else (f"; {self.cpu_seconds:.2f} CPU s, {self.tok_per_cpu_s:.1f} tok per CPU s")
+        )
+        return (
+            f"{self.name:>12}: {self.requests} requests, {self.output_tokens} output tokens, "
+            f"{self.seconds:.2f} s, {self.tok_per_s:.1f} tok/s{cpu}"
+        )
 
 
 def hf_model_dir(runner: Any) -> AbstractContextManager[Path]:

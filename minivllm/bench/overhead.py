@@ -33,24 +33,36 @@ class _TimedRunner:
         return output
 
 
+def _prefill_requests(engine: Any, args: argparse.Namespace, vocab: int) -> None:
+    """Add the workload's requests and step until every prompt is prefilled."""
+    from minivllm import SamplingParams
+
+    workload = Workload(args.num_requests, (args.input_min, args.input_max), (1, 1), args.seed)
+    for i, prompt in enumerate(workload.make(vocab)[0]):
+        engine.add_request(
+            prompt,
+            SamplingParams(
+                temperature=0.6, seed=i, ignore_eos=True, max_tokens=args.output_len + 8
+            ),
+        )
+    while (
+        any(s.num_cached_tokens < s.num_prompt_tokens for s in engine.scheduler.running)
+        or engine.scheduler.waiting
+    ):
+        engine.step()
+
+
 def cmd_overhead(args: argparse.Namespace, options: dict[str, Any]) -> dict[str, Any]:
     """Engine overhead (schedule + input preparation + postprocess) as a share of step time,
     over decode steps of a batch of `--num-requests` sequences, with the linear layers'
     GFLOP/s beside a plain torch matmul's at the same shapes."""
-    from minivllm import SamplingParams
     from minivllm.engine.llm_engine import LLMEngine
 
     engine = LLMEngine.from_options(**options)
     timed = _TimedRunner(engine.model_runner)
     engine.model_runner = timed
     vocab = timed.vocab_size
-    workload = Workload(args.num_requests, (args.input_min, args.input_max), (1, 1), args.seed)
-    for i, prompt in enumerate(workload.make(vocab)[0]):
-        engine.add_request(prompt, SamplingParams(temperature=0.6, seed=i, ignore_eos=True,
-                                                  max_tokens=args.output_len + 8))
-    while any(s.num_cached_tokens < s.num_prompt_tokens for s in engine.scheduler.running) or \
-            engine.scheduler.waiting:
-        engine.step()  # prefill everything first
+    _prefill_requests(engine, args, vocab)
     plan_s = commit_s = 0.0
     timed.run_s = timed.prepare_s = 0.0
     steps = args.output_len
@@ -67,20 +79,31 @@ def cmd_overhead(args: argparse.Namespace, options: dict[str, Any]) -> dict[str,
     step_total = plan_s + timed.run_s + commit_s
     for seq in list(engine.scheduler.running) + list(engine.scheduler.waiting):
         engine.abort_request(seq.seq_id)
-    print(f"batch {args.num_requests}, {steps} decode steps: step {step_total / steps * 1e3:.1f} ms"
-          f" (schedule {plan_s / steps * 1e3:.2f} ms, prepare {timed.prepare_s / steps * 1e3:.2f}"
-          f" ms, postprocess {commit_s / steps * 1e3:.2f} ms): overhead "
-          f"{100 * overhead / step_total:.1f}% of step time")
+    print(
+        f"batch {args.num_requests}, {steps} decode steps: step {step_total / steps * 1e3:.1f} ms"
+        f" (schedule {plan_s / steps * 1e3:.2f} ms, prepare {timed.prepare_s / steps * 1e3:.2f}"
+        f" ms, postprocess {commit_s / steps * 1e3:.2f} ms): overhead "
+        f"{100 * overhead / step_total:.1f}% of step time"
+    )
 
     gflops, matmul_gflops = _linear_gflops(timed.runner.model, args.num_requests, vocab)
-    return {"benchmark": "overhead", "machine": machine(), "batch": args.num_requests,
-            "steps": steps, "step_ms": step_total / steps * 1e3,
-            "schedule_ms": plan_s / steps * 1e3, "prepare_ms": timed.prepare_s / steps * 1e3,
-            "postprocess_ms": commit_s / steps * 1e3,
-            "overhead_pct": 100 * overhead / step_total,
-            "linear_gflops": gflops, "matmul_gflops": matmul_gflops,
-            "results": [{"name": "linear", "tok_per_s": gflops},
-                        {"name": "matmul", "tok_per_s": matmul_gflops}]}
+    return {
+        "benchmark": "overhead",
+        "machine": machine(),
+        "batch": args.num_requests,
+        "steps": steps,
+        "step_ms": step_total / steps * 1e3,
+        "schedule_ms": plan_s / steps * 1e3,
+        "prepare_ms": timed.prepare_s / steps * 1e3,
+        "postprocess_ms": commit_s / steps * 1e3,
+        "overhead_pct": 100 * overhead / step_total,
+        "linear_gflops": gflops,
+        "matmul_gflops": matmul_gflops,
+        "results": [
+            {"name": "linear", "tok_per_s": gflops},
+            {"name": "matmul", "tok_per_s": matmul_gflops},
+        ],
+    }
 
 
 def _linear_gflops(model: Any, rows: int, vocab: int) -> tuple[float, float]:
@@ -90,12 +113,16 @@ def _linear_gflops(model: Any, rows: int, vocab: int) -> tuple[float, float]:
 
     ours = plain = 0.0
     flops = 0
-    linears = [m for m in model.modules() if hasattr(m, "weight") and m.weight.dim() == 2
-               and m.weight.shape[0] != vocab]
+    linears = [
+        m
+        for m in model.modules()
+        if hasattr(m, "weight") and m.weight.dim() == 2 and m.weight.shape[0] != vocab
+    ]
     with torch.inference_mode():
         for layer in linears[:8]:
-            x = torch.randn(rows, layer.weight.shape[1], dtype=layer.weight.dtype,
-                            device=layer.weight.device)
+            x = torch.randn(
+                rows, layer.weight.shape[1], dtype=layer.weight.dtype, device=layer.weight.device
+            )
             w = torch.randn_like(layer.weight)
             layer(x), torch.matmul(x, w.t())  # warm-up
             start = time.perf_counter()
@@ -107,6 +134,8 @@ def _linear_gflops(model: Any, rows: int, vocab: int) -> tuple[float, float]:
                 torch.matmul(x, w.t())
             plain += time.perf_counter() - start
             flops += 20 * 2 * rows * layer.weight.shape[0] * layer.weight.shape[1]
-    print(f"linear layers at batch {rows}: {flops / ours / 1e9:.1f} GFLOP/s; "
-          f"plain torch matmul {flops / plain / 1e9:.1f} GFLOP/s ({100 * plain / ours:.0f}%)")
+    print(
+        f"linear layers at batch {rows}: {flops / ours / 1e9:.1f} GFLOP/s; "
+        f"plain torch matmul {flops / plain / 1e9:.1f} GFLOP/s ({100 * plain / ours:.0f}%)"
+    )
     return flops / ours / 1e9, flops / plain / 1e9

@@ -41,8 +41,10 @@ def find_llama_server(explicit: str | None) -> Path:
     else:
         builds = sorted(LLAMA_SERVER_CACHE.glob("build-*/bin/llama-server"))
         if not builds:
-            raise SystemExit("no llama-server found: run `bash benchmarks/build_llama_cpp.sh` "
-                             "(about 15 minutes on 2 cores) or pass --llama-server PATH")
+            raise SystemExit(
+                "no llama-server found: run `bash benchmarks/build_llama_cpp.sh` "
+                "(about 15 minutes on 2 cores) or pass --llama-server PATH"
+            )
         path = builds[-1]
     if not os.access(path, os.X_OK):
         raise SystemExit(f"llama-server {path} is not an executable file")
@@ -94,8 +96,9 @@ def load_levels(url: str, seed: int) -> list[dict[str, Any]]:
     return results
 
 
-def peer_commands(gguf: Path, llama_server: Path, options: dict[str, Any],
-                  ports: tuple[int, int]) -> dict[str, list[str]]:
+def peer_commands(
+    gguf: Path, llama_server: Path, options: dict[str, Any], ports: tuple[int, int]
+) -> dict[str, list[str]]:
     """How each server is started: ours with the engine options given, llama.cpp's with
     16 slots of 512 tokens and one thread per core."""
     ours = [sys.executable, "-m", "minivllm.cli", "serve", str(gguf), "--port", str(ports[0])]
@@ -108,8 +111,22 @@ def peer_commands(gguf: Path, llama_server: Path, options: dict[str, Any],
             ours += [cli_flag(key), str(value)]
     slots = max(concurrency for _, concurrency, _, _ in LEVELS)
     threads = str(os.cpu_count() or 1)
-    theirs = [str(llama_server), "-m", str(gguf), "--port", str(ports[1]), "-np", str(slots),
-              "-c", str(512 * slots), "-t", threads, "-tb", threads, "--no-webui"]
+    theirs = [
+        str(llama_server),
+        "-m",
+        str(gguf),
+        "--port",
+        str(ports[1]),
+        "-np",
+        str(slots),
+        "-c",
+        str(512 * slots),
+        "-t",
+        threads,
+        "-tb",
+        threads,
+        "--no-webui",
+    ]
     return {"minivllm": ours, "llama.cpp": theirs}
 
 
@@ -131,13 +148,22 @@ def cmd_compare_llama_cpp(args: argparse.Namespace, options: dict[str, Any]) -> 
     rows = []
     for ours, theirs in zip(runs["minivllm"], runs["llama.cpp"], strict=True):
         ratio = ours["tok_per_s"] / theirs["tok_per_s"]
-        print(f"{ours['name']:>5}: minivllm {ours['tok_per_s']:6.1f} tok/s "
-              f"(TTFT p50 {ours['ttft_p50_s'] * 1e3:5.0f} ms, ITL p50 "
-              f"{ours['itl_p50_s'] * 1e3:4.1f} p99 {ours['itl_p99_s'] * 1e3:5.1f} ms) | "
-              f"llama.cpp {theirs['tok_per_s']:6.1f} tok/s (TTFT p50 "
-              f"{theirs['ttft_p50_s'] * 1e3:5.0f} ms, ITL p50 {theirs['itl_p50_s'] * 1e3:4.1f} "
-              f"p99 {theirs['itl_p99_s'] * 1e3:5.1f} ms) | {ratio:.2f}x", flush=True)
+        print(
+            f"{ours['name']:>5}: minivllm {ours['tok_per_s']:6.1f} tok/s "
+            f"(TTFT p50 {ours['ttft_p50_s'] * 1e3:5.0f} ms, ITL p50 "
+            f"{ours['itl_p50_s'] * 1e3:4.1f} p99 {ours['itl_p99_s'] * 1e3:5.1f} ms) | "
+            f"llama.cpp {theirs['tok_per_s']:6.1f} tok/s (TTFT p50 "
+            f"{theirs['ttft_p50_s'] * 1e3:5.0f} ms, ITL p50 {theirs['itl_p50_s'] * 1e3:4.1f} "
+            f"p99 {theirs['itl_p99_s'] * 1e3:5.1f} ms) | {ratio:.2f}x",
+            flush=True,
+        )
         rows.append({"level": ours["name"], "ratio": ratio})
     results = [dict(r, name=f"{peer} {r['name']}") for peer in runs for r in runs[peer]]
-    return {"benchmark": "serve vs llama.cpp", "gguf": str(gguf), "machine": machine(),
-            "commands": commands, "ratios": rows, "results": results}
+    return {
+        "benchmark": "serve vs llama.cpp",
+        "gguf": str(gguf),
+        "machine": machine(),
+        "commands": commands,
+        "ratios": rows,
+        "results": results,
+    }

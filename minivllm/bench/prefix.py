@@ -19,8 +19,9 @@ def cmd_prefix(args: argparse.Namespace, options: dict[str, Any]) -> dict[str, A
     for enabled in (True, False):
         llm = LLM(**(options | {"enable_prefix_caching": enabled}))
         vocab = llm.llm_engine.model_runner.vocab_size
-        prompts = shared_prefix_prompts(args.num_requests, args.prefix_len, args.suffix_len,
-                                        vocab, args.seed)
+        prompts = shared_prefix_prompts(
+            args.num_requests, args.prefix_len, args.suffix_len, vocab, args.seed
+        )
         prefix = prompts[0][: args.prefix_len]
         params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
         llm.generate([prefix[:8]], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up
@@ -35,7 +36,12 @@ def cmd_prefix(args: argparse.Namespace, options: dict[str, Any]) -> dict[str, A
         del llm
     ratio = results[1].seconds / results[0].seconds
     print(f"prefix caching speed-up: {ratio:.2f}x")
-    return {"benchmark": "prefix", "machine": machine(), "prefix_len": args.prefix_len,
-            "suffix_len": args.suffix_len, "output_len": args.output_len,
-            "results": [asdict(r) | {"tok_per_s": r.tok_per_s} for r in results],
-            "speedup": ratio}
+    return {
+        "benchmark": "prefix",
+        "machine": machine(),
+        "prefix_len": args.prefix_len,
+        "suffix_len": args.suffix_len,
+        "output_len": args.output_len,
+        "results": [asdict(r) | {"tok_per_s": r.tok_per_s} for r in results],
+        "speedup": ratio,
+    }

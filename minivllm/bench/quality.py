@@ -65,8 +65,9 @@ def hf_reference(model_dir: Path, token_ids: list[int]) -> tuple[list[float], li
     return own.tolist(), logprobs.argmax(-1).tolist()
 
 
-def engine_scores(llm: Any, token_ids: list[int], chunk: int | None) -> tuple[list[float],
-                                                                             list[int]]:
+def engine_scores(
+    llm: Any, token_ids: list[int], chunk: int | None
+) -> tuple[list[float], list[int]]:
     """The engine's log-prob of each token after the first and its top-1 next token at each
     of those positions, the text scored in steps of `chunk` tokens (None: one prefill)."""
     from dataclasses import replace
@@ -77,8 +78,9 @@ def engine_scores(llm: Any, token_ids: list[int], chunk: int | None) -> tuple[li
     base = llm.llm_engine
     budget = max(len(token_ids), base.config.max_num_batched_tokens) if chunk is None else chunk
     # A second engine on the same loaded model; its token budget sets the step size.
-    engine = LLMEngine(replace(base.config, max_num_batched_tokens=budget), base.model_runner,
-                       base.tokenizer)
+    engine = LLMEngine(
+        replace(base.config, max_num_batched_tokens=budget), base.model_runner, base.tokenizer
+    )
     engine.add_request(token_ids, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1))
     outputs = []
     while engine.has_unfinished_requests():
@@ -89,18 +91,24 @@ def engine_scores(llm: Any, token_ids: list[int], chunk: int | None) -> tuple[li
     return own, top1
 
 
-def compare(own: list[float], top1: list[int], ref_own: list[float],
-            ref_top1: list[int]) -> dict[str, float]:
+def compare(
+    own: list[float], top1: list[int], ref_own: list[float], ref_top1: list[int]
+) -> dict[str, float]:
     """Perplexities, their relative difference (%) and the top-1 agreement (%)."""
     ppl = math.exp(-sum(own) / len(own))
     ref_ppl = math.exp(-sum(ref_own) / len(ref_own))
     agree = sum(a == b for a, b in zip(top1, ref_top1, strict=True)) / len(top1)
-    return {"perplexity": ppl, "hf_perplexity": ref_ppl,
-            "perplexity_delta_pct": 100 * (ppl / ref_ppl - 1), "top1_agreement_pct": 100 * agree}
+    return {
+        "perplexity": ppl,
+        "hf_perplexity": ref_ppl,
+        "perplexity_delta_pct": 100 * (ppl / ref_ppl - 1),
+        "top1_agreement_pct": 100 * agree,
+    }
 
 
-def measure_quality(llm: Any, text: str = QUALITY_TEXT, decode_chunk: int = 1,
-                    max_tokens: int | None = None) -> dict[str, Any]:
+def measure_quality(
+    llm: Any, text: str = QUALITY_TEXT, decode_chunk: int = 1, max_tokens: int | None = None
+) -> dict[str, Any]:
     """Quality of `llm` against HF fp32 on `text` (its first `max_tokens` tokens when set):
     `{"tokens", "prefill": {...}, "decode": {...}}`, each with `compare`'s fields."""
     token_ids = llm.llm_engine.tokenizer.encode(text)[:max_tokens]
@@ -119,13 +127,24 @@ def cmd_quality(args: argparse.Namespace, options: dict[str, Any]) -> dict[str, 
     llm = LLM(**options)
     runner = llm.llm_engine.model_runner
     report = measure_quality(llm, decode_chunk=args.decode_chunk)
-    print(f"{report['tokens']} tokens, dtype {runner.dtype}, HF fp32 perplexity "
-          f"{report['prefill']['hf_perplexity']:.3f}")
+    print(
+        f"{report['tokens']} tokens, dtype {runner.dtype}, HF fp32 perplexity "
+        f"{report['prefill']['hf_perplexity']:.3f}"
+    )
     for name in ("prefill", "decode"):
         r = report[name]
-        print(f"{name:>8}: perplexity {r['perplexity']:.3f} ({r['perplexity_delta_pct']:+.2f}% "
-              f"vs HF fp32), top-1 agreement {r['top1_agreement_pct']:.1f}%")
-    return {"benchmark": "quality", "machine": machine(), "engine_options": options,
-            "dtype": str(runner.dtype), **report,
-            "results": [{"name": f"{name} top-1 %", "tok_per_s": report[name]["top1_agreement_pct"]}
-                        for name in ("prefill", "decode")]}
+        print(
+            f"{name:>8}: perplexity {r['perplexity']:.3f} ({r['perplexity_delta_pct']:+.2f}% "
+            f"vs HF fp32), top-1 agreement {r['top1_agreement_pct']:.1f}%"
+        )
+    return {
+        "benchmark": "quality",
+        "machine": machine(),
+        "engine_options": options,
+        "dtype": str(runner.dtype),
+        **report,
+        "results": [
+            {"name": f"{name} top-1 %", "tok_per_s": report[name]["top1_agreement_pct"]}
+            for name in ("prefill", "decode")
+        ],
+    }

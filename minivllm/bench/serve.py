@@ -30,8 +30,11 @@ def percentile(values: list[float], q: int) -> float:
     return statistics.quantiles(values, n=100, method="inclusive")[q - 1]
 
 
-_SPEC_COUNTERS = ("spec_decode_num_drafts", "spec_decode_num_draft_tokens",
-                  "spec_decode_num_accepted_tokens")
+_SPEC_COUNTERS = (
+    "spec_decode_num_drafts",
+    "spec_decode_num_draft_tokens",
+    "spec_decode_num_accepted_tokens",
+)
 _PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
 
 
@@ -48,7 +51,7 @@ def spec_counters(metrics_text: str) -> dict[str, float]:
             name = sample.name.removesuffix("_total")
             if name == _PER_POS:
                 key = f"per_pos/{sample.labels.get('position', '0')}"
-            elif name.startswith("vllm:") and name[len("vllm:"):] in _SPEC_COUNTERS:
+            elif name.startswith("vllm:") and name[len("vllm:") :] in _SPEC_COUNTERS:
                 key = name.removeprefix("vllm:")
             else:
                 continue
@@ -66,7 +69,9 @@ def acceptance(before: dict[str, float], after: dict[str, float]) -> dict[str, A
     accepted = delta.get("spec_decode_num_accepted_tokens", 0.0)
     positions = sorted(int(k.split("/")[1]) for k in delta if k.startswith("per_pos/"))
     return {
-        "num_drafts": drafts, "num_draft_tokens": draft_tokens, "num_accepted_tokens": accepted,
+        "num_drafts": drafts,
+        "num_draft_tokens": draft_tokens,
+        "num_accepted_tokens": accepted,
         "acceptance_rate": accepted / draft_tokens,
         "mean_acceptance_length": mean_acceptance_length(drafts, accepted),
         "per_position_acceptance": [delta[f"per_pos/{j}"] / drafts for j in positions],
@@ -84,17 +89,25 @@ def read_spec_counters(url: str) -> dict[str, float]:
     return spec_counters(response.text) if response.status_code == 200 else {}
 
 
-async def one_request(client: Any, url: str, model: str, prompt: list[int],
-                      max_tokens: int) -> tuple[float, list[float], int]:
+async def one_request(
+    client: Any, url: str, model: str, prompt: list[int], max_tokens: int
+) -> tuple[float, list[float], int]:
     """(time to first token, inter-token gaps, tokens) of one streamed completion."""
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "stream": True,
-            "ignore_eos": True, "temperature": 0.0}
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "stream": True,
+        "ignore_eos": True,
+        "temperature": 0.0,
+    }
     start = time.perf_counter()
     arrivals: list[float] = []
     async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
         if response.status_code != 200:
-            raise RuntimeError(f"server answered {response.status_code}: "
-                               f"{(await response.aread()).decode()[:200]}")
+            raise RuntimeError(
+                f"server answered {response.status_code}: {(await response.aread()).decode()[:200]}"
+            )
         async for line in response.aiter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
@@ -107,8 +120,9 @@ async def one_request(client: Any, url: str, model: str, prompt: list[int],
     return arrivals[0] - start, gaps, len(arrivals)
 
 
-async def run_level(url: str, model: str, prompts: list[list[int]], max_tokens: int,
-                    concurrency: int) -> dict[str, Any]:
+async def run_level(
+    url: str, model: str, prompts: list[list[int]], max_tokens: int, concurrency: int
+) -> dict[str, Any]:
     import httpx
 
     semaphore = asyncio.Semaphore(concurrency)
@@ -116,6 +130,7 @@ async def run_level(url: str, model: str, prompts: list[list[int]], max_tokens: 
     # a pooled connection closed under the client fails the next request.
     limits = httpx.Limits(max_keepalive_connections=0)
     async with httpx.AsyncClient(timeout=600, limits=limits) as client:
+
         async def bounded(prompt: list[int]) -> tuple[float, list[float], int]:
             async with semaphore:
                 return await one_request(client, url, model, prompt, max_tokens)
@@ -127,10 +142,15 @@ async def run_level(url: str, model: str, prompts: list[list[int]], max_tokens: 
     itl = [g for r in results for g in r[1]]
     chunks = sum(r[2] for r in results)
     return {
-        "concurrency": concurrency, "requests": len(prompts), "seconds": seconds,
-        "stream_chunks": chunks, "output_tok_per_s": len(prompts) * max_tokens / seconds,
-        "ttft_p50_s": percentile(ttft, 50), "ttft_p99_s": percentile(ttft, 99),
-        "itl_p50_s": percentile(itl, 50), "itl_p99_s": percentile(itl, 99),
+        "concurrency": concurrency,
+        "requests": len(prompts),
+        "seconds": seconds,
+        "stream_chunks": chunks,
+        "output_tok_per_s": len(prompts) * max_tokens / seconds,
+        "ttft_p50_s": percentile(ttft, 50),
+        "ttft_p99_s": percentile(ttft, 99),
+        "itl_p50_s": percentile(itl, 50),
+        "itl_p99_s": percentile(itl, 99),
         "itl_mean_s": statistics.fmean(itl) if itl else float("nan"),
     }
 
@@ -143,8 +163,9 @@ def cmd_serve_bench(args: argparse.Namespace) -> dict[str, Any]:
     levels = []
     for concurrency in (1, 8, 32):
         count = max(concurrency, args.num_requests if concurrency > 1 else 4)
-        workload = Workload(count, (args.input_min, args.input_max), (1, 1),
-                            args.seed + concurrency)
+        workload = Workload(
+            count, (args.input_min, args.input_max), (1, 1), args.seed + concurrency
+        )
         prompts, _ = workload.make(SERVE_VOCAB_SIZE)
         before = read_spec_counters(url)
         level = asyncio.run(run_level(url, model, prompts, args.output_len, concurrency))
@@ -152,14 +173,27 @@ def cmd_serve_bench(args: argparse.Namespace) -> dict[str, Any]:
         if spec is not None:
             level["spec_decode"] = spec
         levels.append(level)
-        print(f"concurrency {concurrency:>2}: {level['requests']} requests, "
-              f"{level['output_tok_per_s']:.1f} tok/s, "
-              f"TTFT p50 {level['ttft_p50_s'] * 1e3:.0f} ms "
-              f"p99 {level['ttft_p99_s'] * 1e3:.0f} ms, "
-              f"ITL p50 {level['itl_p50_s'] * 1e3:.0f} ms p99 {level['itl_p99_s'] * 1e3:.0f} ms"
-              + (f", acceptance {spec['acceptance_rate']:.1%}, mean acceptance length "
-                 f"{spec['mean_acceptance_length']:.2f}" if spec is not None else ""),
-              flush=True)
-    return {"benchmark": "serve", "url": url, "model": model, "output_len": args.output_len,
-            "results": [dict(level, name=f"c={level['concurrency']}",
-                             tok_per_s=level["output_tok_per_s"]) for level in levels]}
+        print(
+            f"concurrency {concurrency:>2}: {level['requests']} requests, "
+            f"{level['output_tok_per_s']:.1f} tok/s, "
+            f"TTFT p50 {level['ttft_p50_s'] * 1e3:.0f} ms "
+            f"p99 {level['ttft_p99_s'] * 1e3:.0f} ms, "
+            f"ITL p50 {level['itl_p50_s'] * 1e3:.0f} ms p99 {level['itl_p99_s'] * 1e3:.0f} ms"
+            + (
+                f", acceptance {spec['acceptance_rate']:.1%}, mean acceptance length "
+                f"{spec['mean_acceptance_length']:.2f}"
+                if spec is not None
+                else ""
+            ),
+            flush=True,
+        )
+    return {
+        "benchmark": "serve",
+        "url": url,
+        "model": model,
+        "output_len": args.output_len,
+        "results": [
+            dict(level, name=f"c={level['concurrency']}", tok_per_s=level["output_tok_per_s"])
+            for level in levels
+        ],
+    }

@@ -53,7 +53,10 @@ KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
 
 
 def compile_decode_step(
-    enforce_eager: bool, device: torch.device, dtype: torch.dtype, tp_size: int,
+    enforce_eager: bool,
+    device: torch.device,
+    dtype: torch.dtype,
+    tp_size: int,
     weight_kernel: str | None = None,
 ) -> bool:
     """Whether the decode step is compiled: on the CPU, single-process, in bf16 or in fp32
@@ -69,9 +72,15 @@ def decode_metadata(meta: AttentionMetadata, paged: bool = False) -> DecodeMetad
     """The tensors the compiled step's attention reads, from a decode-only step's metadata:
     the block tables for our paged kernel (`paged`), else the gathered path's indices."""
     if paged:
-        return DecodeMetadata(slot_mapping=meta.slot_mapping, kv_index=None, kv_valid=None,
-                              key_positions=None, query_positions=meta.seq_lens - 1,
-                              block_tables=meta.block_tables, seq_lens=meta.seq_lens)
+        return DecodeMetadata(
+            slot_mapping=meta.slot_mapping,
+            kv_index=None,
+            kv_valid=None,
+            key_positions=None,
+            query_positions=meta.seq_lens - 1,
+            block_tables=meta.block_tables,
+            seq_lens=meta.seq_lens,
+        )
     index = meta.kv_gather_index  # [S, L]
     key_positions = torch.arange(index.shape[1], device=index.device)  # [L]
     return DecodeMetadata(
@@ -105,8 +114,11 @@ def _keep_guards_on_values(entries: list[Any]) -> list[bool]:
     every layer share one graph), but those on its plain values, which can differ between
     layers (Gemma 2 alternates sliding-window and full-attention layers: two graphs)."""
     return [
-        not (entry.orig_guard.source.is_unspecialized_nn_module() and entry.has_value
-             and isinstance(entry.value, torch.Tensor | torch.nn.Module))
+        not (
+            entry.orig_guard.source.is_unspecialized_nn_module()
+            and entry.has_value
+            and isinstance(entry.value, torch.Tensor | torch.nn.Module)
+        )
         for entry in entries
     ]
 
@@ -195,7 +207,10 @@ class CompiledDecode:
         # isolate_recompiles: this engine's graphs count against its own recompile limit, not
         # against every engine's in the process (past 8 in all, Dynamo ran them eagerly).
         self._run_layer = torch.compile(
-            _run_layer, dynamic=True, backend=self._compile_graph, isolate_recompiles=True,
+            _run_layer,
+            dynamic=True,
+            backend=self._compile_graph,
+            isolate_recompiles=True,
             options={"guard_filter_fn": _keep_guards_on_values},
         )
         self._ran: LayerGraph | None = None  # the graph Dynamo's last call ran
@@ -225,7 +240,10 @@ class CompiledDecode:
         return meta.is_decode_only and meta.num_seqs <= self.max_seqs
 
     def __call__(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: KVCaches,
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: KVCaches,
         meta: AttentionMetadata | DecodeMetadata,
     ) -> torch.Tensor:
         if isinstance(meta, AttentionMetadata):
@@ -234,7 +252,10 @@ class CompiledDecode:
         return self.decoder(input_ids, positions, kv_caches, meta, run_layer=self.run_layer)
 
     def run_layer(
-        self, layer: torch.nn.Module, hidden: torch.Tensor, residual: torch.Tensor | None,
+        self,
+        layer: torch.nn.Module,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
         *args: Any,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if residual is None:  # the first layer: a zero residual (x + 0 == x) shares its graph
@@ -262,12 +283,15 @@ class CompiledDecode:
             return
         sizes = [1, 2] if self.max_seqs >= 2 and num_blocks >= 4 else [1]
         start = time.perf_counter()
-        for num_seqs in tqdm(sizes, desc="Compiling the decode step", unit="graph",
-                             disable=None):
+        for num_seqs in tqdm(sizes, desc="Compiling the decode step", unit="graph", disable=None):
             self(*self._dummy_step(kv_caches, block_size, context, num_seqs))
-        logger.info("compiled the decode step (%s sequences) in %.1f s (Inductor cache: %s; "
-                    "enforce_eager=True skips it)", "/".join(map(str, sizes)),
-                    time.perf_counter() - start, os.environ["TORCHINDUCTOR_CACHE_DIR"])
+        logger.info(
+            "compiled the decode step (%s sequences) in %.1f s (Inductor cache: %s; "
+            "enforce_eager=True skips it)",
+            "/".join(map(str, sizes)),
+            time.perf_counter() - start,
+            os.environ["TORCHINDUCTOR_CACHE_DIR"],
+        )
 
     def _dummy_step(
         self, kv_caches: KVCaches, block_size: int, context: int, num_seqs: int
@@ -281,8 +305,12 @@ class CompiledDecode:
             meta = DecodeMetadata(
                 slot_mapping=tables[:, (context - 1) // block_size] * block_size
                 + (context - 1) % block_size,
-                kv_index=None, kv_valid=None, key_positions=None,
-                query_positions=seq_lens - 1, block_tables=tables, seq_lens=seq_lens,
+                kv_index=None,
+                kv_valid=None,
+                key_positions=None,
+                query_positions=seq_lens - 1,
+                block_tables=tables,
+                seq_lens=seq_lens,
             )
             ids = torch.zeros(num_seqs, dtype=torch.int64, device=device)
             return ids, seq_lens - 1, kv_caches, meta

@@ -24,8 +24,7 @@ from minivllm.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 # HF's generation_config.json names that vLLM reads as sampling defaults, in vLLM's order.
-SAMPLING_FIELDS = ("repetition_penalty", "temperature", "top_k", "top_p", "min_p",
-                   "max_new_tokens")
+SAMPLING_FIELDS = ("repetition_penalty", "temperature", "top_k", "top_p", "min_p", "max_new_tokens")
 FILE_NAME = "generation_config.json"
 
 
@@ -52,7 +51,9 @@ def default_sampling_params(source: str, model_dir: str | Path) -> dict[str, Any
     if defaults:
         logger.warning(
             "sampling defaults from %s: %s; a request that sets a field keeps its own value "
-            "(--generation-config vllm turns these off)", path, defaults,
+            "(--generation-config vllm turns these off)",
+            path,
+            defaults,
         )
     return defaults
 

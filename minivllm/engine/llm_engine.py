@@ -106,8 +106,12 @@ class LLMEngine:
             runner: ModelRunnerLike = TPModelRunner(config, model_dir, hf_config)
         else:
             runner = ModelRunner(config, model_dir, hf_config)
-        config = fit_max_model_len(config, runner.num_kv_blocks, getattr(runner, "memory", None),
-                                   max_model_len_given=options.get("max_model_len") is not None)
+        config = fit_max_model_len(
+            config,
+            runner.num_kv_blocks,
+            getattr(runner, "memory", None),
+            max_model_len_given=options.get("max_model_len") is not None,
+        )
         return cls(config, runner, tokenizer, tracer, defaults)
 
     def close(self) -> None:
@@ -211,8 +215,9 @@ class LLMEngine:
             try:
                 output = self.model_runner.run(batch, bitmask)
             except Exception as exc:  # the plan is dropped; the engine stays usable
-                logger.exception("ModelRunner.run failed; ending the %d sequences of this "
-                                 "batch", len(batch.seqs))
+                logger.exception(
+                    "ModelRunner.run failed; ending the %d sequences of this batch", len(batch.seqs)
+                )
                 failure = exc
             else:
                 self.tracer.record_execute(batch, output, self.model_runner)

@@ -33,7 +33,9 @@ def compute_logits_in_slices(
 
 
 def score_prompt_rows(
-    slices: Iterator[torch.Tensor], runs: list[tuple[Sequence, int, int]], num_samples: int,
+    slices: Iterator[torch.Tensor],
+    runs: list[tuple[Sequence, int, int]],
+    num_samples: int,
     into: PromptLogprobs,
 ) -> torch.Tensor | None:
     """Score the prompt rows of `runs` ((sequence, first position, count), in row order) slice

@@ -123,15 +123,19 @@ def kv_blocks_for_budget(config: EngineConfig, budget: float, bytes_per_block: i
     return blocks
 
 
-def fit_max_model_len(config: EngineConfig, num_kv_blocks: int, report: MemoryReport | None,
-                      max_model_len_given: bool) -> EngineConfig:
+def fit_max_model_len(
+    config: EngineConfig, num_kv_blocks: int, report: MemoryReport | None, max_model_len_given: bool
+) -> EngineConfig:
     """The config with a `max_model_len` one sequence of which fits a pool sized from a memory
     budget. A length the user gave that does not fit is an error naming both ways out; the
     model's own length is lowered to the pool's, with a warning. A pool of `num_kv_blocks`
     set by hand is taken as is (tiny pools that force preemption are its purpose)."""
     pool_tokens = num_kv_blocks * config.block_size
-    if (config.num_kv_blocks is not None or config.max_model_len is None
-            or pool_tokens >= config.max_model_len):
+    if (
+        config.num_kv_blocks is not None
+        or config.max_model_len is None
+        or pool_tokens >= config.max_model_len
+    ):
         return config
     per_block = report.kv_cache_bytes / report.num_kv_blocks if report else 0.0
     need = blocks_for(config.max_model_len, config.block_size) * per_block / 1e9
@@ -146,7 +150,10 @@ def fit_max_model_len(config: EngineConfig, num_kv_blocks: int, report: MemoryRe
     logger.warning(
         "max_model_len lowered from the model's %d to %d tokens, what the KV cache budget "
         "holds (%.2f GB); --kv-cache-memory-gb %.2f would hold the model's full length",
-        config.max_model_len, pool_tokens, have, need,
+        config.max_model_len,
+        pool_tokens,
+        have,
+        need,
     )
     return replace(config, max_model_len=pool_tokens)
 
@@ -162,12 +169,17 @@ class MemoryReport:
     peak_rss_bytes: int  # the process's peak resident set at the end of start-up
 
     def log_line(self, block_size: int, kv_dtype: torch.dtype, device: torch.device) -> str:
-        mapped = (f" ({self.mapped_weight_bytes / 1e9:.2f} GB of it the GGUF's mapped pages)"
-                  if self.mapped_weight_bytes else "")
-        return (f"memory: weights {self.weight_bytes / 1e9:.2f} GB{mapped}; KV cache "
-                f"{self.kv_cache_bytes / 1e9:.2f} GB = {self.num_kv_blocks} blocks x "
-                f"{block_size} tokens ({str(kv_dtype).removeprefix('torch.')}, {device}); "
-                f"peak resident {self.peak_rss_bytes / 1e9:.2f} GB at start-up")
+        mapped = (
+            f" ({self.mapped_weight_bytes / 1e9:.2f} GB of it the GGUF's mapped pages)"
+            if self.mapped_weight_bytes
+            else ""
+        )
+        return (
+            f"memory: weights {self.weight_bytes / 1e9:.2f} GB{mapped}; KV cache "
+            f"{self.kv_cache_bytes / 1e9:.2f} GB = {self.num_kv_blocks} blocks x "
+            f"{block_size} tokens ({str(kv_dtype).removeprefix('torch.')}, {device}); "
+            f"peak resident {self.peak_rss_bytes / 1e9:.2f} GB at start-up"
+        )
 
     def gauges(self) -> dict[str, float]:
         """The `/metrics` gauges, by their names after `minivllm:`."""
@@ -179,8 +191,12 @@ class MemoryReport:
         }
 
 
-def measure(model: torch.nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-            num_kv_blocks: int, mapped: range = range(0)) -> MemoryReport:
+def measure(
+    model: torch.nn.Module,
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+    num_kv_blocks: int,
+    mapped: range = range(0),
+) -> MemoryReport:
     """The report of a loaded model and its allocated KV pool."""
     weights, in_file = weight_bytes(model, mapped)
     kv = sum(t.numel() * t.element_size() for pair in kv_caches for t in pair)

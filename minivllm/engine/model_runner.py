@@ -66,7 +66,9 @@ class StepInputs:
 
 
 def prepare_inputs(
-    batch: ScheduledBatch, block_size: int, device: torch.device,
+    batch: ScheduledBatch,
+    block_size: int,
+    device: torch.device,
     token_bitmask: np.ndarray | None = None,
 ) -> StepInputs:
     """Flatten a plan into the model's step inputs (pure bookkeeping, one pass over seqs);
@@ -90,19 +92,12 @@ def prepare_inputs(
         starts.append(starts[-1] + n)
     sampling_set = {id(s) for s in batch.sample_seqs}
     logits_indices = [  # a sequence with k drafts samples from its last k + 1 tokens
-        row for i, s in enumerate(batch.seqs) if id(s) in sampling_set
+        row
+        for i, s in enumerate(batch.seqs)
+        if id(s) in sampling_set
         for row in range(starts[i + 1] - 1 - len(s.spec_token_ids), starts[i + 1])
     ]
-    # The logits at position p score the prompt token at p + 1.
-    prompt_runs = []
-    for i, seq in enumerate(batch.seqs):
-        if seq.sampling_params.prompt_logprobs is None:
-            continue
-        start = seq.num_cached_tokens
-        first, last = start + 1, min(start + seq.num_scheduled_tokens, seq.num_prompt_tokens - 1)
-        if first <= last:
-            prompt_runs.append((seq, first, last - first + 1))
-            logits_indices.extend(range(starts[i], starts[i] + last - first + 1))
+    prompt_runs = _prompt_logprob_runs(batch, starts, logits_indices)
 
     def tensor(values: list[int] | list[list[int]]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int64).to(device, non_blocking=True)
@@ -116,13 +111,35 @@ def prepare_inputs(
         seq_lens_cpu=seq_lens,
         block_size=block_size,
     )
-    return StepInputs(tensor(input_ids), tensor(positions), meta, tensor(logits_indices),
-                      sampling_batch(batch, token_bitmask), prompt_runs)
+    return StepInputs(
+        tensor(input_ids),
+        tensor(positions),
+        meta,
+        tensor(logits_indices),
+        sampling_batch(batch, token_bitmask),
+        prompt_runs,
+    )
 
 
-def sampling_batch(
-    batch: ScheduledBatch, bitmask: np.ndarray | None = None
-) -> SamplingBatch:
+def _prompt_logprob_runs(
+    batch: ScheduledBatch, starts: list[int], logits_indices: list[int]
+) -> list[tuple[Sequence, int, int]]:
+    """(seq, first prompt position, count) of each sequence scoring its prompt this step; the
+    rows whose logits do so are appended to `logits_indices` (the logits at position p score
+    the prompt token at p + 1)."""
+    runs = []
+    for i, seq in enumerate(batch.seqs):
+        if seq.sampling_params.prompt_logprobs is None:
+            continue
+        start = seq.num_cached_tokens
+        first, last = start + 1, min(start + seq.num_scheduled_tokens, seq.num_prompt_tokens - 1)
+        if first <= last:
+            runs.append((seq, first, last - first + 1))
+            logits_indices.extend(range(starts[i], starts[i] + last - first + 1))
+    return runs
+
+
+def sampling_batch(batch: ScheduledBatch, bitmask: np.ndarray | None = None) -> SamplingBatch:
     """The sampler's rows: one per sampling sequence, or with draft tokens one per draft plus
     one, row j seeing the drafts before it as the sequence's tokens. `bitmask`: int32
     [len(sample_seqs), ceil(vocab / 32)], the tokens each sampling sequence may take."""
@@ -141,9 +158,11 @@ def sampling_batch(
         positions=[s.num_tokens + j for s, n in zip(seqs, rows) for j in range(n)],
         # Copies only where penalties read them.
         token_ids=[
-            s.token_ids + s.spec_token_ids[:j] if j and s.sampling_params.has_penalties
+            s.token_ids + s.spec_token_ids[:j]
+            if j and s.sampling_params.has_penalties
             else s.token_ids
-            for s, n in zip(seqs, rows) for j in range(n)
+            for s, n in zip(seqs, rows)
+            for j in range(n)
         ],
         num_prompt_tokens=[s.num_prompt_tokens for s, n in zip(seqs, rows) for _ in range(n)],
         token_bitmask=None if bitmask is None else torch.from_numpy(bitmask),
@@ -155,7 +174,11 @@ class ModelRunner:
     """Owns the model weights, the KV cache and the sampler of one engine."""
 
     def __init__(
-        self, config: EngineConfig, model_dir: Path, hf_config: Any, tp_rank: int = 0,
+        self,
+        config: EngineConfig,
+        model_dir: Path,
+        hf_config: Any,
+        tp_rank: int = 0,
         tp_size: int = 1,
     ) -> None:
         """With `tp_size > 1` this is rank `tp_rank`'s shard (see minivllm.distributed)."""
@@ -192,8 +215,10 @@ class ModelRunner:
         num_heads = int(self.hf_config.num_attention_heads)
         # This rank's KV heads: all of them unless tensor-parallel.
         self.num_kv_heads = shard_heads(
-            num_heads, int(getattr(self.hf_config, "num_key_value_heads", None) or num_heads),
-            tp_size, tp_rank,
+            num_heads,
+            int(getattr(self.hf_config, "num_key_value_heads", None) or num_heads),
+            tp_size,
+            tp_rank,
         ).num_kv_heads
         self.head_dim = int(
             getattr(self.hf_config, "head_dim", None)
@@ -212,8 +237,10 @@ class ModelRunner:
         shape = (self.num_kv_blocks, self.block_size, self.num_kv_heads, self.head_dim)
         # Zeros, not empty: padded gathers read unused slots, which must be finite.
         return [
-            (torch.zeros(shape, dtype=self.kv_dtype, device=self.device),
-             torch.zeros(shape, dtype=self.kv_dtype, device=self.device))
+            (
+                torch.zeros(shape, dtype=self.kv_dtype, device=self.device),
+                torch.zeros(shape, dtype=self.kv_dtype, device=self.device),
+            )
             for _ in range(self.num_layers)
         ]
 
@@ -226,21 +253,31 @@ class ModelRunner:
 
     def _warm_up_compiled_decode(self, tp_size: int) -> CompiledDecode | None:
         """The compiled decode step, its graphs built now (None: eager steps only)."""
-        if not compile_decode_step(self.config.enforce_eager, self.device, self.dtype, tp_size,
-                                   self.weight_kernel):
+        if not compile_decode_step(
+            self.config.enforce_eager, self.device, self.dtype, tp_size, self.weight_kernel
+        ):
             return None
         # Decode steps of several sequences compile too where the paged kernel attends: the
         # layers' backend, and GGUF block models' fp32 steps (their eager steps keep SDPA).
-        paged = paged_decode_supported(self.device, self.dtype, self.kv_dtype, self.head_dim,
-                                       quantized=self.weight_kernel == "blocks")
+        paged = paged_decode_supported(
+            self.device,
+            self.dtype,
+            self.kv_dtype,
+            self.head_dim,
+            quantized=self.weight_kernel == "blocks",
+        )
         compiled = CompiledDecode(self.model, paged=paged)
         compiled.warm_up(self.kv_caches, self.block_size)
         return compiled
 
     def _measure_memory(self) -> memory.MemoryReport:
         """The weights' and the KV pool's bytes and the peak resident memory, logged once."""
-        report = memory.measure(self.model, self.kv_caches, self.num_kv_blocks,
-                                self.gguf.addresses() if self.gguf else range(0))
+        report = memory.measure(
+            self.model,
+            self.kv_caches,
+            self.num_kv_blocks,
+            self.gguf.addresses() if self.gguf else range(0),
+        )
         logger.info(report.log_line(self.block_size, self.kv_dtype, self.device))
         return report
 
@@ -252,14 +289,20 @@ class ModelRunner:
         source = gguf_source(self.config.model)
         self.gguf = GGUFFile(source) if source else None
         warn_dense_fallback(self.gguf, self.dtype)
-        self.weight_policy = WeightPolicy.decide(self.config, self.device, self.dtype, tp_size,
-                                                 gguf=self.gguf is not None)
+        self.weight_policy = WeightPolicy.decide(
+            self.config, self.device, self.dtype, tp_size, gguf=self.gguf is not None
+        )
         # checkpoint names of the weights kept as the GGUF's blocks, filled before loading
         self.block_weights: set[str] = set()
         model, hf_config = load_model(
-            model_dir, self.dtype, self.device, tp_rank=tp_rank, tp_size=tp_size,
+            model_dir,
+            self.dtype,
+            self.device,
+            tp_rank=tp_rank,
+            tp_size=tp_size,
             weights=iter_state(self.gguf, skip=self.block_weights.__contains__)
-            if self.gguf else None,
+            if self.gguf
+            else None,
             attach=self._attach_blocks if self.weight_policy.keep_blocks else None,
         )
         if self.gguf is not None:
@@ -285,14 +328,13 @@ class ModelRunner:
 
     def _blocks_from_memory_budget(self) -> int:
         mapped = self.gguf.addresses() if self.gguf else range(0)
-        budget = memory.kv_cache_budget(self.config, self.device,
-                                        memory.weight_bytes(self.model, mapped)[1])
+        budget = memory.kv_cache_budget(
+            self.config, self.device, memory.weight_bytes(self.model, mapped)[1]
+        )
         return memory.kv_blocks_for_budget(self.config, budget, self._bytes_per_block())
 
     @torch.inference_mode()
-    def run(
-        self, batch: ScheduledBatch, token_bitmask: np.ndarray | None = None
-    ) -> RunnerOutput:
+    def run(self, batch: ScheduledBatch, token_bitmask: np.ndarray | None = None) -> RunnerOutput:
         """Execute the plan: write the new tokens' KV, and sample for the finished prompts
         (within `token_bitmask`'s allowed tokens, one row per `sample_seqs`, if given)."""
         inputs = prepare_inputs(batch, self.block_size, self.device, token_bitmask)
@@ -328,7 +370,8 @@ class ModelRunner:
         logprobs = out.logprobs or [None] * len(out.token_ids)
         accepted = out.num_accepted or [0] * len(out.token_ids)
         drafted = out.draft_logprobs or [None] * len(out.token_ids)
-        output.samples = [SampledToken(t, lp, n, dl) for t, lp, n, dl
-                          in zip(out.token_ids, logprobs, accepted, drafted, strict=True)]
+        output.samples = [
+            SampledToken(t, lp, n, dl)
+            for t, lp, n, dl in zip(out.token_ids, logprobs, accepted, drafted, strict=True)
+        ]
         return output
-

@@ -37,9 +37,7 @@ class RunnerOutput:
     samples: list[SampledToken] = field(default_factory=list)
     # For sequences that asked for prompt logprobs: seq_id -> (first prompt position covered,
     # one {token_id: Logprob} per position from there); a recompute may repeat positions.
-    prompt_logprobs: dict[int, tuple[int, list[dict[int, Logprob]]]] = field(
-        default_factory=dict
-    )
+    prompt_logprobs: dict[int, tuple[int, list[dict[int, Logprob]]]] = field(default_factory=dict)
 
     @property
     def sampled_token_ids(self) -> list[int]:

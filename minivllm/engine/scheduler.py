@@ -53,7 +53,8 @@ class ScheduledBatch:
 
     def __post_init__(self) -> None:
         self.sample_seqs = [
-            s for s in self.seqs
+            s
+            for s in self.seqs
             if s.num_cached_tokens + s.num_scheduled_tokens == s.num_tokens + len(s.spec_token_ids)
         ]
 
@@ -254,7 +255,7 @@ class Scheduler:
                 first, entries = output.prompt_logprobs[seq.seq_id]
                 # A recompute after preemption covers positions already committed: skip them.
                 skip = 1 + len(seq.prompt_logprobs) - first
-                seq.prompt_logprobs.extend(entries[max(skip, 0):])
+                seq.prompt_logprobs.extend(entries[max(skip, 0) :])
             if reason is not None:
                 self.finish(seq, reason)
         return batch.seqs

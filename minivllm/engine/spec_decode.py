@@ -109,7 +109,7 @@ class SpecDecodeStats:
 def per_position(stats: dict[str, float]) -> list[float]:
     """The per-position accepted counts of an `engine.stats()` dict, position 0 first."""
     prefix = PER_POSITION_KEY + "/"
-    found = {int(k[len(prefix):]): v for k, v in stats.items() if k.startswith(prefix)}
+    found = {int(k[len(prefix) :]): v for k, v in stats.items() if k.startswith(prefix)}
     return [found[j] for j in sorted(found)]
 
 

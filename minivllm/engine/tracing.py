@@ -150,15 +150,28 @@ class Tracer(NullTracer):
         source = source_of(type(runner).run)
         for seq in batch.seqs:
             start = seq.num_cached_tokens
-            self.record(seq.seq_id, "kv_written", start, start + seq.num_scheduled_tokens,
-                        actor=actor, source=source)
+            self.record(
+                seq.seq_id,
+                "kv_written",
+                start,
+                start + seq.num_scheduled_tokens,
+                actor=actor,
+                source=source,
+            )
         for seq, sample in zip(batch.sample_seqs, output.samples):
-            self.record(seq.seq_id, "sampled_token", None, sample.token_id,
-                        actor=actor, source=source)
+            self.record(
+                seq.seq_id, "sampled_token", None, sample.token_id, actor=actor, source=source
+            )
 
     def record(
-        self, seq_id: int, field: str, before: Any, after: Any, depth: int = 0,
-        actor: str | None = None, source: str | None = None,
+        self,
+        seq_id: int,
+        field: str,
+        before: Any,
+        after: Any,
+        depth: int = 0,
+        actor: str | None = None,
+        source: str | None = None,
     ) -> None:
         """Record one change; actor and source default to the code `depth` frames above
         the caller (0: the caller itself)."""
@@ -167,8 +180,16 @@ class Tracer(NullTracer):
             actor = actor or found_actor
             source = source or found_source
         self.events.append(
-            TraceEvent(self.step, self.current_phase or "add", actor, seq_id, field, _plain(before),
-                       _plain(after), source)
+            TraceEvent(
+                self.step,
+                self.current_phase or "add",
+                actor,
+                seq_id,
+                field,
+                _plain(before),
+                _plain(after),
+                source,
+            )
         )
 
 

@@ -56,16 +56,19 @@ class WeightPolicy:
     token_exact: bool
 
     @staticmethod
-    def decide(config: EngineConfig, device: torch.device, dtype: torch.dtype, tp_size: int,
-               gguf: bool) -> WeightPolicy:
+    def decide(
+        config: EngineConfig, device: torch.device, dtype: torch.dtype, tp_size: int, gguf: bool
+    ) -> WeightPolicy:
         """The policy for these options on this machine; ValueError for a quantization that
         cannot run here."""
         method = config.quantization
-        token_exact = (method is None and config.dtype not in (None, "auto")
-                       and dtype == torch.float32)
+        token_exact = (
+            method is None and config.dtype not in (None, "auto") and dtype == torch.float32
+        )
         alone_on_cpu = device.type == "cpu" and tp_size == 1
-        keep_blocks = (gguf and alone_on_cpu and method is None and not token_exact
-                       and cpu_caps().kernels)
+        keep_blocks = (
+            gguf and alone_on_cpu and method is None and not token_exact and cpu_caps().kernels
+        )
         if method == "int8":
             check_quantization(method, device, dtype)
         kernel = None
@@ -74,13 +77,19 @@ class WeightPolicy:
             if token_exact:
                 kernel = None
             if method == "int4" and (kernel is None or tp_size > 1):
-                raise ValueError("quantization='int4' runs on the CPU (bfloat16, or float32 on "
-                                 "an x86 CPU with AVX2) with tensor_parallel_size=1 (got "
-                                 f"device {device.type}, dtype {dtype}, "
-                                 f"tensor_parallel_size {tp_size})")
-        return WeightPolicy(keep_blocks=keep_blocks, stored_kernel=kernel,
-                            int8=method == "int8", quantize_int4=method == "int4",
-                            token_exact=token_exact)
+                raise ValueError(
+                    "quantization='int4' runs on the CPU (bfloat16, or float32 on "
+                    "an x86 CPU with AVX2) with tensor_parallel_size=1 (got "
+                    f"device {device.type}, dtype {dtype}, "
+                    f"tensor_parallel_size {tp_size})"
+                )
+        return WeightPolicy(
+            keep_blocks=keep_blocks,
+            stored_kernel=kernel,
+            int8=method == "int8",
+            quantize_int4=method == "int4",
+            token_exact=token_exact,
+        )
 
 
 def stored_weight_kernel(device: torch.device, dtype: torch.dtype) -> str | None:
@@ -94,8 +103,9 @@ def stored_weight_kernel(device: torch.device, dtype: torch.dtype) -> str | None
     return None
 
 
-def apply_weight_policy(model: nn.Module, policy: WeightPolicy, gguf: GGUFFile | None,
-                        block_weights: set[str]) -> str | None:
+def apply_weight_policy(
+    model: nn.Module, policy: WeightPolicy, gguf: GGUFFile | None, block_weights: set[str]
+) -> str | None:
     """Give the loaded model's linear layers their methods as `policy` says, process their
     weights after loading, and pack the LM head; returns the kernel of the weights kept as
     stored: that of the 4-bit ones ("int4", "qgemv"), else "blocks" where only GGUF blocks
@@ -110,16 +120,21 @@ def apply_weight_policy(model: nn.Module, policy: WeightPolicy, gguf: GGUFFile |
         weights = read_int4_weights(gguf, exclude=block_weights) if gguf else {}
         head = getattr(model, "lm_head", None)
         if LM_HEAD_HIGH in weights and isinstance(head, ParallelLMHead):
-            packed = pack_8bit_halves(weights.pop(LM_HEAD_HIGH), weights.pop(LM_HEAD_LOW),
-                                      head.weight.dtype)
+            packed = pack_8bit_halves(
+                weights.pop(LM_HEAD_HIGH), weights.pop(LM_HEAD_LOW), head.weight.dtype
+            )
             if packed is not None:
                 head.set_int8_head(packed)
                 logger.info("LM head: its Q8_0 weight as stored for small steps (%s)", kernel)
         count = attach_int4(model, weights)
         if policy.quantize_int4:
             count += quantize_linear_int4(model)
-        logger.info("4-bit weights for %d linear layers (%s kernel, %s)", count, kernel,
-                    "from the GGUF's 4-bit blocks" if gguf else "quantized at load")
+        logger.info(
+            "4-bit weights for %d linear layers (%s kernel, %s)",
+            count,
+            kernel,
+            "from the GGUF's 4-bit blocks" if gguf else "quantized at load",
+        )
     process_weights_after_loading(model)
     if kernel is None:
         return None
@@ -153,8 +168,11 @@ def _layers_with(model: nn.Module, weights: dict[str, Int4Weight]) -> dict[str, 
     whole = {}
     for module_name, parts in shards.items():
         module = model.get_submodule(module_name)
-        if (isinstance(module, LinearBase) and type(module.method) is UnquantizedMethod
-                and set(parts) == set(module.shard_ids)):
+        if (
+            isinstance(module, LinearBase)
+            and type(module.method) is UnquantizedMethod
+            and set(parts) == set(module.shard_ids)
+        ):
             whole[module_name] = Int4Weight.cat([parts[i] for i in module.shard_ids])
     return whole
 
@@ -187,10 +205,20 @@ def quantize_linear_int4(model: nn.Module) -> int:
 
 def log_block_weights(model: nn.Module, tensors: int) -> None:
     """The memory of the weights kept as the GGUF's stored blocks, beside the dense rest."""
-    stored = sum(m.method.weight.nbytes for m in model.modules()
-                 if isinstance(m, LinearBase) and isinstance(m.method, GgmlBlockMethod))
-    stored += sum(m.block_weight.nbytes for m in model.modules()
-                  if isinstance(m, VocabParallelEmbedding) and m.block_weight is not None)
+    stored = sum(
+        m.method.weight.nbytes
+        for m in model.modules()
+        if isinstance(m, LinearBase) and isinstance(m.method, GgmlBlockMethod)
+    )
+    stored += sum(
+        m.block_weight.nbytes
+        for m in model.modules()
+        if isinstance(m, VocabParallelEmbedding) and m.block_weight is not None
+    )
     dense = sum(p.numel() * p.element_size() for p in model.parameters())
-    logger.info("weights: %d GGUF tensors kept as stored blocks (%.2f GB, no dense copy), "
-                "%.2f GB dense", tensors, stored / 1e9, dense / 1e9)
+    logger.info(
+        "weights: %d GGUF tensors kept as stored blocks (%.2f GB, no dense copy), %.2f GB dense",
+        tensors,
+        stored / 1e9,
+        dense / 1e9,
+    )

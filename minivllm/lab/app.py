@@ -48,8 +48,9 @@ class ResetRequest(BaseModel):
             if value is None:
                 continue
             if not 1 <= value <= most:
-                raise LabError(400, "option_range", f"{name} must be between 1 and {most}",
-                               name=name, max=most)
+                raise LabError(
+                    400, "option_range", f"{name} must be between 1 and {most}", name=name, max=most
+                )
             chosen[name] = value
         return replace(default, **chosen)
 
@@ -85,8 +86,13 @@ class Lab:
         scenario = body.scenario
         if scenario not in SCENARIOS:
             known = ", ".join(SCENARIOS)
-            raise LabError(400, "unknown_scenario", f"unknown scenario {scenario!r}; choose one "
-                           f"of: {known}", name=scenario, known=known)
+            raise LabError(
+                400,
+                "unknown_scenario",
+                f"unknown scenario {scenario!r}; choose one of: {known}",
+                name=scenario,
+                known=known,
+            )
         shape = body.shape(SCENARIOS[scenario].shape)
         with self._lock:
             # Built aside and swapped in only once set up: a failure keeps the old one.
@@ -158,8 +164,11 @@ def scenario_list() -> dict[str, object]:
     return {
         "scenarios": [{"name": s.name, "chapter": s.chapter} for s in SCENARIOS.values()],
         "chapters": chapters(),
-        "limits": {"max_num_batched_tokens": MAX_BATCHED_TOKENS,
-                   "num_kv_blocks": MAX_KV_BLOCKS, "max_num_seqs": MAX_NUM_SEQS},
+        "limits": {
+            "max_num_batched_tokens": MAX_BATCHED_TOKENS,
+            "num_kv_blocks": MAX_KV_BLOCKS,
+            "max_num_seqs": MAX_NUM_SEQS,
+        },
     }
 
 
@@ -245,4 +254,3 @@ def serve_lab(
         flush=True,
     )
     uvicorn.run(app, host=host, port=port, log_level="warning")
-

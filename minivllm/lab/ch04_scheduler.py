@@ -49,8 +49,9 @@ def _budget_observe(run: Run) -> Observed | None:
     if plan is None:
         return None
     a, b, c = _scheduled(plan)
-    return Observed(str(c), {"a": a, "b": b, "c": c,
-                             "budget": plan["budget"]["max_num_batched_tokens"]})
+    return Observed(
+        str(c), {"a": a, "b": b, "c": c, "budget": plan["budget"]["max_num_batched_tokens"]}
+    )
 
 
 # ---- chunks: how many steps until the second prompt is whole ---------------------------------
@@ -78,10 +79,13 @@ def _chunks_observe(run: Run) -> Observed | None:
             splits.append(_scheduled(frame))
         q = Run.seq(frame, 1)
         if frame["frame"]["stage"] == "commit" and q["num_cached_tokens"] >= q["num_prompt_tokens"]:
-            return Observed(str(len(splits)), {
-                "steps": len(splits),
-                "splits": " | ".join(f"P {p} + Q {q}" for p, q in splits),
-            })
+            return Observed(
+                str(len(splits)),
+                {
+                    "steps": len(splits),
+                    "splits": " | ".join(f"P {p} + Q {q}" for p, q in splits),
+                },
+            )
     return None
 
 
@@ -108,8 +112,14 @@ def _seqs_observe(run: Run) -> Observed | None:
         return None
     ran = [s["seq_id"] for s in plan["sequences"] if s["num_scheduled_tokens"] > 0]
     left = plan["budget"]["max_num_batched_tokens"] - plan["budget"]["planned_tokens"]
-    return Observed(str(len(ran)), {"ran": ", ".join(map(str, ran)), "left": left,
-                                    "max_num_seqs": plan["budget"]["max_num_seqs"]})
+    return Observed(
+        str(len(ran)),
+        {
+            "ran": ", ".join(map(str, ran)),
+            "left": left,
+            "max_num_seqs": plan["budget"]["max_num_seqs"],
+        },
+    )
 
 
 # ---- preemption: who is sent back when a decode needs a block --------------------------------
@@ -138,24 +148,53 @@ def _victim_observe(run: Run) -> Observed | None:
         if frame["frame"]["stage"] != "plan":
             continue
         before = {s["seq_id"]: s for s in run.start["sequences"]}
-        for e in frame["events"][len(run.start["events"]):]:
+        for e in frame["events"][len(run.start["events"]) :]:
             if e["field"] == "status" and e["before"] == "RUNNING" and e["after"] == "WAITING":
                 lost = before[e["seq_id"]]
-                return Observed(str(e["seq_id"]), {
-                    "victim": e["seq_id"], "lost": lost["num_cached_tokens"],
-                    "blocks": ", ".join(map(str, lost["block_table"])), "actor": e["actor"],
-                })
+                return Observed(
+                    str(e["seq_id"]),
+                    {
+                        "victim": e["seq_id"],
+                        "lost": lost["num_cached_tokens"],
+                        "blocks": ", ".join(map(str, lost["block_table"])),
+                        "actor": e["actor"],
+                    },
+                )
         return Observed("none", {"victim": "none", "lost": 0, "blocks": "", "actor": ""})
     return None
 
 
 CHAPTER_04 = [
-    Scenario("budget", EngineShape(32, 8), _budget_setup, focus=2, chapter="04",
-             lesson=Lesson("number", _budget_ask, _budget_observe)),
-    Scenario("chunks", EngineShape(32, 12), _chunks_setup, focus=1, chapter="04",
-             lesson=Lesson("number", _chunks_ask, _chunks_observe)),
-    Scenario("max_seqs", EngineShape(32, 64, max_num_seqs=2), _seqs_setup, focus=2,
-             chapter="04", lesson=Lesson("number", _seqs_ask, _seqs_observe)),
-    Scenario("victim", EngineShape(6, 64), _victim_setup, focus=0, chapter="04",
-             lesson=Lesson("choice", _victim_ask, _victim_observe, _victim_choices)),
+    Scenario(
+        "budget",
+        EngineShape(32, 8),
+        _budget_setup,
+        focus=2,
+        chapter="04",
+        lesson=Lesson("number", _budget_ask, _budget_observe),
+    ),
+    Scenario(
+        "chunks",
+        EngineShape(32, 12),
+        _chunks_setup,
+        focus=1,
+        chapter="04",
+        lesson=Lesson("number", _chunks_ask, _chunks_observe),
+    ),
+    Scenario(
+        "max_seqs",
+        EngineShape(32, 64, max_num_seqs=2),
+        _seqs_setup,
+        focus=2,
+        chapter="04",
+        lesson=Lesson("number", _seqs_ask, _seqs_observe),
+    ),
+    Scenario(
+        "victim",
+        EngineShape(6, 64),
+        _victim_setup,
+        focus=0,
+        chapter="04",
+        lesson=Lesson("choice", _victim_ask, _victim_observe, _victim_choices),
+    ),
 ]

@@ -35,19 +35,30 @@ def _cached_observe(run: Run) -> Observed | None:
     plan, b = found
     bs = plan["block_size"]
     shared = b["block_table"][: b["num_cached_tokens"] // bs]
-    return Observed(str(b["num_cached_tokens"]), {
-        "cached": b["num_cached_tokens"], "scheduled": b["num_scheduled_tokens"],
-        "prompt": b["num_prompt_tokens"], "shared": ", ".join(map(str, shared)) or "-",
-        "refs": ", ".join(str(Run.block(plan, i)["ref_count"]) for i in shared) or "-",
-    })
+    return Observed(
+        str(b["num_cached_tokens"]),
+        {
+            "cached": b["num_cached_tokens"],
+            "scheduled": b["num_scheduled_tokens"],
+            "prompt": b["num_prompt_tokens"],
+            "shared": ", ".join(map(str, shared)) or "-",
+            "refs": ", ".join(str(Run.block(plan, i)["ref_count"]) for i in shared) or "-",
+        },
+    )
 
 
 def _cached_ask(start: State) -> dict:
     a, b = start["sequences"][0], start["sequences"][-1]
     bs = start["block_size"]
     hashed = [i for i in a["block_table"] if Run.block(start, i)["hash"] is not None]
-    return {"a": a["seq_id"], "b": b["seq_id"], "prompt": b["num_prompt_tokens"],
-            "a_prompt": a["num_prompt_tokens"], "bs": bs, "hashed": len(hashed)}
+    return {
+        "a": a["seq_id"],
+        "b": b["seq_id"],
+        "prompt": b["num_prompt_tokens"],
+        "a_prompt": a["num_prompt_tokens"],
+        "bs": bs,
+        "hashed": len(hashed),
+    }
 
 
 # ---- chain: equal blocks behind a different first block are not a hit -----------------------
@@ -77,8 +88,7 @@ def _reuse_setup(lab: Driver) -> None:
 def _reuse_ask(start: State) -> dict:
     a = start["sequences"][0]
     first = a["block_table"][0]
-    return {**_cached_ask(start), "block": first,
-            "ref_count": Run.block(start, first)["ref_count"]}
+    return {**_cached_ask(start), "block": first, "ref_count": Run.block(start, first)["ref_count"]}
 
 
 def _reuse_observe(run: Run) -> Observed | None:
@@ -88,10 +98,14 @@ def _reuse_observe(run: Run) -> Observed | None:
     plan, b = found
     first = run.start["sequences"][0]["block_table"][0]
     holders = Run.block(plan, first)["seq_ids"]
-    return Observed(str(Run.block(plan, first)["ref_count"]), {
-        "block": first, "holders": ", ".join(map(str, holders)),
-        "cached": b["num_cached_tokens"],
-    })
+    return Observed(
+        str(Run.block(plan, first)["ref_count"]),
+        {
+            "block": first,
+            "holders": ", ".join(map(str, holders)),
+            "cached": b["num_cached_tokens"],
+        },
+    )
 
 
 # ---- partial: the same prompt, yet its last partial block is computed again ------------------
@@ -124,17 +138,46 @@ def _lru_setup(lab: Driver) -> None:
 def _lru_ask(start: State) -> dict:
     a, c = start["sequences"][0], start["sequences"][1]
     cached_free = [b["block_id"] for b in start["blocks"] if b["free"] and b["hash"] is not None]
-    return {**_cached_ask(start), "c": c["seq_id"], "c_blocks": len(c["block_table"]),
-            "status": a["status"], "cached_free": ", ".join(map(str, cached_free)) or "-"}
+    return {
+        **_cached_ask(start),
+        "c": c["seq_id"],
+        "c_blocks": len(c["block_table"]),
+        "status": a["status"],
+        "cached_free": ", ".join(map(str, cached_free)) or "-",
+    }
 
 
 CHAPTER_05 = [
-    Scenario("chain", EngineShape(32, 64), _chain_setup, focus=1, chapter="05",
-             lesson=Lesson("number", _cached_ask, _cached_observe)),
-    Scenario("reuse", EngineShape(32, 64), _reuse_setup, focus=1, chapter="05",
-             lesson=Lesson("number", _reuse_ask, _reuse_observe)),
-    Scenario("partial", EngineShape(32, 64), _partial_setup, focus=1, chapter="05",
-             lesson=Lesson("number", _cached_ask, _cached_observe)),
-    Scenario("lru", EngineShape(6, 64), _lru_setup, focus=2, chapter="05",
-             lesson=Lesson("number", _lru_ask, _cached_observe)),
+    Scenario(
+        "chain",
+        EngineShape(32, 64),
+        _chain_setup,
+        focus=1,
+        chapter="05",
+        lesson=Lesson("number", _cached_ask, _cached_observe),
+    ),
+    Scenario(
+        "reuse",
+        EngineShape(32, 64),
+        _reuse_setup,
+        focus=1,
+        chapter="05",
+        lesson=Lesson("number", _reuse_ask, _reuse_observe),
+    ),
+    Scenario(
+        "partial",
+        EngineShape(32, 64),
+        _partial_setup,
+        focus=1,
+        chapter="05",
+        lesson=Lesson("number", _cached_ask, _cached_observe),
+    ),
+    Scenario(
+        "lru",
+        EngineShape(6, 64),
+        _lru_setup,
+        focus=2,
+        chapter="05",
+        lesson=Lesson("number", _lru_ask, _cached_observe),
+    ),
 ]

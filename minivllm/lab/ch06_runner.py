@@ -42,8 +42,13 @@ def _row(inputs: dict, seq_id: int) -> int:
 
 def _slot_ask(start: State) -> dict:
     a, b = start["sequences"]
-    return {"a": a["seq_id"], "b": b["seq_id"], "pos": b["num_prompt_tokens"] - 1,
-            "bs": start["block_size"], "a_table": ", ".join(map(str, a["block_table"]))}
+    return {
+        "a": a["seq_id"],
+        "b": b["seq_id"],
+        "pos": b["num_prompt_tokens"] - 1,
+        "bs": start["block_size"],
+        "a_table": ", ".join(map(str, a["block_table"])),
+    }
 
 
 def _slot_observe(run: Run) -> Observed | None:
@@ -58,11 +63,20 @@ def _slot_observe(run: Run) -> Observed | None:
     rows = inputs["positions"][start : start + inputs["query_lens"][_row(inputs, b)]]
     slot = inputs["slot_mapping"][start + rows.index(pos)]
     bs = frame["block_size"]
-    return Observed(str(slot), {
-        "slot": slot, "pos": pos, "bs": bs, "block": table[pos // bs], "offset": pos % bs,
-        "index": pos // bs, "table": ", ".join(map(str, table)),
-        "row": start + rows.index(pos), "rows": len(inputs["input_ids"]),
-    })
+    return Observed(
+        str(slot),
+        {
+            "slot": slot,
+            "pos": pos,
+            "bs": bs,
+            "block": table[pos // bs],
+            "offset": pos % bs,
+            "index": pos // bs,
+            "table": ", ".join(map(str, table)),
+            "row": start + rows.index(pos),
+            "rows": len(inputs["input_ids"]),
+        },
+    )
 
 
 # ---- read: which slots a decode's attention reads ---------------------------------------------
@@ -70,8 +84,12 @@ def _slot_observe(run: Run) -> Observed | None:
 
 def _read_ask(start: State) -> dict:
     a = start["sequences"][0]
-    return {"a": a["seq_id"], "pos": a["num_tokens"] - 1, "bs": start["block_size"],
-            "a_table": ", ".join(map(str, a["block_table"]))}
+    return {
+        "a": a["seq_id"],
+        "pos": a["num_tokens"] - 1,
+        "bs": start["block_size"],
+        "a_table": ", ".join(map(str, a["block_table"])),
+    }
 
 
 def _read_observe(run: Run) -> Observed | None:
@@ -81,11 +99,15 @@ def _read_observe(run: Run) -> Observed | None:
     _, inputs = found
     a = run.start["sequences"][0]["seq_id"]
     slots = inputs["read_slots"][_row(inputs, a)]
-    return Observed(str(len(slots)), {
-        "n": len(slots), "slots": ", ".join(map(str, slots)),
-        "seq_len": inputs["seq_lens"][_row(inputs, a)],
-        "query_len": inputs["query_lens"][_row(inputs, a)],
-    })
+    return Observed(
+        str(len(slots)),
+        {
+            "n": len(slots),
+            "slots": ", ".join(map(str, slots)),
+            "seq_len": inputs["seq_lens"][_row(inputs, a)],
+            "query_len": inputs["query_lens"][_row(inputs, a)],
+        },
+    )
 
 
 # ---- logits: a chunk that does not end the prompt samples nothing ------------------------------
@@ -100,8 +122,12 @@ def _logits_setup(lab: Driver) -> None:
 
 def _logits_ask(start: State) -> dict:
     a, b = start["sequences"]
-    return {"a": a["seq_id"], "b": b["seq_id"], "prompt": b["num_prompt_tokens"],
-            "budget": start["budget"]["max_num_batched_tokens"]}
+    return {
+        "a": a["seq_id"],
+        "b": b["seq_id"],
+        "prompt": b["num_prompt_tokens"],
+        "budget": start["budget"]["max_num_batched_tokens"],
+    }
 
 
 def _logits_observe(run: Run) -> Observed | None:
@@ -110,18 +136,41 @@ def _logits_observe(run: Run) -> Observed | None:
         return None
     _, inputs = found
     sampled = inputs["sample_seq_ids"]
-    return Observed(str(len(sampled)), {
-        "n": len(sampled), "sampled": ", ".join(map(str, sampled)) or "-",
-        "rows": len(inputs["input_ids"]), "query_lens": " + ".join(map(str, inputs["query_lens"])),
-        "logits_rows": ", ".join(map(str, inputs["logits_indices"])) or "-",
-    })
+    return Observed(
+        str(len(sampled)),
+        {
+            "n": len(sampled),
+            "sampled": ", ".join(map(str, sampled)) or "-",
+            "rows": len(inputs["input_ids"]),
+            "query_lens": " + ".join(map(str, inputs["query_lens"])),
+            "logits_rows": ", ".join(map(str, inputs["logits_indices"])) or "-",
+        },
+    )
 
 
 CHAPTER_06 = [
-    Scenario("slot", EngineShape(32, 64), _mixed_setup, focus=1, chapter="06",
-             lesson=Lesson("number", _slot_ask, _slot_observe)),
-    Scenario("read", EngineShape(32, 64), _mixed_setup, focus=0, chapter="06",
-             lesson=Lesson("number", _read_ask, _read_observe)),
-    Scenario("logits", EngineShape(32, 8), _logits_setup, focus=1, chapter="06",
-             lesson=Lesson("number", _logits_ask, _logits_observe)),
+    Scenario(
+        "slot",
+        EngineShape(32, 64),
+        _mixed_setup,
+        focus=1,
+        chapter="06",
+        lesson=Lesson("number", _slot_ask, _slot_observe),
+    ),
+    Scenario(
+        "read",
+        EngineShape(32, 64),
+        _mixed_setup,
+        focus=0,
+        chapter="06",
+        lesson=Lesson("number", _read_ask, _read_observe),
+    ),
+    Scenario(
+        "logits",
+        EngineShape(32, 8),
+        _logits_setup,
+        focus=1,
+        chapter="06",
+        lesson=Lesson("number", _logits_ask, _logits_observe),
+    ),
 ]

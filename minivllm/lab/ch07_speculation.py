@@ -19,8 +19,9 @@ from minivllm.lab.scenarios import Driver, EngineShape, Scenario
 PHRASE_TEXT = " one two three four"
 K = 3  # num_speculative_tokens of the chapter's engine
 # Every decoding sequence with a match proposes (the cost model would too, at one sequence).
-SPECULATIVE = SpeculativeConfig(num_speculative_tokens=K, prompt_lookup_min=1,
-                                prompt_lookup_max=3, draft_token_cost=0.0)
+SPECULATIVE = SpeculativeConfig(
+    num_speculative_tokens=K, prompt_lookup_min=1, prompt_lookup_max=3, draft_token_cost=0.0
+)
 
 
 def _spec_setup(lab: Driver) -> None:
@@ -33,8 +34,7 @@ def _spec_setup(lab: Driver) -> None:
 
 def _spec_ask(start: State) -> dict:
     a = start["sequences"][0]
-    return {"a": a["seq_id"], "k": K, "cached": a["num_cached_tokens"],
-            "tokens": a["num_tokens"]}
+    return {"a": a["seq_id"], "k": K, "cached": a["num_cached_tokens"], "tokens": a["num_tokens"]}
 
 
 def _first_speculative_step(run: Run) -> tuple[State, State, State] | None:
@@ -68,18 +68,31 @@ def _spec_observe(run: Run) -> Observed | None:
     slots = inputs.get("slot_mapping", [])[start : start + written]
     grew = after["num_cached_tokens"] - before["num_cached_tokens"]
     drafts = before["spec_token_ids"]
-    return Observed(str(grew), {
-        "scheduled": before["num_scheduled_tokens"], "drafts": len(drafts),
-        "draft_ids": ", ".join(map(str, drafts)), "written": written,
-        "slots": ", ".join(map(str, slots)), "grew": grew, "accepted": grew - 1,
-        "rejected": len(drafts) - (grew - 1),
-        "cached_before": before["num_cached_tokens"], "cached_after": after["num_cached_tokens"],
-        "appended": after["num_tokens"] - before["num_tokens"],
-    })
+    return Observed(
+        str(grew),
+        {
+            "scheduled": before["num_scheduled_tokens"],
+            "drafts": len(drafts),
+            "draft_ids": ", ".join(map(str, drafts)),
+            "written": written,
+            "slots": ", ".join(map(str, slots)),
+            "grew": grew,
+            "accepted": grew - 1,
+            "rejected": len(drafts) - (grew - 1),
+            "cached_before": before["num_cached_tokens"],
+            "cached_after": after["num_cached_tokens"],
+            "appended": after["num_tokens"] - before["num_tokens"],
+        },
+    )
 
 
 CHAPTER_07 = [
-    Scenario("spec", EngineShape(32, 64, speculative_config=SPECULATIVE), _spec_setup, focus=0,
-             chapter="07", lesson=Lesson("number", _spec_ask, _spec_observe,
-                                         depends_on_model=True)),
+    Scenario(
+        "spec",
+        EngineShape(32, 64, speculative_config=SPECULATIVE),
+        _spec_setup,
+        focus=0,
+        chapter="07",
+        lesson=Lesson("number", _spec_ask, _spec_observe, depends_on_model=True),
+    ),
 ]

@@ -28,27 +28,44 @@ RUNNER_FILE = "minivllm/engine/model_runner.py"
 def _runner_code() -> list[str]:
     from minivllm.lab.source import function_line
 
-    return [function_line(RUNNER_FILE, name) for name in
-            ("slot_mapping_for", "prepare_inputs", "ModelRunner.run")]
+    return [
+        function_line(RUNNER_FILE, name)
+        for name in ("slot_mapping_for", "prepare_inputs", "ModelRunner.run")
+    ]
 
 
 def chapters() -> list[dict[str, object]]:
     """[{chapter, code: [{function, location: "minivllm/...py:LINE"}, ...]}] in order."""
     code = {
-        "03": [source_of(Sequence.__init__), source_of(Scheduler.schedule),
-               source_of(Scheduler.postprocess)],
-        "04": [source_of(Scheduler.schedule), source_of(Scheduler._preempt),
-               source_of(BlockManager.can_allocate)],
-        "05": [source_of(hash_block), source_of(BlockManager.match_prefix),
-               source_of(BlockManager.take_prefix), source_of(BlockManager.free),
-               source_of(BlockManager.commit)],
+        "03": [
+            source_of(Sequence.__init__),
+            source_of(Scheduler.schedule),
+            source_of(Scheduler.postprocess),
+        ],
+        "04": [
+            source_of(Scheduler.schedule),
+            source_of(Scheduler._preempt),
+            source_of(BlockManager.can_allocate),
+        ],
+        "05": [
+            source_of(hash_block),
+            source_of(BlockManager.match_prefix),
+            source_of(BlockManager.take_prefix),
+            source_of(BlockManager.free),
+            source_of(BlockManager.commit),
+        ],
         "06": _runner_code(),
-        "07": [source_of(NgramProposer.propose), source_of(Scheduler._propose),
-               source_of(Scheduler.postprocess)],
+        "07": [
+            source_of(NgramProposer.propose),
+            source_of(Scheduler._propose),
+            source_of(Scheduler.postprocess),
+        ],
     }
     return [
-        {"chapter": name, "code": [{"function": _function_at(loc), "location": loc}
-                                   for loc in locations]}
+        {
+            "chapter": name,
+            "code": [{"function": _function_at(loc), "location": loc} for loc in locations],
+        }
         for name, locations in code.items()
     ]
 

@@ -59,7 +59,9 @@ class PhaseTracer(Tracer):
     """
 
     def __init__(
-        self, on_enter: Callable[[str], None], on_exit: Callable[[str], None],
+        self,
+        on_enter: Callable[[str], None],
+        on_exit: Callable[[str], None],
         on_execute: Callable[[ScheduledBatch], None],
     ) -> None:
         super().__init__()
@@ -102,12 +104,17 @@ class Experiment:
         try:
             scenario.setup(self)  # its frames come first in the timeline; the last is the start
         except LabError as exc:
-            raise LabError(400, "setup_refused", f"the scenario cannot run on these engine "
-                           f"options: {exc.message}", detail=exc.message) from exc
+            raise LabError(
+                400,
+                "setup_refused",
+                f"the scenario cannot run on these engine options: {exc.message}",
+                detail=exc.message,
+            ) from exc
         self._action = "reset"
         self._setup_frames = len(self.frames)
         self.lesson = (
-            None if scenario.lesson is None
+            None
+            if scenario.lesson is None
             else LessonState(scenario.chapter, scenario.lesson, self.frames[-1])
         )
 
@@ -116,8 +123,12 @@ class Experiment:
     def predict(self, answer: str) -> None:
         """Lock the learner's prediction; refused once the engine has answered."""
         if self.lesson is None:
-            raise LabError(409, "no_lesson", f"scenario {self.scenario.name!r} takes its "
-                           "prediction on the page", name=self.scenario.name)
+            raise LabError(
+                409,
+                "no_lesson",
+                f"scenario {self.scenario.name!r} takes its prediction on the page",
+                name=self.scenario.name,
+            )
         try:
             self.lesson.predict(answer, self.frames[self._setup_frames :])
         except PredictionError as exc:
@@ -153,14 +164,25 @@ class Experiment:
         if not prompt.strip():
             raise LabError(400, "prompt_empty", "the prompt is empty: type a few words")
         if len(prompt) > MAX_PROMPT_CHARS:
-            raise LabError(400, "prompt_too_long", f"the prompt is longer than "
-                           f"{MAX_PROMPT_CHARS} characters", max=MAX_PROMPT_CHARS)
+            raise LabError(
+                400,
+                "prompt_too_long",
+                f"the prompt is longer than {MAX_PROMPT_CHARS} characters",
+                max=MAX_PROMPT_CHARS,
+            )
         if not 1 <= max_tokens <= MAX_LEARNER_TOKENS:
-            raise LabError(400, "max_tokens_range", f"max_tokens must be between 1 and "
-                           f"{MAX_LEARNER_TOKENS}", max=MAX_LEARNER_TOKENS)
+            raise LabError(
+                400,
+                "max_tokens_range",
+                f"max_tokens must be between 1 and {MAX_LEARNER_TOKENS}",
+                max=MAX_LEARNER_TOKENS,
+            )
         if self.engine.tokenizer is None:
-            raise LabError(400, "no_tokenizer", "this lab's engine has no tokenizer: it cannot "
-                           "take a text prompt")
+            raise LabError(
+                400,
+                "no_tokenizer",
+                "this lab's engine has no tokenizer: it cannot take a text prompt",
+            )
         return self._add(prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens))
 
     def _add(self, prompt: str | list[int], params: SamplingParams) -> State:
@@ -176,15 +198,19 @@ class Experiment:
     def plan(self) -> State:
         """Scheduler.schedule only: the plan is written, nothing is executed."""
         if self.pending is not None:
-            raise LabError(409, "plan_pending", "a plan is already pending: Commit it (execute "
-                           "+ commit) first")
+            raise LabError(
+                409, "plan_pending", "a plan is already pending: Commit it (execute + commit) first"
+            )
         self._check_unfinished()
         self._begin("plan")
         num_events = len(self.tracer.events)
         batch = self.engine.plan()
         if batch.is_empty and len(self.tracer.events) == num_events:
-            raise LabError(409, "nothing_fits", "the scheduler planned nothing: no waiting "
-                           "sequence fits the free KV blocks")
+            raise LabError(
+                409,
+                "nothing_fits",
+                "the scheduler planned nothing: no waiting sequence fits the free KV blocks",
+            )
         self.pending = None if batch.is_empty else batch
         self._frame("plan")
         return self._answer()
@@ -203,8 +229,9 @@ class Experiment:
     def step(self) -> State:
         """One whole LLMEngine.step: plan, execute, commit (what Step does)."""
         if self.pending is not None:
-            raise LabError(409, "step_pending", "a plan is pending: Commit it first; Step runs "
-                           "a whole step")
+            raise LabError(
+                409, "step_pending", "a plan is pending: Commit it first; Step runs a whole step"
+            )
         self._check_unfinished()
         self._begin("step")
         self._plan_framed = False
@@ -212,8 +239,11 @@ class Experiment:
         self.engine.step()
         if not self._new_frames:  # the plan was empty: execute never started
             if len(self.tracer.events) == num_events:
-                raise LabError(409, "nothing_fits", "the scheduler planned nothing: no waiting "
-                               "sequence fits the free KV blocks")
+                raise LabError(
+                    409,
+                    "nothing_fits",
+                    "the scheduler planned nothing: no waiting sequence fits the free KV blocks",
+                )
             self._frame("plan")  # it preempted, and scheduled nothing
             return self._answer()
         self._frame("commit")
@@ -221,8 +251,11 @@ class Experiment:
 
     def _check_unfinished(self) -> None:
         if not self.engine.has_unfinished_requests():
-            raise LabError(409, "all_finished", "nothing left to run: every sequence is "
-                           "FINISHED; add a request or reset")
+            raise LabError(
+                409,
+                "all_finished",
+                "nothing left to run: every sequence is FINISHED; add a request or reset",
+            )
 
     # ---- frames -----------------------------------------------------------------------------
 

@@ -86,12 +86,17 @@ class LessonState:
 
     def predict(self, answer: str, frames: list[State]) -> None:
         if self.prediction is not None:
-            raise PredictionError("prediction_locked", f"the prediction is locked: "
-                                  f"{self.prediction!r}; reset to try again",
-                                  answer=self.prediction)
+            raise PredictionError(
+                "prediction_locked",
+                f"the prediction is locked: {self.prediction!r}; reset to try again",
+                answer=self.prediction,
+            )
         if self.lesson.observe(Run(self.start, frames)) is not None:
-            raise PredictionError("too_late", "the engine has already answered this question: "
-                                  "reset the scenario to predict first")
+            raise PredictionError(
+                "too_late",
+                "the engine has already answered this question: "
+                "reset the scenario to predict first",
+            )
         self.prediction = self._normalize(answer)
 
     def _normalize(self, answer: str) -> str:
@@ -99,12 +104,16 @@ class LessonState:
         if self.lesson.kind == "choice":
             assert self.choices is not None
             if text not in self.choices:
-                raise PredictionError("bad_choice", f"choose one of: {', '.join(self.choices)}",
-                                      choices=", ".join(self.choices))
+                raise PredictionError(
+                    "bad_choice",
+                    f"choose one of: {', '.join(self.choices)}",
+                    choices=", ".join(self.choices),
+                )
             return text
         if not text.lstrip("-").isdigit() or not 0 <= int(text) <= MAX_NUMBER:
-            raise PredictionError("bad_number", f"type a whole number from 0 to {MAX_NUMBER}",
-                                  max=MAX_NUMBER)
+            raise PredictionError(
+                "bad_number", f"type a whole number from 0 to {MAX_NUMBER}", max=MAX_NUMBER
+            )
         return str(int(text))
 
     def to_dict(self, frames: list[State]) -> State:

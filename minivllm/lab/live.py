@@ -119,8 +119,9 @@ class LiveRecorder:
         self._steps += 1
         prefill, decode, scheduled = planned
         preempted = tuple(_name(s, request_ids) for s in batch.preempted)
-        record = StepRecord(self._steps, prefill, decode, len(scheduled), seconds, preempted,
-                            scheduled)
+        record = StepRecord(
+            self._steps, prefill, decode, len(scheduled), seconds, preempted, scheduled
+        )
         try:
             self._photograph(engine, request_ids, record)
         except Exception:  # a missed photo must never cost the step's outputs
@@ -149,8 +150,14 @@ class LiveRecorder:
             for seq in itertools.chain(scheduler.waiting, scheduler.running)
         )
         frame = Frame(
-            next(self._index), self._steps, time.time(), rows, bm.num_free_blocks,
-            tuple(bm.cached_blocks.values()), scheduler.num_preemptions, record,
+            next(self._index),
+            self._steps,
+            time.time(),
+            rows,
+            bm.num_free_blocks,
+            tuple(bm.cached_blocks.values()),
+            scheduler.num_preemptions,
+            record,
         )
         with self._lock:
             self._frames.append(frame)

@@ -106,7 +106,8 @@ class Snapshotter:
             "num_preemptions": seq.num_preemptions,
             "sampled_token": sampled,
             "sampled_piece": (
-                None if sampled is None or self._text is None
+                None
+                if sampled is None or self._text is None
                 else self._text.pieces(ids + [sampled])[-1]
             ),
         }

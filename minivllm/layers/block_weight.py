@@ -30,25 +30,39 @@ from minivllm.layers.ggml_blocks import dequant_matmul, ggml_matmul_segments, ro
 from minivllm.layers.kernel_rows import KERNEL_ROWS
 
 # The one table of which GGUF tensor types run as stored blocks.
-BLOCK_TYPES = frozenset({
-    GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K, GGMLQuantizationType.Q6_K,
-    GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q5_0, GGMLQuantizationType.Q5_1,
-})
+BLOCK_TYPES = frozenset(
+    {
+        GGMLQuantizationType.Q4_K,
+        GGMLQuantizationType.Q5_K,
+        GGMLQuantizationType.Q6_K,
+        GGMLQuantizationType.Q8_0,
+        GGMLQuantizationType.Q5_0,
+        GGMLQuantizationType.Q5_1,
+    }
+)
 # The K kinds' integer kernel (activations rounded per block of 256) beats the dequantizing
 # path at every row count; the 32-input kinds' (a float multiply each group) only up to a
 # threshold: both from the row table (minivllm.layers.kernel_rows), the same on both CPU kinds.
 _ROWS = KERNEL_ROWS["AVX2"]
 INT_DOT_MAX_ROWS: dict[GGMLQuantizationType, float] = {
-    **dict.fromkeys((GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K,
-                     GGMLQuantizationType.Q6_K), _ROWS.ggml_int_dot_k),
-    **dict.fromkeys((GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q5_0,
-                     GGMLQuantizationType.Q5_1), _ROWS.ggml_int_dot),
+    **dict.fromkeys(
+        (GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K, GGMLQuantizationType.Q6_K),
+        _ROWS.ggml_int_dot_k,
+    ),
+    **dict.fromkeys(
+        (GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q5_0, GGMLQuantizationType.Q5_1),
+        _ROWS.ggml_int_dot,
+    ),
 }
 # The token embedding and the LM head run as stored blocks in these types (what K-quant files
 # hold); a Q8_0 head keeps the 8-bit head path of minivllm.layers.linear_method.
-EMBEDDING_BLOCK_TYPES = frozenset({
-    GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K, GGMLQuantizationType.Q6_K,
-})
+EMBEDDING_BLOCK_TYPES = frozenset(
+    {
+        GGMLQuantizationType.Q4_K,
+        GGMLQuantizationType.Q5_K,
+        GGMLQuantizationType.Q6_K,
+    }
+)
 
 
 @dataclass(frozen=True)
@@ -76,9 +90,12 @@ class BlockWeight:
         for segment in segments:
             expected = row_bytes(segment.qtype, cols)
             if segment.blocks.dtype != torch.uint8 or tuple(segment.blocks.shape[1:]) != (
-                    expected,):
-                raise ValueError(f"{segment.qtype.name} rows of {cols} inputs are {expected} "
-                                 f"bytes; got blocks {tuple(segment.blocks.shape)}")
+                expected,
+            ):
+                raise ValueError(
+                    f"{segment.qtype.name} rows of {cols} inputs are {expected} "
+                    f"bytes; got blocks {tuple(segment.blocks.shape)}"
+                )
         self.segments = segments
         self.cols = cols
         # What the one-call kernel takes, prepared once: a compiled decode step then calls the

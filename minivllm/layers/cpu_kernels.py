@@ -46,8 +46,18 @@ logger = logging.getLogger(__name__)
 
 SOURCES = sorted((Path(__file__).with_name("csrc")).glob("*.cpp"))
 HEADERS = sorted((Path(__file__).with_name("csrc")).glob("*.h"))  # included by SOURCES
-FLAGS = ["-O3", "-fopenmp", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-std=c++20",
-         "-shared", "-fPIC", "-w"]
+FLAGS = [
+    "-O3",
+    "-fopenmp",
+    "-mavx2",
+    "-mfma",
+    "-mf16c",
+    "-ffp-contract=off",
+    "-std=c++20",
+    "-shared",
+    "-fPIC",
+    "-w",
+]
 
 
 class KernelBuildError(RuntimeError):
@@ -72,11 +82,16 @@ def _build(target: Path) -> None:
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         built = Path(tmp) / target.name
         command = [
-            compiler, *FLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+            compiler,
+            *FLAGS,
+            f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
             *(f"-I{path}" for path in cpp_extension.include_paths()),
-            *(str(source) for source in SOURCES), "-o", str(built),
+            *(str(source) for source in SOURCES),
+            "-o",
+            str(built),
             *(f"-L{path}" for path in cpp_extension.library_paths()),
-            "-lc10", "-ltorch_cpu",
+            "-lc10",
+            "-ltorch_cpu",
         ]
         logger.info("building minivllm's CPU kernels (once per torch version): %s", target)
         try:
@@ -84,8 +99,9 @@ def _build(target: Path) -> None:
         except OSError as error:
             raise KernelBuildError(f"no C++ compiler {compiler!r}: {error}") from error
         if result.returncode != 0:
-            raise KernelBuildError(f"{compiler} failed on {[s.name for s in SOURCES]}:\n"
-                                   f"{result.stderr[-2000:]}")
+            raise KernelBuildError(
+                f"{compiler} failed on {[s.name for s in SOURCES]}:\n{result.stderr[-2000:]}"
+            )
         os.replace(built, target)
 
 
@@ -117,9 +133,11 @@ class CpuCaps:
 def _onednn_bf16() -> bool:
     """oneDNN's bf16 kernels (AVX-512 BW/VL/DQ or AVX-NE-CONVERT; none on an AVX2-only CPU
     such as AMD Zen 3) and torch's prepacked linear ops."""
-    return (torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-            and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()))
+    return (
+        torch.backends.mkldnn.is_available()
+        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+        and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    )
 
 
 @functools.cache
@@ -138,9 +156,15 @@ def cpu_caps() -> CpuCaps:
         kernels=kernels,
         qgemv_vnni=kernels and bool(torch.ops.minivllm.qgemv_vnni()),
     )
-    logger.info("CPU: torch %s kernels, VNNI %s, BF16 %s, AMX %s, oneDNN bf16 %s, minivllm "
-                "kernels %s", caps.capability, caps.vnni, caps.avx512_bf16, caps.amx,
-                caps.onednn_bf16, "loaded" if caps.kernels else "not used")
+    logger.info(
+        "CPU: torch %s kernels, VNNI %s, BF16 %s, AMX %s, oneDNN bf16 %s, minivllm kernels %s",
+        caps.capability,
+        caps.vnni,
+        caps.avx512_bf16,
+        caps.amx,
+        caps.onednn_bf16,
+        "loaded" if caps.kernels else "not used",
+    )
     return caps
 
 
@@ -154,8 +178,12 @@ def _load_kernels(machine: str, capability: str) -> bool:
     """Build (the first time) and load the kernels; False, and why in the log, where they
     cannot run: they need an x86 CPU with AVX2."""
     if machine.lower() not in ("x86_64", "amd64") or capability not in ("AVX2", "AVX512"):
-        logger.info("minivllm CPU kernels: not used (they need an x86 CPU with AVX2; torch "
-                    "runs %s kernels on %s)", capability, machine)
+        logger.info(
+            "minivllm CPU kernels: not used (they need an x86 CPU with AVX2; torch "
+            "runs %s kernels on %s)",
+            capability,
+            machine,
+        )
         return False
     path = _library_path()
     try:
@@ -166,8 +194,10 @@ def _load_kernels(machine: str, capability: str) -> bool:
         logger.warning("minivllm CPU kernels: not used, torch's own ops instead (%s)", error)
         return False
     _register_fakes()
-    logger.info("minivllm CPU kernels loaded: qgemv (4/8-bit weights, fp32 activations), "
-                "paged_decode (one query per sequence), ggml_* (GGUF blocks as stored)")
+    logger.info(
+        "minivllm CPU kernels loaded: qgemv (4/8-bit weights, fp32 activations), "
+        "paged_decode (one query per sequence), ggml_* (GGUF blocks as stored)"
+    )
     return True
 
 

@@ -46,12 +46,12 @@ class VocabParallelEmbedding(nn.Module):
         if self.tp_size != 1:
             raise ValueError("GGUF block weights are supported with tensor_parallel_size=1 only")
         if segment.rows != self.num_embeddings:
-            raise ValueError(f"{segment.rows} block rows for a vocabulary of "
-                             f"{self.num_embeddings}")
+            raise ValueError(f"{segment.rows} block rows for a vocabulary of {self.num_embeddings}")
         self.block_weight = segment
         # [0, hidden]: keeps the dtype and device for whoever asks, holds nothing
-        self.weight = nn.Parameter(self.weight.new_empty(0, self.embedding_dim),
-                                   requires_grad=False)
+        self.weight = nn.Parameter(
+            self.weight.new_empty(0, self.embedding_dim), requires_grad=False
+        )
 
     def weight_loader(
         self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | str | None = None
@@ -71,8 +71,9 @@ class VocabParallelEmbedding(nn.Module):
         """`[num_tokens]` int64 -> `[num_tokens, hidden_size]`."""
         if self.block_weight is not None:
             rows = self.block_weight.blocks[input_ids]  # [num_tokens, row_bytes]
-            return ggml_dequantize(rows, self.block_weight.qtype, self.embedding_dim,
-                                   self.weight.dtype)
+            return ggml_dequantize(
+                rows, self.block_weight.qtype, self.embedding_dim, self.weight.dtype
+            )
         if self.tp_size == 1:
             return F.embedding(input_ids, self.weight)
         start = self.tp_rank * self.num_embeddings_per_partition
@@ -116,8 +117,9 @@ class ParallelLMHead(VocabParallelEmbedding):
         if self.tp_size != 1:
             raise ValueError("GGUF block weights are supported with tensor_parallel_size=1 only")
         self.head_blocks = BlockWeight([segment], self.embedding_dim)
-        self.weight = nn.Parameter(self.weight.new_empty(0, self.embedding_dim),
-                                   requires_grad=False)
+        self.weight = nn.Parameter(
+            self.weight.new_empty(0, self.embedding_dim), requires_grad=False
+        )
 
     def tie_to(self, embedding: VocabParallelEmbedding) -> None:
         """Share the embedding's weight (tie_word_embeddings): one tensor, loaded once."""
@@ -140,8 +142,11 @@ class ParallelLMHead(VocabParallelEmbedding):
         if onednn_prepack_supported(weight):
             self._packed = (OneDnnWeight(weight),)
             return True
-        if (weight.device.type != "cpu" or weight.dtype != torch.float32
-                or not torch.backends.mkldnn.is_available()):
+        if (
+            weight.device.type != "cpu"
+            or weight.dtype != torch.float32
+            or not torch.backends.mkldnn.is_available()
+        ):
             return False
         linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False)
         linear.weight = weight

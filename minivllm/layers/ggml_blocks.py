@@ -29,11 +29,18 @@ from gguf.quants import dequantize as gguf_dequantize
 from minivllm.layers.cpu_kernels import cpu_kernels_available
 
 # The quantized GGML types the kernels run as stored (F32/F16/BF16 tensors are plain floats).
-GGML_KERNEL_TYPES = frozenset({
-    GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q5_0,
-    GGMLQuantizationType.Q5_1, GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_K,
-    GGMLQuantizationType.Q5_K, GGMLQuantizationType.Q6_K,
-})
+GGML_KERNEL_TYPES = frozenset(
+    {
+        GGMLQuantizationType.Q4_0,
+        GGMLQuantizationType.Q4_1,
+        GGMLQuantizationType.Q5_0,
+        GGMLQuantizationType.Q5_1,
+        GGMLQuantizationType.Q8_0,
+        GGMLQuantizationType.Q4_K,
+        GGMLQuantizationType.Q5_K,
+        GGMLQuantizationType.Q6_K,
+    }
+)
 # The matmul's instruction sets, as the operator numbers them; "auto" is the fastest one that
 # runs here (AVX-512 VNNI where torch runs its AVX-512 kernels, else AVX2).
 ISAS = {"auto": 0, "scalar": 1, "avx2": 2, "avx512_vnni": 3}
@@ -46,8 +53,11 @@ def ggml_type(qtype: GGMLQuantizationType | int | str) -> GGMLQuantizationType:
     """`qtype` (the enum, its number or its name, e.g. "Q4_K") as a supported kernel type;
     ValueError for any other."""
     try:
-        kind = (GGMLQuantizationType[qtype.upper()] if isinstance(qtype, str)
-                else GGMLQuantizationType(int(qtype)))
+        kind = (
+            GGMLQuantizationType[qtype.upper()]
+            if isinstance(qtype, str)
+            else GGMLQuantizationType(int(qtype))
+        )
     except (KeyError, ValueError):
         raise ValueError(f"unknown GGML type {qtype!r}") from None
     if kind not in GGML_KERNEL_TYPES:
@@ -66,21 +76,27 @@ def row_bytes(qtype: GGMLQuantizationType | int | str, cols: int) -> int:
     kind = ggml_type(qtype)
     elems, nbytes = GGML_QUANT_SIZES[kind]
     if cols <= 0 or cols % elems:
-        raise ValueError(f"{kind.name}: a row of {cols} inputs is not a whole number of "
-                         f"{elems}-input blocks")
+        raise ValueError(
+            f"{kind.name}: a row of {cols} inputs is not a whole number of {elems}-input blocks"
+        )
     return cols // elems * nbytes
 
 
-def _check_blocks(blocks: torch.Tensor, qtype: GGMLQuantizationType | int | str,
-                  cols: int) -> GGMLQuantizationType:
+def _check_blocks(
+    blocks: torch.Tensor, qtype: GGMLQuantizationType | int | str, cols: int
+) -> GGMLQuantizationType:
     kind = ggml_type(qtype)
     expected = row_bytes(kind, cols)
     if blocks.dtype != torch.uint8 or blocks.dim() != 2:
-        raise ValueError(f"{kind.name} blocks must be a [N, row_bytes] uint8 tensor, got "
-                         f"{blocks.dtype} {tuple(blocks.shape)}")
+        raise ValueError(
+            f"{kind.name} blocks must be a [N, row_bytes] uint8 tensor, got "
+            f"{blocks.dtype} {tuple(blocks.shape)}"
+        )
     if blocks.shape[1] != expected:
-        raise ValueError(f"{kind.name} rows of {cols} inputs are {expected} bytes, the blocks "
-                         f"have {blocks.shape[1]}")
+        raise ValueError(
+            f"{kind.name} rows of {cols} inputs are {expected} bytes, the blocks "
+            f"have {blocks.shape[1]}"
+        )
     return kind
 
 
@@ -88,8 +104,9 @@ def available_isas() -> tuple[str, ...]:
     """The matmul instruction sets that run here (beyond "auto")."""
     if not cpu_kernels_available():
         return ()
-    return ("scalar", "avx2", "avx512_vnni") if torch.ops.minivllm.ggml_vnni() else (
-        "scalar", "avx2")
+    return (
+        ("scalar", "avx2", "avx512_vnni") if torch.ops.minivllm.ggml_vnni() else ("scalar", "avx2")
+    )
 
 
 def _isa(isa: str) -> int:
@@ -106,23 +123,33 @@ def dequant_scratch_bytes() -> int:
     return int(torch.ops.minivllm.ggml_scratch_bytes()) if cpu_kernels_available() else 0
 
 
-def ggml_dequantize(blocks: torch.Tensor, qtype: GGMLQuantizationType | int | str, cols: int,
-                    dtype: torch.dtype = torch.float32, isa: str = "auto") -> torch.Tensor:
+def ggml_dequantize(
+    blocks: torch.Tensor,
+    qtype: GGMLQuantizationType | int | str,
+    cols: int,
+    dtype: torch.dtype = torch.float32,
+    isa: str = "auto",
+) -> torch.Tensor:
     """The dense `[N, cols]` weight in `dtype`; fp32 values equal gguf-py's bit for bit (bf16:
     those rounded to nearest even)."""
     kind = _check_blocks(blocks, qtype, cols)
     native = dtype if dtype in (torch.float32, torch.bfloat16) else torch.float32
     if cpu_kernels_available():
-        dense = torch.ops.minivllm.ggml_dequantize(blocks.contiguous(), int(kind), cols, native,
-                                                   _isa(isa))
+        dense = torch.ops.minivllm.ggml_dequantize(
+            blocks.contiguous(), int(kind), cols, native, _isa(isa)
+        )
     else:
         values = gguf_dequantize(blocks.numpy(), kind).astype(np.float32)
         dense = torch.from_numpy(values.reshape(blocks.shape[0], cols)).to(native)
     return dense.to(dtype)
 
 
-def ggml_matmul(x: torch.Tensor, blocks: torch.Tensor, qtype: GGMLQuantizationType | int | str,
-                isa: str = "auto") -> torch.Tensor:
+def ggml_matmul(
+    x: torch.Tensor,
+    blocks: torch.Tensor,
+    qtype: GGMLQuantizationType | int | str,
+    isa: str = "auto",
+) -> torch.Tensor:
     """`x @ W.T` for decode-sized steps: `x` `[..., K]` fp32 or bf16, W the `[N, row_bytes]`
     blocks -> `[..., N]` fp32. The activations are rounded to 8 bits per group of 32 (the
     groups' min terms use their exact sums)."""
@@ -137,8 +164,9 @@ def ggml_matmul(x: torch.Tensor, blocks: torch.Tensor, qtype: GGMLQuantizationTy
     return out.view(*x.shape[:-1], blocks.shape[0])  # [..., N]
 
 
-def ggml_matmul_segments(x: torch.Tensor, segments: list[tuple[torch.Tensor, GGMLQuantizationType]],
-                         isa: str = "auto") -> torch.Tensor:
+def ggml_matmul_segments(
+    x: torch.Tensor, segments: list[tuple[torch.Tensor, GGMLQuantizationType]], isa: str = "auto"
+) -> torch.Tensor:
     """`x @ [W_0; W_1; ...].T` for a fused layer whose weight is several checkpoint tensors
     (`(blocks, qtype)` each, all of `x`'s K inputs): their outputs side by side, `[..., sum
     N_i]` fp32, from one call that rounds the activations once for all of them."""
@@ -148,17 +176,28 @@ def ggml_matmul_segments(x: torch.Tensor, segments: list[tuple[torch.Tensor, GGM
     rows = x.reshape(-1, x.shape[-1])  # [M, K]
     if cpu_kernels_available():
         out = torch.ops.minivllm.ggml_matmul_segments(
-            rows, [blocks.contiguous() for blocks, _ in segments], [int(k) for k in kinds],
-            _isa(isa))
+            rows,
+            [blocks.contiguous() for blocks, _ in segments],
+            [int(k) for k in kinds],
+            _isa(isa),
+        )
     else:
-        out = torch.cat([rows.float() @ ggml_dequantize(blocks, kind, x.shape[-1]).T
-                         for (blocks, _), kind in zip(segments, kinds)], dim=-1)
+        out = torch.cat(
+            [
+                rows.float() @ ggml_dequantize(blocks, kind, x.shape[-1]).T
+                for (blocks, _), kind in zip(segments, kinds)
+            ],
+            dim=-1,
+        )
     return out.view(*x.shape[:-1], out.shape[-1])  # [..., sum N_i]
 
 
-def dequant_matmul(x: torch.Tensor, blocks: torch.Tensor,
-                   qtype: GGMLQuantizationType | int | str,
-                   tile_rows: int | None = None) -> torch.Tensor:
+def dequant_matmul(
+    x: torch.Tensor,
+    blocks: torch.Tensor,
+    qtype: GGMLQuantizationType | int | str,
+    tile_rows: int | None = None,
+) -> torch.Tensor:
     """`x @ W.T` for prefill-sized steps, in x's dtype (fp32 or bf16): W dequantized
     `tile_rows` rows at a time (default: `DEQUANT_TILE_BYTES` of them) into one reused scratch
     buffer, each tile multiplied by torch's matmul."""
@@ -172,8 +211,9 @@ def dequant_matmul(x: torch.Tensor, blocks: torch.Tensor,
         raise ValueError(f"tile_rows must be positive, got {tile_rows}")
     rows = x.reshape(-1, cols)  # [M, K]
     if cpu_kernels_available():
-        out = torch.ops.minivllm.ggml_dequant_matmul(rows, blocks.contiguous(), int(kind),
-                                                     tile_rows)
+        out = torch.ops.minivllm.ggml_dequant_matmul(
+            rows, blocks.contiguous(), int(kind), tile_rows
+        )
     else:
         out = rows @ ggml_dequantize(blocks, kind, cols, x.dtype).T
     return out.view(*x.shape[:-1], blocks.shape[0])  # [..., N]

@@ -99,8 +99,7 @@ class PackedInt4:
     def __init__(self, weight: Int4Weight, dtype: torch.dtype = torch.bfloat16) -> None:
         out, size = weight.shape
         if size % GROUP_SIZE:
-            raise ValueError(f"int4 needs the input size ({size}) to be a multiple of "
-                             f"{GROUP_SIZE}")
+            raise ValueError(f"int4 needs the input size ({size}) to be a multiple of {GROUP_SIZE}")
         self.out_features = out
         self.max_rows = kernel_rows().int4  # read here, once: the compiled step cannot call it
         self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
@@ -139,5 +138,3 @@ class PackedInt4Pair:
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         return self.high.matmul(x).float() + self.low.matmul(x).float()
-
-

@@ -38,10 +38,24 @@ class KernelRows:
 
 
 KERNEL_ROWS = {
-    "AVX512": KernelRows(int4=4, int8_as_int4_pair=1, qgemv=16, qgemv_bf16_head=1,
-                         qgemv_vnni_bf16=1, ggml_int_dot=32, ggml_int_dot_k=float("inf")),
-    "AVX2": KernelRows(int4=4, int8_as_int4_pair=0, qgemv=16, qgemv_bf16_head=1,
-                       qgemv_vnni_bf16=1, ggml_int_dot=32, ggml_int_dot_k=float("inf")),
+    "AVX512": KernelRows(
+        int4=4,
+        int8_as_int4_pair=1,
+        qgemv=16,
+        qgemv_bf16_head=1,
+        qgemv_vnni_bf16=1,
+        ggml_int_dot=32,
+        ggml_int_dot_k=float("inf"),
+    ),
+    "AVX2": KernelRows(
+        int4=4,
+        int8_as_int4_pair=0,
+        qgemv=16,
+        qgemv_bf16_head=1,
+        qgemv_vnni_bf16=1,
+        ggml_int_dot=32,
+        ggml_int_dot_k=float("inf"),
+    ),
 }
 
 

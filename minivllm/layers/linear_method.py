@@ -52,8 +52,7 @@ class LinearMethod:
     def process_weights_after_loading(self, layer: LinearLayer) -> None:
         """Put the loaded weights in the layout the kernel reads."""
 
-    def apply(self, layer: LinearLayer, x: torch.Tensor,
-              bias: torch.Tensor | None) -> torch.Tensor:
+    def apply(self, layer: LinearLayer, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         raise NotImplementedError
 
 
@@ -71,8 +70,7 @@ class UnquantizedMethod(LinearMethod):
         if onednn_prepack_supported(layer.weight):
             self.onednn = OneDnnWeight(layer.weight)
 
-    def apply(self, layer: LinearLayer, x: torch.Tensor,
-              bias: torch.Tensor | None) -> torch.Tensor:
+    def apply(self, layer: LinearLayer, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         # inside a compiled graph F.linear: the opaque packed tensor cannot be traced
         if self.onednn is not None and not torch.compiler.is_compiling():
             return self.onednn.matmul(x, bias)
@@ -90,8 +88,7 @@ class Int8Method(LinearMethod):
     def process_weights_after_loading(self, layer: LinearLayer) -> None:
         self.packed = pack_int8(layer.weight)
 
-    def apply(self, layer: LinearLayer, x: torch.Tensor,
-              bias: torch.Tensor | None) -> torch.Tensor:
+    def apply(self, layer: LinearLayer, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         out = int8_linear(x, self.packed)
         return out if bias is None else out + bias
 
@@ -120,8 +117,9 @@ class Int4WithQGemvRow:
 SmallStepWeight = PackedInt4 | PackedInt4Pair | QGemvWeight | Int4WithQGemvRow
 
 
-def pack_4bit(weight: Int4Weight, dtype: torch.dtype) -> PackedInt4 | QGemvWeight | \
-        Int4WithQGemvRow | None:
+def pack_4bit(
+    weight: Int4Weight, dtype: torch.dtype
+) -> PackedInt4 | QGemvWeight | Int4WithQGemvRow | None:
     """A 4-bit weight in the layout of the kernel that runs `dtype` activations: qgemv for
     fp32, torch's int4 (with qgemv's VNNI path at one row where it runs) for bf16; None where
     that kernel does not take its shape (the layer stays dense)."""
@@ -132,8 +130,9 @@ def pack_4bit(weight: Int4Weight, dtype: torch.dtype) -> PackedInt4 | QGemvWeigh
     return PackedInt4(weight, dtype)
 
 
-def pack_8bit_halves(high: Int4Weight, low: Int4Weight,
-                     dtype: torch.dtype) -> PackedInt4Pair | QGemvWeight | None:
+def pack_8bit_halves(
+    high: Int4Weight, low: Int4Weight, dtype: torch.dtype
+) -> PackedInt4Pair | QGemvWeight | None:
     """An 8-bit weight given as `int4.split_int8`'s two halves (a Q8_0 LM head), for `dtype`
     activations: whole again for our kernel (bf16 activations too, up to
     `kernel_rows().qgemv_bf16_head` rows), else two packed int4 halves for torch's; None
@@ -152,8 +151,10 @@ def _check_whole(layer: LinearLayer, shape: tuple[int, int], what: str) -> None:
     if layer.tp_size != 1:
         raise ValueError(f"{what} weights are supported with tensor_parallel_size=1 only")
     if shape != tuple(layer.weight.shape):
-        raise ValueError(f"{what} weight of shape {shape} for a {type(layer).__name__} of "
-                         f"shape {tuple(layer.weight.shape)}")
+        raise ValueError(
+            f"{what} weight of shape {shape} for a {type(layer).__name__} of "
+            f"shape {tuple(layer.weight.shape)}"
+        )
 
 
 class Int4Method(LinearMethod):
@@ -179,8 +180,7 @@ class Int4Method(LinearMethod):
     def process_weights_after_loading(self, layer: LinearLayer) -> None:
         self.dense.process_weights_after_loading(layer)
 
-    def apply(self, layer: LinearLayer, x: torch.Tensor,
-              bias: torch.Tensor | None) -> torch.Tensor:
+    def apply(self, layer: LinearLayer, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if not self.small.fits(x):
             return self.dense.apply(layer, x, bias)
         out = self.small.matmul(x)
@@ -198,10 +198,10 @@ class GgmlBlockMethod(LinearMethod):
     def create_weights(self, layer: LinearLayer) -> None:
         _check_whole(layer, self.weight.shape, "GGUF block")
         # [0, in]: keeps the dtype and device for whoever asks, holds nothing
-        layer.weight = nn.Parameter(layer.weight.new_empty(0, layer.weight.shape[1]),
-                                    requires_grad=False)
+        layer.weight = nn.Parameter(
+            layer.weight.new_empty(0, layer.weight.shape[1]), requires_grad=False
+        )
 
-    def apply(self, layer: LinearLayer, x: torch.Tensor,
-              bias: torch.Tensor | None) -> torch.Tensor:
+    def apply(self, layer: LinearLayer, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         out = self.weight.matmul(x)
         return out if bias is None else out + bias

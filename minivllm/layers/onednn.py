@@ -27,11 +27,7 @@ def onednn_prepack_supported(weight: torch.Tensor) -> bool:
     """Whether `weight` can be prepacked here: bf16 on a CPU whose oneDNN has bf16 kernels
     (`CpuCaps.onednn_bf16`: an AVX2-only CPU such as AMD Zen 3 has none, and the reorder
     raises there, so its bf16 layers keep `F.linear`)."""
-    return (
-        weight.device.type == "cpu"
-        and weight.dtype == torch.bfloat16
-        and cpu_caps().onednn_bf16
-    )
+    return weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and cpu_caps().onednn_bf16
 
 
 class OneDnnWeight:
@@ -39,8 +35,9 @@ class OneDnnWeight:
 
     def __init__(self, weight: torch.Tensor) -> None:
         if not onednn_prepack_supported(weight):
-            raise ValueError(f"oneDNN prepacking takes a bf16 CPU weight, got {weight.dtype} "
-                             f"on {weight.device}")
+            raise ValueError(
+                f"oneDNN prepacking takes a bf16 CPU weight, got {weight.dtype} on {weight.device}"
+            )
         self.out_features = weight.shape[0]
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_ROWS_HINT)
 

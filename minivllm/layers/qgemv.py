@@ -52,13 +52,21 @@ class QGemvWeight:
     `codes` `[out, in * bits / 8]` bytes and `scales`, `mins` `[out, in / 32]` are given in
     plain row order and interleaved here."""
 
-    def __init__(self, codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,
-                 bits: int, max_rows: int | None = None) -> None:
+    def __init__(
+        self,
+        codes: torch.Tensor,
+        scales: torch.Tensor,
+        mins: torch.Tensor | None,
+        bits: int,
+        max_rows: int | None = None,
+    ) -> None:
         out, width = codes.shape
         groups = width * 8 // bits // GROUP_SIZE
         if bits not in (4, 8) or scales.shape != (out, groups):
-            raise ValueError(f"qgemv: {bits}-bit codes {tuple(codes.shape)} do not match "
-                             f"scales {tuple(scales.shape)}")
+            raise ValueError(
+                f"qgemv: {bits}-bit codes {tuple(codes.shape)} do not match "
+                f"scales {tuple(scales.shape)}"
+            )
         if out % COLUMNS:
             raise ValueError(f"qgemv: the output size ({out}) must be a multiple of {COLUMNS}")
         self.bits = bits
@@ -66,8 +74,11 @@ class QGemvWeight:
         self.codes = _interleave(codes.reshape(out, groups, -1))  # [out, in * bits / 8]
         # fp16, as GGUF stores them (Q4_K's products of two scales round to 11 bits)
         self.scales = _interleave(scales.half()[..., None])  # [out, in / 32]
-        self.mins = (torch.empty(0, dtype=torch.half) if mins is None
-                     else _interleave(mins.half()[..., None]))
+        self.mins = (
+            torch.empty(0, dtype=torch.half)
+            if mins is None
+            else _interleave(mins.half()[..., None])
+        )
         self.max_rows = kernel_rows().qgemv if max_rows is None else max_rows
 
     @staticmethod
@@ -85,8 +96,9 @@ class QGemvWeight:
         return QGemvWeight(packed, weight.scales, weight.zeros - 8 * weight.scales, 4)
 
     @staticmethod
-    def from_int8_halves(high: Int4Weight, low: Int4Weight,
-                         max_rows: int | None = None) -> QGemvWeight:
+    def from_int8_halves(
+        high: Int4Weight, low: Int4Weight, max_rows: int | None = None
+    ) -> QGemvWeight:
         """The 8-bit weight that `int4.split_int8` split in two halves, whole again: codes
         `q = 16 (h - 8) + l` (int8), scales those of the low half."""
         q = 16 * (high.codes.to(torch.int16) - 8) + low.codes.to(torch.int16)  # [out, in]
@@ -95,8 +107,9 @@ class QGemvWeight:
     def fits(self, x: torch.Tensor) -> bool:
         """The dispatch: this kernel for fp32 (or bf16, widened) steps of up to `max_rows`
         rows of `x`."""
-        return (x.dtype in (torch.float32, torch.bfloat16)
-                and x.numel() // x.shape[-1] <= self.max_rows)
+        return (
+            x.dtype in (torch.float32, torch.bfloat16) and x.numel() // x.shape[-1] <= self.max_rows
+        )
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """`x @ W.T`: `[..., in]` fp32 or bf16 -> `[..., out]` fp32."""

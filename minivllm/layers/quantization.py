@@ -37,14 +37,16 @@ def check_quantization(method: str | None, device: torch.device, dtype: torch.dt
     if method is None:
         return
     if method not in QUANTIZATION_METHODS:
-        raise ValueError(f"quantization must be one of {QUANTIZATION_METHODS} or None, "
-                         f"got {method!r}")
+        raise ValueError(
+            f"quantization must be one of {QUANTIZATION_METHODS} or None, got {method!r}"
+        )
     if device.type != "cpu" or dtype != torch.float32:
-        raise ValueError("quantization='int8' runs on the CPU with dtype float32 only "
-                         f"(got device {device.type}, dtype {dtype})")
+        raise ValueError(
+            "quantization='int8' runs on the CPU with dtype float32 only "
+            f"(got device {device.type}, dtype {dtype})"
+        )
     if "fbgemm" not in torch.backends.quantized.supported_engines:
-        raise ValueError("quantization='int8' needs torch's fbgemm engine, which this build "
-                         "lacks")
+        raise ValueError("quantization='int8' needs torch's fbgemm engine, which this build lacks")
 
 
 def pack_int8(weight: torch.Tensor) -> Any:
@@ -69,8 +71,11 @@ def int8_reduce_range() -> bool:
     AVX-512 VNNI CPU the default model's chat answer loses "Paris".
     """
     has_vnni = cpu_caps().vnni
-    logger.info("int8 linear layers: %s-bit activations (VNNI %s)", 8 if has_vnni else 7,
-                "present" if has_vnni else "absent")
+    logger.info(
+        "int8 linear layers: %s-bit activations (VNNI %s)",
+        8 if has_vnni else 7,
+        "present" if has_vnni else "absent",
+    )
     return not has_vnni
 
 

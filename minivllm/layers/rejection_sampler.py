@@ -120,7 +120,8 @@ def accept(
     if probs is not None:
         draft_rows = torch.tensor(
             [start + j for start, d in zip(starts, drafts) for j in range(len(d))],
-            dtype=torch.int64, device=probs.device,
+            dtype=torch.int64,
+            device=probs.device,
         )
         draft_ids = torch.tensor(
             [t for d in drafts for t in d], dtype=torch.int64, device=probs.device

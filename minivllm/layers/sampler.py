@@ -80,10 +80,19 @@ def gather_logprobs(
     own = logprobs.gather(-1, token_ids.unsqueeze(-1))  # [N, 1]
     ranks = (logprobs >= own).sum(dim=-1)  # [N]
     top_values, top_ids = logprobs.topk(max(max(num_top, default=0), 1), dim=-1)  # [N, K]
-    rows = zip(token_ids.tolist(), own.squeeze(-1).tolist(), ranks.tolist(), top_ids.tolist(),
-               top_values.tolist(), num_top, strict=True)
-    return [logprob_entry(token, lp, rank, ids[:k], values[:k])
-            for token, lp, rank, ids, values, k in rows]
+    rows = zip(
+        token_ids.tolist(),
+        own.squeeze(-1).tolist(),
+        ranks.tolist(),
+        top_ids.tolist(),
+        top_values.tolist(),
+        num_top,
+        strict=True,
+    )
+    return [
+        logprob_entry(token, lp, rank, ids[:k], values[:k])
+        for token, lp, rank, ids, values, k in rows
+    ]
 
 
 def apply_top_k(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
@@ -165,8 +174,9 @@ def apply_penalties(
     return logits - presence.unsqueeze(-1) * (counts > 0).to(logits.dtype)
 
 
-def _uniforms(batch: SamplingBatch, device: torch.device,
-              generator: torch.Generator, stream: int = 0) -> torch.Tensor:
+def _uniforms(
+    batch: SamplingBatch, device: torch.device, generator: torch.Generator, stream: int = 0
+) -> torch.Tensor:
     """One u ~ U[0, 1) per row, [N] float64: seeded rows from their own (seed, position)
     generator (`stream` > 0: another independent draw for the same position), the others
     from the engine's."""
@@ -263,18 +273,23 @@ class Sampler:
                 ban_cols += list(banned)
         if bias_rows:
             logits = logits.index_put(
-                (torch.tensor(bias_rows, device=logits.device),
-                 torch.tensor(bias_cols, device=logits.device)),
+                (
+                    torch.tensor(bias_rows, device=logits.device),
+                    torch.tensor(bias_cols, device=logits.device),
+                ),
                 torch.tensor(bias_values, dtype=logits.dtype, device=logits.device),
                 accumulate=True,
             )
         if ban_rows:
             logits = logits.index_put(
-                (torch.tensor(ban_rows, device=logits.device),
-                 torch.tensor(ban_cols, device=logits.device)),
+                (
+                    torch.tensor(ban_rows, device=logits.device),
+                    torch.tensor(ban_cols, device=logits.device),
+                ),
                 torch.tensor(float("-inf"), dtype=logits.dtype, device=logits.device),
             )
         if any(p.has_penalties for p in params):
+
             def column(values: list[float]) -> torch.Tensor:
                 return torch.tensor(values, dtype=logits.dtype, device=logits.device)
 

@@ -85,8 +85,11 @@ TESTED_TENSOR_TYPES = (
 # type gguf-py can decode (IQ*, TQ*, Q2_K, Q3_K, MXFP4, ...) is dequantized at load into dense
 # weights, with a warning saying what that costs.
 KERNEL_TYPES = BLOCK_TYPES | {
-    GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16,
-    GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1,
+    GGMLQuantizationType.F32,
+    GGMLQuantizationType.F16,
+    GGMLQuantizationType.BF16,
+    GGMLQuantizationType.Q4_0,
+    GGMLQuantizationType.Q4_1,
 }
 
 _LAYER_NAME_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
@@ -168,7 +171,11 @@ def warn_dense_fallback(reader: GGUFFile | None, dtype: torch.dtype) -> None:
     logger.warning(
         "%s: %d tensors of type %s have no kernel here: dequantized at load into dense %s "
         "weights, %.1f MB in memory against %.1f MB as stored (slower loads and steps)",
-        reader.path.name, len(slow), types, str(dtype).removeprefix("torch."), dense / 1e6,
+        reader.path.name,
+        len(slow),
+        types,
+        str(dtype).removeprefix("torch."),
+        dense / 1e6,
         sum(t.n_bytes for t in slow) / 1e6,
     )
 
@@ -373,6 +380,10 @@ def gguf_model_dir(gguf_path: str | Path) -> Path:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    logger.info("read the config and tokenizer of %s in %.1fs (kept in %s)", reader.path.name,
-                time.perf_counter() - start, target)
+    logger.info(
+        "read the config and tokenizer of %s in %.1fs (kept in %s)",
+        reader.path.name,
+        time.perf_counter() - start,
+        target,
+    )
     return target

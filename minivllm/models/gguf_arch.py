@@ -33,8 +33,9 @@ def meta(reader: GGUFFile, key: str, default: Any = _REQUIRED) -> Any:
     found = reader.metadata.get(key)
     if found is None:
         if default is _REQUIRED:
-            raise GGUFConversionError(f"{reader.path}: GGUF metadata lacks the required key "
-                                      f"{key!r}")
+            raise GGUFConversionError(
+                f"{reader.path}: GGUF metadata lacks the required key {key!r}"
+            )
         return default
     return found
 
@@ -117,8 +118,11 @@ def _gemma3_fields(reader: GGUFFile, arch: str, kwargs: dict) -> dict[str, Any]:
         pattern = [(i + 1) % 6 != 0 for i in range(layers)]
     full: dict[str, Any] = {"rope_type": "default", "rope_theta": kwargs["rope_theta"]}
     if meta(reader, f"{arch}.rope.scaling.type", "none") == "linear":
-        full = {**full, "rope_type": "linear",
-                "factor": meta_float(reader, f"{arch}.rope.scaling.factor")}
+        full = {
+            **full,
+            "rope_type": "linear",
+            "factor": meta_float(reader, f"{arch}.rope.scaling.factor"),
+        }
     local_theta = meta_float(reader, f"{arch}.rope.freq_base_swa", 10000.0)
     return {
         "hidden_activation": "gelu_pytorch_tanh",
@@ -142,10 +146,13 @@ def _phi3_fields(reader: GGUFFile, arch: str, kwargs: dict) -> dict[str, Any]:
     window = int(meta(reader, f"{arch}.attention.sliding_window", 0))
     fields = {
         "sliding_window": window or None,  # llama.cpp writes 0 for none
-        "original_max_position_embeddings": int(meta(
-            reader, f"{arch}.rope.scaling.original_context_length",
-            kwargs["max_position_embeddings"],
-        )),
+        "original_max_position_embeddings": int(
+            meta(
+                reader,
+                f"{arch}.rope.scaling.original_context_length",
+                kwargs["max_position_embeddings"],
+            )
+        ),
     }
     factors = {t.name: t for t in reader.tensors if t.name in CONFIG_TENSORS}
     if "rope_factors_long.weight" in factors:
@@ -173,16 +180,28 @@ class ArchSpec:
 
 
 ARCHITECTURES: dict[str, ArchSpec] = {
-    "llama": ArchSpec("LlamaForCausalLM", "LlamaConfig", permute_qk=True,
-                      has_attention_bias_field=True),
+    "llama": ArchSpec(
+        "LlamaForCausalLM", "LlamaConfig", permute_qk=True, has_attention_bias_field=True
+    ),
     "qwen2": ArchSpec("Qwen2ForCausalLM", "Qwen2Config"),
     "qwen3": ArchSpec("Qwen3ForCausalLM", "Qwen3Config", has_attention_bias_field=True),
-    "gemma2": ArchSpec("Gemma2ForCausalLM", "Gemma2Config", norm_shift=1.0,
-                       tensor_names=_GEMMA_TENSOR_NAMES, fields=_gemma2_fields),
-    "gemma3": ArchSpec("Gemma3ForCausalLM", "Gemma3TextConfig", norm_shift=1.0,
-                       tensor_names=_GEMMA_TENSOR_NAMES, fields=_gemma3_fields),
-    "phi3": ArchSpec("Phi3ForCausalLM", "Phi3Config", tensor_names=_PHI3_TENSOR_NAMES,
-                     fields=_phi3_fields),
+    "gemma2": ArchSpec(
+        "Gemma2ForCausalLM",
+        "Gemma2Config",
+        norm_shift=1.0,
+        tensor_names=_GEMMA_TENSOR_NAMES,
+        fields=_gemma2_fields,
+    ),
+    "gemma3": ArchSpec(
+        "Gemma3ForCausalLM",
+        "Gemma3TextConfig",
+        norm_shift=1.0,
+        tensor_names=_GEMMA_TENSOR_NAMES,
+        fields=_gemma3_fields,
+    ),
+    "phi3": ArchSpec(
+        "Phi3ForCausalLM", "Phi3Config", tensor_names=_PHI3_TENSOR_NAMES, fields=_phi3_fields
+    ),
 }
 SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
 

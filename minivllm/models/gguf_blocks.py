@@ -80,8 +80,11 @@ def _attach_embedding_blocks(model: nn.Module, reader: GGUFFile) -> set[str]:
     head = getattr(model, "lm_head", None)
     tied = head is not None and embedding is not None and head.weight is embedding.weight
     table = reader.by_name.get("token_embd.weight")
-    if (isinstance(embedding, VocabParallelEmbedding) and table is not None
-            and table.tensor_type in EMBEDDING_BLOCK_TYPES):
+    if (
+        isinstance(embedding, VocabParallelEmbedding)
+        and table is not None
+        and table.tensor_type in EMBEDDING_BLOCK_TYPES
+    ):
         segment = _segment(reader, table, "model.embed_tokens.weight")
         embedding.set_blocks(segment)
         supplied.add("model.embed_tokens.weight")
@@ -89,8 +92,12 @@ def _attach_embedding_blocks(model: nn.Module, reader: GGUFFile) -> set[str]:
             head.set_blocks(segment)
             supplied.add("lm_head.weight")
     output = reader.by_name.get("output.weight")
-    if (not tied and isinstance(head, ParallelLMHead) and output is not None
-            and output.tensor_type in EMBEDDING_BLOCK_TYPES):
+    if (
+        not tied
+        and isinstance(head, ParallelLMHead)
+        and output is not None
+        and output.tensor_type in EMBEDDING_BLOCK_TYPES
+    ):
         head.set_blocks(_segment(reader, output, "lm_head.weight"))
         supplied.add("lm_head.weight")
     return supplied

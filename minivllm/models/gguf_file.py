@@ -33,8 +33,19 @@ MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32
 
 # metadata value type id -> struct format of a scalar (8: string, 9: array are read apart)
-_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q",
-            11: "<q", 12: "<d"}
+_SCALARS = {
+    0: "<B",
+    1: "<b",
+    2: "<H",
+    3: "<h",
+    4: "<I",
+    5: "<i",
+    6: "<f",
+    7: "<?",
+    10: "<Q",
+    11: "<q",
+    12: "<d",
+}
 _STRING, _ARRAY = 8, 9
 # Numeric arrays come back as lists up to this length; longer ones (a tokenizer's scores and
 # token types) are skipped: nothing the engine reads from the metadata is that long.
@@ -87,8 +98,10 @@ class _Cursor:
     def take(self, fmt: str) -> Any:
         width = struct.calcsize(fmt)
         if self.pos + width > self.size:
-            raise self.fail(f"the header ends at byte {self.size} while reading byte "
-                            f"{self.pos} (the file is truncated)")
+            raise self.fail(
+                f"the header ends at byte {self.size} while reading byte "
+                f"{self.pos} (the file is truncated)"
+            )
         (value,) = struct.unpack_from(fmt, self.buffer, self.pos)
         self.pos += width
         return value
@@ -96,15 +109,18 @@ class _Cursor:
     def string(self) -> str:
         length = self.take("<Q")
         if self.pos + length > self.size:
-            raise self.fail(f"a string of {length} bytes at byte {self.pos} runs past the end "
-                            f"of the file ({self.size} bytes): truncated or corrupt header")
+            raise self.fail(
+                f"a string of {length} bytes at byte {self.pos} runs past the end "
+                f"of the file ({self.size} bytes): truncated or corrupt header"
+            )
         raw = bytes(self.buffer[self.pos : self.pos + length])
         self.pos += length
         try:
             return raw.decode("utf-8")
         except UnicodeDecodeError as error:
-            raise self.fail(f"a string at byte {self.pos - length} is not UTF-8: corrupt "
-                            "header") from error
+            raise self.fail(
+                f"a string at byte {self.pos - length} is not UTF-8: corrupt header"
+            ) from error
 
     def value(self, type_id: int, key: str) -> Any:
         if type_id in _SCALARS:
@@ -113,16 +129,20 @@ class _Cursor:
             return self.string()
         if type_id == _ARRAY:
             return self.array(key)
-        raise self.fail(f"metadata key {key!r} has unknown value type {type_id} "
-                        f"(byte {self.pos}): corrupt header")
+        raise self.fail(
+            f"metadata key {key!r} has unknown value type {type_id} "
+            f"(byte {self.pos}): corrupt header"
+        )
 
     def array(self, key: str) -> Any:
         item_type, count = self.take("<I"), self.take("<Q")
         if item_type in _SCALARS:
             width = struct.calcsize(_SCALARS[item_type])
             if self.pos + count * width > self.size:
-                raise self.fail(f"metadata array {key!r} of {count} items runs past the end "
-                                f"of the file: truncated or corrupt header")
+                raise self.fail(
+                    f"metadata array {key!r} of {count} items runs past the end "
+                    f"of the file: truncated or corrupt header"
+                )
             start, self.pos = self.pos, self.pos + count * width
             if count > _MAX_ARRAY_ITEMS:
                 return None
@@ -134,14 +154,15 @@ class _Cursor:
                     length = self.take("<Q")
                     self.pos += length
                 if self.pos > self.size:
-                    raise self.fail(f"metadata array {key!r} runs past the end of the file: "
-                                    "truncated or corrupt header")
+                    raise self.fail(
+                        f"metadata array {key!r} runs past the end of the file: "
+                        "truncated or corrupt header"
+                    )
                 return None
             return [self.string() for _ in range(count)]
         if item_type == _ARRAY:
             return [self.array(key) for _ in range(count)]
-        raise self.fail(f"metadata array {key!r} has unknown item type {item_type}: corrupt "
-                        "header")
+        raise self.fail(f"metadata array {key!r} has unknown item type {item_type}: corrupt header")
 
 
 class GGUFFile:
@@ -162,17 +183,21 @@ class GGUFFile:
         cursor = _Cursor(self._map, self.path)
         magic = bytes(self._map[:4])
         if magic != MAGIC:
-            raise GGUFFileError(f"{self.path}: not a GGUF file (it starts with {magic!r}, "
-                                f"not {MAGIC!r})")
+            raise GGUFFileError(
+                f"{self.path}: not a GGUF file (it starts with {magic!r}, not {MAGIC!r})"
+            )
         cursor.pos = 4
         self.version = cursor.take("<I")
         if self.version not in (2, 3):
-            raise GGUFFileError(f"{self.path}: GGUF version {self.version} is not supported "
-                                "(2 and 3 are)")
+            raise GGUFFileError(
+                f"{self.path}: GGUF version {self.version} is not supported (2 and 3 are)"
+            )
         n_tensors, n_kv = cursor.take("<Q"), cursor.take("<Q")
         if n_tensors > size or n_kv > size:
-            raise GGUFFileError(f"{self.path}: the header claims {n_tensors} tensors and "
-                                f"{n_kv} metadata keys in {size} bytes: corrupt header")
+            raise GGUFFileError(
+                f"{self.path}: the header claims {n_tensors} tensors and "
+                f"{n_kv} metadata keys in {size} bytes: corrupt header"
+            )
         self.metadata: dict[str, Any] = {}
         for _ in range(n_kv):
             key = cursor.string()
@@ -194,27 +219,34 @@ class GGUFFile:
         data_start = -(-cursor.pos // alignment) * alignment
         return [self._tensor(data_start, *entry) for entry in entries]
 
-    def _tensor(self, data_start: int, name: str, shape: tuple[int, ...], type_id: int,
-                offset: int) -> GGUFTensor:
+    def _tensor(
+        self, data_start: int, name: str, shape: tuple[int, ...], type_id: int, offset: int
+    ) -> GGUFTensor:
         try:
             tensor_type = GGMLQuantizationType(type_id)
         except ValueError:
-            raise GGUFFileError(f"{self.path}: tensor {name!r} has unknown ggml type id "
-                                f"{type_id}") from None
+            raise GGUFFileError(
+                f"{self.path}: tensor {name!r} has unknown ggml type id {type_id}"
+            ) from None
         block, block_bytes = GGML_QUANT_SIZES[tensor_type]
         if 0 in shape:
-            raise GGUFFileError(f"{self.path}: tensor {name!r} has shape {list(shape)}, with an "
-                                "empty dimension: corrupt tensor table")
+            raise GGUFFileError(
+                f"{self.path}: tensor {name!r} has shape {list(shape)}, with an "
+                "empty dimension: corrupt tensor table"
+            )
         if shape[0] % block:
-            raise GGUFFileError(f"{self.path}: tensor {name!r} ({tensor_type.name}) has rows of "
-                                f"{shape[0]} values, not a multiple of its block of {block}")
+            raise GGUFFileError(
+                f"{self.path}: tensor {name!r} ({tensor_type.name}) has rows of "
+                f"{shape[0]} values, not a multiple of its block of {block}"
+            )
         n_bytes = int(np.prod(shape, dtype=np.int64)) // block * block_bytes
         start = data_start + offset
         if start + n_bytes > self.size:
             raise GGUFFileError(
                 f"{self.path}: tensor {name!r} needs {n_bytes} bytes at offset {start}, but "
                 f"the file ends at byte {self.size} ({start + n_bytes - self.size} bytes "
-                "missing: the file is truncated)")
+                "missing: the file is truncated)"
+            )
         return GGUFTensor(name, tensor_type, shape, start, n_bytes, self._map)
 
     @property

@@ -130,8 +130,12 @@ def read_int4_weights(reader: GGUFFile, exclude: Collection[str] = ()) -> dict[s
             continue
         weight = int4_from_tensor(tensor)
         if (heads := qk_heads(reader, name)) is not None:
-            weight = Int4Weight(*(torch.from_numpy(unpermute_qk(t.numpy(), heads).copy())
-                                  for t in (weight.codes, weight.scales, weight.zeros)))
+            weight = Int4Weight(
+                *(
+                    torch.from_numpy(unpermute_qk(t.numpy(), heads).copy())
+                    for t in (weight.codes, weight.scales, weight.zeros)
+                )
+            )
         weights[name] = weight
     head = _lm_head_q8_0(reader)
     if head is not None:

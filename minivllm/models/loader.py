@@ -118,8 +118,11 @@ def _is_ignored(name: str, tied: bool) -> bool:
     return tied and name == "lm_head.weight"  # tied: the embedding is the head
 
 
-def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
-                 supplied: set[str] | frozenset[str] = frozenset()) -> None:
+def load_weights(
+    model: nn.Module,
+    weights: Iterable[tuple[str, torch.Tensor]],
+    supplied: set[str] | frozenset[str] = frozenset(),
+) -> None:
     """Copy checkpoint tensors into `model`'s parameters through their weight loaders;
     `supplied` names the ones already given to the model in another form (skipped).
 

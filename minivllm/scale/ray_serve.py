@@ -110,8 +110,11 @@ class MinivllmReplica:
         engine = LLMEngine.from_options(**o.engine_options)
         share_the_cpu_with_http(engine)
         app = create_app(
-            engine, served_model_name=o.served_model_name, api_key=o.api_key,
-            max_body_bytes=o.max_body_bytes, max_waiting_requests=o.max_waiting_requests,
+            engine,
+            served_model_name=o.served_model_name,
+            api_key=o.api_key,
+            max_body_bytes=o.max_body_bytes,
+            max_waiting_requests=o.max_waiting_requests,
             chat=o.chat,
         )
         app.add_middleware(_ReplicaHeader, replica=self.replica_id)
@@ -136,8 +139,10 @@ _RAY_GAUGE_PERIOD_S = 1.0
 def _export_engine_gauges(server: Any, replica_id: str) -> None:
     from ray.util.metrics import Gauge
 
-    gauges = {name: Gauge(f"minivllm_{name}", f"minivllm:{name} of one replica",
-                          tag_keys=("replica",)) for name in _RAY_GAUGES}
+    gauges = {
+        name: Gauge(f"minivllm_{name}", f"minivllm:{name} of one replica", tag_keys=("replica",))
+        for name in _RAY_GAUGES
+    }
     tags = {"replica": replica_id}
 
     def copy() -> None:
@@ -201,10 +206,14 @@ def app_builder(args: dict[str, str]) -> Any:
     if unknown:
         raise ValueError(f"unknown options {unknown}; engine options are {sorted(types)}")
     engine_options = {k: _parse(v, str(types[k])) for k, v in args.items()}
-    options = ReplicaOptions(engine_options, served_model_name=name, api_key=api_key,
-                             num_cpus=num_cpus)
-    return build_app(options, num_replicas=num_replicas,
-                     autoscaling_config=json.loads(autoscaling) if autoscaling else None)
+    options = ReplicaOptions(
+        engine_options, served_model_name=name, api_key=api_key, num_cpus=num_cpus
+    )
+    return build_app(
+        options,
+        num_replicas=num_replicas,
+        autoscaling_config=json.loads(autoscaling) if autoscaling else None,
+    )
 
 
 def _parse(value: str, type_name: str) -> Any:
@@ -242,8 +251,13 @@ def serve_on_ray(args: argparse.Namespace, engine_options: dict[str, Any]) -> in
         num_cpus=args.replica_cpus,
     )
     memory = int(args.replica_memory_gb * 2**30) if args.replica_memory_gb else None
-    app = build_app(options, num_replicas=args.num_replicas, memory_bytes=memory,
-                    autoscaling_config=autoscaling, graceful_shutdown_s=args.shutdown_timeout)
+    app = build_app(
+        options,
+        num_replicas=args.num_replicas,
+        memory_bytes=memory,
+        autoscaling_config=autoscaling,
+        graceful_shutdown_s=args.shutdown_timeout,
+    )
     # Joins RAY_ADDRESS, or a cluster `ray start` left on this machine, or starts one.
     ray.init(address=os.environ.get("RAY_ADDRESS") or None)
     serve.start(http_options={"host": args.host, "port": args.port})
@@ -252,8 +266,11 @@ def serve_on_ray(args: argparse.Namespace, engine_options: dict[str, Any]) -> in
         signal.signal(sig, lambda *_: stop.set())
     try:
         serve.run(app, name=APP_NAME, route_prefix="/")
-        print(f"serving on http://{args.host}:{args.port}/v1 with {args.num_replicas} "
-              f"replica(s) of {args.replica_cpus} CPU(s) on Ray", flush=True)
+        print(
+            f"serving on http://{args.host}:{args.port}/v1 with {args.num_replicas} "
+            f"replica(s) of {args.replica_cpus} CPU(s) on Ray",
+            flush=True,
+        )
         stop.wait()
     finally:
         serve.delete(APP_NAME)  # replicas drain their in-flight requests first

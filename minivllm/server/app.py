@@ -86,8 +86,9 @@ def create_app(
     app.state.server = server
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=max_body_bytes)
     if allowed_origins:
-        app.add_middleware(CORSMiddleware, allow_origins=allowed_origins, allow_methods=["*"],
-                           allow_headers=["*"])
+        app.add_middleware(
+            CORSMiddleware, allow_origins=allowed_origins, allow_methods=["*"], allow_headers=["*"]
+        )
     install_error_handlers(app)
     app.include_router(openai_routes(server))
     app.state.responses = ResponsesAPI(server, response_store)
@@ -154,8 +155,9 @@ def _live_recorder(engine: LLMEngine | EngineClient) -> LiveRecorder:
     from minivllm.lab.live import LiveRecorder
 
     if not isinstance(engine, LLMEngine):
-        raise ValueError("the live lab records an engine of this process: "
-                         "serve it without an engine process")
+        raise ValueError(
+            "the live lab records an engine of this process: serve it without an engine process"
+        )
     return LiveRecorder(engine.scheduler.block_manager.num_blocks, engine.config)
 
 

@@ -41,8 +41,14 @@ from minivllm.server.engine_loop import (
     ThreadCommands,
 )
 
-__all__ = ["AsyncLLMEngine", "EngineDeadError", "QueueFullError", "RequestStream",
-           "ShuttingDownError", "StepRecorder"]
+__all__ = [
+    "AsyncLLMEngine",
+    "EngineDeadError",
+    "QueueFullError",
+    "RequestStream",
+    "ShuttingDownError",
+    "StepRecorder",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -153,8 +159,9 @@ class AsyncLLMEngine:
         self.engine = engine
         self.on_output = on_output
         self._commands = ThreadCommands()
-        self._loop = EngineLoop(engine, self._commands, _StreamSink(self),
-                                max_waiting_requests, recorder)
+        self._loop = EngineLoop(
+            engine, self._commands, _StreamSink(self), max_waiting_requests, recorder
+        )
         self._stop = False
         self._thread: threading.Thread | None = None
 

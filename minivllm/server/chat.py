@@ -27,12 +27,14 @@ from minivllm.server.serving import OpenAIServer, json_response, usage_of
 from minivllm.server.streaming import SSEResponse, StreamFormat, sse, stream_choices
 
 
-async def prepare_chat(server: OpenAIServer, req: protocol.ChatCompletionRequest,
-                       logprobs: int | None) -> tuple[SamplingParams, tools.Mode, list[int]]:
+async def prepare_chat(
+    server: OpenAIServer, req: protocol.ChatCompletionRequest, logprobs: int | None
+) -> tuple[SamplingParams, tools.Mode, list[int]]:
     """What a chat request runs as (the Responses API's too): its sampling parameters (the
     default max_tokens fitted to the prompt), its tool mode and its prompt token ids."""
     params = await server.sampling_params(
-        req, default_max_tokens=server.default_sampling.get("max_tokens"), logprobs=logprobs)
+        req, default_max_tokens=server.default_sampling.get("max_tokens"), logprobs=logprobs
+    )
     try:
         mode = tools.mode_of(req.tools, req.tool_choice)
     except ValueError as exc:
@@ -76,8 +78,9 @@ def chat_prompt(
     template = server.chat_template or getattr(server.tokenizer, "chat_template", None)
     if tool_dicts and "tools" not in str(template or ""):
         messages, tool_dicts = tools.with_fallback_prompt(messages, tool_dicts), None
-    text = server.chat_text(messages, req.add_generation_prompt, tool_dicts,
-                            req.chat_template_kwargs)
+    text = server.chat_text(
+        messages, req.add_generation_prompt, tool_dicts, req.chat_template_kwargs
+    )
     return server.encode(text, add_special_tokens=False)
 
 
@@ -96,9 +99,11 @@ class _Call:
     named: str | None  # the function tool_choice names
 
     def chunk(self, choices: list[responses.ChatChunkChoice], **kw: Any) -> str:
-        return sse(responses.ChatCompletionChunk(
-            id=self.request_id, model=self.server.served_model_name, choices=choices, **kw
-        ))
+        return sse(
+            responses.ChatCompletionChunk(
+                id=self.request_id, model=self.server.served_model_name, choices=choices, **kw
+            )
+        )
 
     def message(self, text: str) -> tuple[responses.ChatMessageOut, bool]:
         """A finished output as the assistant's message, and whether it calls tools."""
@@ -125,12 +130,14 @@ def _response(call: _Call, outputs: list[RequestOutput]) -> responses.ChatComple
     for index, output in enumerate(outputs):
         out = output.outputs[0]
         message, has_calls = call.message(out.text)
-        choices.append(responses.ChatChoice(
-            index=index,
-            message=message,
-            logprobs=call.server.logprobs.chat(out, 0, call.num_top),
-            finish_reason=finish_reason_of(out.finish_reason, has_calls),
-        ))
+        choices.append(
+            responses.ChatChoice(
+                index=index,
+                message=message,
+                logprobs=call.server.logprobs.chat(out, 0, call.num_top),
+                finish_reason=finish_reason_of(out.finish_reason, has_calls),
+            )
+        )
     usage = usage_of(call.prompt_tokens, outputs, call.params.n)
     call.server.log_finished(
         call.request_id, call.prompt_tokens, usage.completion_tokens, call.start, "finished"
@@ -149,28 +156,44 @@ def _stream(call: _Call, include_usage: bool) -> AsyncIterator[str]:
             finish_reason = finish_reason_of(finish_reason, has_calls)
         if message is None and finish_reason is None and logprobs is None:
             return ""  # everything held back this step
-        return call.chunk([responses.ChatChunkChoice(
-            index=index, delta=message or responses.DeltaMessage(content=""), logprobs=logprobs,
-            finish_reason=finish_reason,
-        )])
+        return call.chunk(
+            [
+                responses.ChatChunkChoice(
+                    index=index,
+                    delta=message or responses.DeltaMessage(content=""),
+                    logprobs=logprobs,
+                    finish_reason=finish_reason,
+                )
+            ]
+        )
 
     roles = tuple(
-        call.chunk([responses.ChatChunkChoice(
-            index=i, delta=responses.DeltaMessage(role="assistant", content="")
-        )])
+        call.chunk(
+            [
+                responses.ChatChunkChoice(
+                    index=i, delta=responses.DeltaMessage(role="assistant", content="")
+                )
+            ]
+        )
         for i in range(call.params.n)
     )
     fmt = StreamFormat(
         logprobs_of=lambda out, state: call.server.logprobs.chat(
-            out, state.tokens_sent, call.num_top),
+            out, state.tokens_sent, call.num_top
+        ),
         choice_chunk=choice,
         usage_chunk=(lambda usage: call.chunk([], usage=usage)) if include_usage else None,
         preamble=roles,
     )
     return stream_choices(
-        call.stream, call.params, call.params.n, call.prompt_tokens, fmt,
+        call.stream,
+        call.params,
+        call.params.n,
+        call.prompt_tokens,
+        fmt,
         on_end=lambda tokens, how: call.server.log_finished(
-            call.request_id, call.prompt_tokens, tokens, call.start, how),
+            call.request_id, call.prompt_tokens, tokens, call.start, how
+        ),
         n=call.params.n,
     )
 
@@ -191,8 +214,9 @@ class _DeltaSplitter:
             stream = self.reasoning.setdefault(index, ReasoningStream(parser))
             reasoning, text = stream.feed(text, finished)
         if self.call.mode != "none":
-            stream_t = self.tools.setdefault(index, tools.ToolStream(self.call.mode,
-                                                                     self.call.named))
+            stream_t = self.tools.setdefault(
+                index, tools.ToolStream(self.call.mode, self.call.named)
+            )
             text, calls = stream_t.feed(text, finished)
         else:
             calls = []

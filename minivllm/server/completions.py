@@ -38,8 +38,16 @@ async def create_completion(server: OpenAIServer, request: Request) -> Response:
     request_id = f"cmpl-{uuid.uuid4().hex}"
     start = time.monotonic()
     stream = await server.start(request_id, prompts, params)
-    call = _Call(server, request_id, stream, len(prompts) * params.n, params.n,
-                 sum(map(len, prompts)), start, echo)
+    call = _Call(
+        server,
+        request_id,
+        stream,
+        len(prompts) * params.n,
+        params.n,
+        sum(map(len, prompts)),
+        start,
+        echo,
+    )
     if req.stream:
         return SSEResponse(_stream(call, params, req.include_usage), on_close=stream.close)
     try:
@@ -80,9 +88,11 @@ def _response(call: _Call, outputs: list[RequestOutput]) -> responses.Completion
             logprobs = formatter.completion(out, 0, offset)
         else:  # the prompt's tokens come first
             logprobs = formatter.echo_and_completion(output, offset)
-        choices.append(responses.CompletionChoice(
-            index=index, text=text, logprobs=logprobs, finish_reason=out.finish_reason
-        ))
+        choices.append(
+            responses.CompletionChoice(
+                index=index, text=text, logprobs=logprobs, finish_reason=out.finish_reason
+            )
+        )
     usage = usage_of(call.prompt_tokens, outputs, call.n)
     call.server.log_finished(
         call.request_id, call.prompt_tokens, usage.completion_tokens, call.start, "finished"
@@ -94,9 +104,15 @@ def _stream(call: _Call, params: Any, include_usage: bool) -> AsyncIterator[str]
     formatter = call.server.logprobs
 
     def choice(index: int, delta: str, logprobs: Any, finish_reason: str | None) -> str:
-        return sse(call.response([responses.CompletionChoice(
-            index=index, text=delta, logprobs=logprobs, finish_reason=finish_reason
-        )]))
+        return sse(
+            call.response(
+                [
+                    responses.CompletionChoice(
+                        index=index, text=delta, logprobs=logprobs, finish_reason=finish_reason
+                    )
+                ]
+            )
+        )
 
     def echo_chunk(index: int, output: RequestOutput) -> tuple[str, int]:
         """The echoed prompt, as the choice's first chunk, and its length."""
@@ -107,15 +123,21 @@ def _stream(call: _Call, params: Any, include_usage: bool) -> AsyncIterator[str]
 
     fmt = StreamFormat(
         logprobs_of=lambda out, state: formatter.completion(
-            out, state.tokens_sent, state.offset + state.text_sent),
+            out, state.tokens_sent, state.offset + state.text_sent
+        ),
         choice_chunk=choice,
         usage_chunk=(lambda usage: sse(call.response([], usage=usage))) if include_usage else None,
         first_chunk=echo_chunk if call.echo is not None else None,
     )
     return stream_choices(
-        call.stream, params, call.num_choices, call.prompt_tokens, fmt,
+        call.stream,
+        params,
+        call.num_choices,
+        call.prompt_tokens,
+        fmt,
         on_end=lambda tokens, how: call.server.log_finished(
-            call.request_id, call.prompt_tokens, tokens, call.start, how),
+            call.request_id, call.prompt_tokens, tokens, call.start, how
+        ),
         n=call.n,
     )
 

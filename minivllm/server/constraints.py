@@ -76,8 +76,13 @@ def from_response_format(rf: ResponseFormat | None) -> Constraint | None:
 def from_structured_outputs(so: StructuredOutputsRequest | None) -> Constraint | None:
     if so is None:
         return None
-    fields = {"json": so.json_, "regex": so.regex, "choice": so.choice, "grammar": so.grammar,
-              "json_object": so.json_object or None}
+    fields = {
+        "json": so.json_,
+        "regex": so.regex,
+        "choice": so.choice,
+        "grammar": so.grammar,
+        "json_object": so.json_object or None,
+    }
     given = [name for name, value in fields.items() if value is not None]
     if len(given) != 1:
         raise FieldError(

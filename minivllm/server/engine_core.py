@@ -37,7 +37,6 @@ from minivllm.server.engine_messages import (
 logger = logging.getLogger(__name__)
 
 
-
 class _PipeCommands:
     """The engine loop's commands, read from the pipe; the others set the loop's state."""
 
@@ -158,8 +157,14 @@ def engine_main(fd: int) -> None:
     commands = _PipeCommands(conn, sink)
     loop = EngineLoop(engine, commands, sink, start.max_waiting_requests)
     sink.loop = commands.loop = loop
-    conn.send(EngineReady(engine.config, engine.tokenizer, dict(engine.default_sampling_params),
-                          engine.model_runner.vocab_size))
+    conn.send(
+        EngineReady(
+            engine.config,
+            engine.tokenizer,
+            dict(engine.default_sampling_params),
+            engine.model_runner.vocab_size,
+        )
+    )
     try:
         while not commands.stopped:
             loop.run_once()

@@ -134,8 +134,7 @@ class EngineProcess:
     def start(self) -> None:
         if self._reader is not None:
             return
-        self._reader = threading.Thread(target=self._read, name="minivllm-engine-io",
-                                        daemon=True)
+        self._reader = threading.Thread(target=self._read, name="minivllm-engine-io", daemon=True)
         self._reader.start()
 
     def shutdown(self, timeout: float = 10.0) -> None:
@@ -170,8 +169,7 @@ class EngineProcess:
 
     @property
     def is_running(self) -> bool:
-        return (self._reader is not None and self._reader.is_alive()
-                and self._process.poll() is None)
+        return self._reader is not None and self._reader.is_alive() and self._process.poll() is None
 
     @property
     def max_waiting_requests(self) -> int | None:

@@ -32,11 +32,11 @@ _GAUGES = {
 # Measured once at start-up (minivllm/engine/memory.py); minivllm's own, no vLLM alias.
 _MEMORY_GAUGES = {
     "model_weights_bytes": "Bytes of the model's weights in memory (a memory-mapped GGUF "
-                           "tensor counted once).",
+    "tensor counted once).",
     "kv_cache_bytes": "Bytes of the KV-cache pool.",
     "kv_cache_num_blocks": "Blocks in the KV-cache pool.",
     "startup_peak_rss_bytes": "Peak resident memory of the engine process at the end of "
-                              "start-up (loading the weights, allocating the KV pool).",
+    "start-up (loading the weights, allocating the KV pool).",
 }
 _COUNTERS = {
     "prefix_cache_queries": "Prompt tokens looked up in the prefix cache.",

@@ -35,9 +35,16 @@ MAX_LOGPROBS = 20  # top log-probabilities per token
 
 # The one list of top-level fields accepted and ignored: they label or route a request but
 # do not change its answer. Any other field this server does not know is a 400.
-INFORMATIONAL_FIELDS = frozenset({
-    "user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier",
-})
+INFORMATIONAL_FIELDS = frozenset(
+    {
+        "user",
+        "metadata",
+        "store",
+        "service_tier",
+        "prompt_cache_key",
+        "safety_identifier",
+    }
+)
 
 # SGLang's and vLLM's extras that vllm-router and sglang-router write into every request they
 # forward, at their defaults. At the value below each asks for what this server does anyway
@@ -70,7 +77,8 @@ class _Body(BaseModel):
         """The fields this server does not implement (the informational ones, and the routers'
         at their defaults, aside)."""
         return [
-            k for k, v in (self.model_extra or {}).items()
+            k
+            for k, v in (self.model_extra or {}).items()
             if k not in INFORMATIONAL_FIELDS
             and not (k in ROUTER_DEFAULTS and v is ROUTER_DEFAULTS[k])
         ]
@@ -114,16 +122,24 @@ class _SamplingRequest(_Body):
     def constraint(self) -> Constraint | None:
         """The structured-output spec this request asks for and the field it came from;
         FieldError (a ValueError) if it is malformed or there are two."""
-        guided = {"json": self.guided_json, "regex": self.guided_regex,
-                  "choice": self.guided_choice, "grammar": self.guided_grammar}
-        return one_constraint([
-            from_response_format(self.response_format),
-            from_structured_outputs(self.structured_outputs),
-            *from_guided(guided),
-        ])
+        guided = {
+            "json": self.guided_json,
+            "regex": self.guided_regex,
+            "choice": self.guided_choice,
+            "grammar": self.guided_grammar,
+        }
+        return one_constraint(
+            [
+                from_response_format(self.response_format),
+                from_structured_outputs(self.structured_outputs),
+                *from_guided(guided),
+            ]
+        )
 
     def sampling_params(
-        self, default_max_tokens: int | None, logprobs: int | None,
+        self,
+        default_max_tokens: int | None,
+        logprobs: int | None,
         defaults: dict[str, Any] | None = None,
     ) -> SamplingParams:
         """The engine's SamplingParams; ValueError with a client-facing message if invalid.
@@ -190,7 +206,9 @@ class CompletionRequest(_SamplingRequest):
     suffix: str | None = None
 
     def sampling_params(
-        self, default_max_tokens: int | None, logprobs: int | None,
+        self,
+        default_max_tokens: int | None,
+        logprobs: int | None,
         defaults: dict[str, Any] | None = None,
     ) -> SamplingParams:
         if self.best_of is not None and self.best_of != self.n:
@@ -247,8 +265,11 @@ class ChatMessage(_Request):
             message["tool_call_id"] = self.tool_call_id
         if self.tool_calls:
             message["tool_calls"] = [
-                {"id": c.id, "type": "function",
-                 "function": {"name": c.function.name, "arguments": _json_or_text(c.function)}}
+                {
+                    "id": c.id,
+                    "type": "function",
+                    "function": {"name": c.function.name, "arguments": _json_or_text(c.function)},
+                }
                 for c in self.tool_calls
             ]
         return message

@@ -19,13 +19,13 @@ def split_reasoning(parser: str, text: str) -> tuple[str | None, str]:
     """(reasoning, content) of an output; reasoning None if the output did not think."""
     body = text.lstrip()
     if body.startswith(_OPEN):
-        body = body[len(_OPEN):]
+        body = body[len(_OPEN) :]
     elif parser != "deepseek_r1":
         return None, text
     end = body.find(_CLOSE)
     if end < 0:
         return body.lstrip(), ""
-    return body[:end].lstrip(), body[end + len(_CLOSE):].lstrip()
+    return body[:end].lstrip(), body[end + len(_CLOSE) :].lstrip()
 
 
 @dataclass
@@ -48,7 +48,7 @@ class ReasoningStream:
             view = view[: len(view) - partial_tag(view, _CLOSE)]
         reasoning, content = split_reasoning(self.parser, view)
         reasoning = reasoning or ""
-        r_delta, c_delta = reasoning[self.reasoning_sent:], content[self.content_sent:]
+        r_delta, c_delta = reasoning[self.reasoning_sent :], content[self.content_sent :]
         self.reasoning_sent, self.content_sent = len(reasoning), len(content)
         return r_delta, c_delta
 

@@ -106,9 +106,13 @@ class ResponsesAPI:
     def _stored(self, response_id: str) -> StoredResponse:
         entry = self.store.get(response_id)
         if entry is None:
-            raise APIError(404, f"no response {response_id!r} in this server's store: unknown, "
-                           "deleted, evicted (the store is bounded and in memory) or not stored",
-                           param="response_id", code="response_not_found")
+            raise APIError(
+                404,
+                f"no response {response_id!r} in this server's store: unknown, "
+                "deleted, evicted (the store is bounded and in memory) or not stored",
+                param="response_id",
+                code="response_not_found",
+            )
         return entry
 
     async def cancel(self, response_id: str) -> ResponseObject:
@@ -116,9 +120,13 @@ class ResponsesAPI:
         if running is None:
             entry = self._stored(response_id)
             if entry.response.status != "cancelled":
-                raise APIError(400, f"response {response_id!r} is not in progress (its status "
-                               f"is {entry.response.status}): only a running one can be "
-                               "cancelled", param="response_id")
+                raise APIError(
+                    400,
+                    f"response {response_id!r} is not in progress (its status "
+                    f"is {entry.response.status}): only a running one can be "
+                    "cancelled",
+                    param="response_id",
+                )
             return entry.response
         running.cancelled.set()
         running.stream.close()
@@ -139,8 +147,9 @@ class ResponsesAPI:
         self.running[turn.response.id] = running
         self._save(turn, [])
         if req.stream:
-            return SSEResponse(self._events(turn, running),
-                               on_close=lambda: self._closed(turn, running))
+            return SSEResponse(
+                self._events(turn, running), on_close=lambda: self._closed(turn, running)
+            )
         try:
             running.task = asyncio.ensure_future(server.collect(request, stream, 1))
             try:
@@ -151,8 +160,12 @@ class ResponsesAPI:
                 self._finish(turn, None, "cancelled")
                 return json_response(turn.response)
             except APIError as exc:
-                self._finish(turn, None, "failed", ResponseError(
-                    code=exc.code or "server_error", message=exc.message))
+                self._finish(
+                    turn,
+                    None,
+                    "failed",
+                    ResponseError(code=exc.code or "server_error", message=exc.message),
+                )
                 raise
             self._finish(turn, output, None)
             return json_response(turn.response)
@@ -167,14 +180,21 @@ class ResponsesAPI:
             entry = self.store.get(req.previous_response_id)
             if entry is None:
                 raise APIError(
-                    404, f"previous_response_id {req.previous_response_id!r} is not in this "
+                    404,
+                    f"previous_response_id {req.previous_response_id!r} is not in this "
                     "server's store: unknown, deleted, evicted (the store is bounded and in "
                     "memory) or stored with store: false",
-                    param="previous_response_id", code="previous_response_not_found")
+                    param="previous_response_id",
+                    code="previous_response_not_found",
+                )
             if entry.response.status not in ("completed", "incomplete"):
-                raise APIError(400, f"previous_response_id {req.previous_response_id!r} is "
-                               f"{entry.response.status}: only a finished response can be "
-                               "continued", param="previous_response_id")
+                raise APIError(
+                    400,
+                    f"previous_response_id {req.previous_response_id!r} is "
+                    f"{entry.response.status}: only a finished response can be "
+                    "continued",
+                    param="previous_response_id",
+                )
             history = entry.messages
         try:
             conversation = history + input_messages(req.input)
@@ -190,22 +210,31 @@ class ResponsesAPI:
         response = response_of(req, new_id("resp"), server.served_model_name)
         return _Turn(req, response, conversation, prompt, params, mode, named, time.monotonic())
 
-    def _usage(self, turn: _Turn, output: RequestOutput | None, reasoning: str | None
-               ) -> ResponseUsage:
+    def _usage(
+        self, turn: _Turn, output: RequestOutput | None, reasoning: str | None
+    ) -> ResponseUsage:
         out_tokens = len(output.outputs[0].token_ids) if output is not None else 0
         cached = output.num_cached_prompt_tokens if output is not None else 0
         reasoning_tokens = len(self.server.encode(reasoning, False)) if reasoning else 0
         return ResponseUsage(
             input_tokens=len(turn.prompt),
             input_tokens_details=InputTokensDetails(
-                cached_tokens=cached, cache_write_tokens=len(turn.prompt) - cached),
+                cached_tokens=cached, cache_write_tokens=len(turn.prompt) - cached
+            ),
             output_tokens=out_tokens,
             output_tokens_details=OutputTokensDetails(reasoning_tokens=reasoning_tokens),
-            total_tokens=len(turn.prompt) + out_tokens)
+            total_tokens=len(turn.prompt) + out_tokens,
+        )
 
-    def _finish(self, turn: _Turn, output: RequestOutput | None, status: str | None,
-                error: ResponseError | None = None, items: list[Any] | None = None,
-                reasoning: str | None = None) -> None:
+    def _finish(
+        self,
+        turn: _Turn,
+        output: RequestOutput | None,
+        status: str | None,
+        error: ResponseError | None = None,
+        items: list[Any] | None = None,
+        reasoning: str | None = None,
+    ) -> None:
         """Fill in the final response (from `output`, or `items` when streamed), log it and
         store it; `status` given: the response ended without an output (cancelled, failed)."""
         response = turn.response
@@ -213,8 +242,9 @@ class ResponsesAPI:
             out = output.outputs[0]
             cut = out.finish_reason == "length"
             if items is None:
-                items, reasoning = output_items(out.text, self.server.reasoning_parser,
-                                                turn.mode, turn.named, cut)
+                items, reasoning = output_items(
+                    out.text, self.server.reasoning_parser, turn.mode, turn.named, cut
+                )
             status = "incomplete" if cut else "completed"
             if cut:
                 response.incomplete_details = IncompleteDetails(reason="max_output_tokens")
@@ -222,14 +252,21 @@ class ResponsesAPI:
         response.error = error
         response.output = items or []
         response.usage = self._usage(turn, output, reasoning)
-        self.server.log_finished(response.id, len(turn.prompt),
-                                 response.usage.output_tokens, turn.start, status or "finished")
+        self.server.log_finished(
+            response.id,
+            len(turn.prompt),
+            response.usage.output_tokens,
+            turn.start,
+            status or "finished",
+        )
         self._save(turn, response.output)
 
     def _save(self, turn: _Turn, items: list[Any]) -> None:
         if turn.req.store:
-            self.store.put(turn.response.model_copy(deep=True),
-                           turn.conversation + ([assistant_message(items)] if items else []))
+            self.store.put(
+                turn.response.model_copy(deep=True),
+                turn.conversation + ([assistant_message(items)] if items else []),
+            )
 
     def _closed(self, turn: _Turn, running: _Running) -> None:
         """A streamed response's end, however it came (done, disconnect)."""
@@ -239,8 +276,9 @@ class ResponsesAPI:
             self._finish(turn, None, "cancelled")
 
     async def _events(self, turn: _Turn, running: _Running) -> AsyncIterator[str]:
-        writer = EventWriter(turn.response.model_copy(deep=True), self.server.reasoning_parser,
-                             turn.mode, turn.named)
+        writer = EventWriter(
+            turn.response.model_copy(deep=True), self.server.reasoning_parser, turn.mode, turn.named
+        )
         for line in writer.start():
             yield line
         hold_back = max(map(len, turn.params.stop_strings), default=1) - 1
@@ -248,8 +286,12 @@ class ResponsesAPI:
         async for output in _until_cancelled(running):
             if is_failed(output):
                 info = error_of(output).error
-                self._finish(turn, None, "failed",
-                             ResponseError(code=info.code or "server_error", message=info.message))
+                self._finish(
+                    turn,
+                    None,
+                    "failed",
+                    ResponseError(code=info.code or "server_error", message=info.message),
+                )
                 writer.response = turn.response
                 yield writer.end()
                 return
@@ -263,8 +305,9 @@ class ResponsesAPI:
         if final is None:  # cancelled
             self._finish(turn, None, "cancelled")
         else:
-            self._finish(turn, final, None, items=writer.items,
-                         reasoning=writer.reasoning_text or None)
+            self._finish(
+                turn, final, None, items=writer.items, reasoning=writer.reasoning_text or None
+            )
         self.running.pop(turn.response.id, None)
         writer.response = turn.response
         yield writer.end()

@@ -21,14 +21,25 @@ from minivllm.server.constraints import FieldError
 from minivllm.server.protocol import INFORMATIONAL_FIELDS, _Body
 
 # Chat fields of ours (vLLM's extras, as chat has them) a Responses request may carry.
-CHAT_EXTRAS = ("seed", "top_k", "min_p", "repetition_penalty", "presence_penalty",
-               "frequency_penalty", "stop", "ignore_eos", "min_tokens", "logit_bias",
-               "structured_outputs")
+CHAT_EXTRAS = (
+    "seed",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "stop",
+    "ignore_eos",
+    "min_tokens",
+    "logit_bias",
+    "structured_outputs",
+)
 # Accepted and ignored on top of chat's informational fields: they do not change the answer
 # this server gives (`include` asks for extras we never produce; `truncation` "disabled" is
 # what we do: a prompt too long is a 400).
-_RESPONSES_INFORMATIONAL = frozenset({"include", "truncation", "prompt_cache_retention",
-                                      "background"})
+_RESPONSES_INFORMATIONAL = frozenset(
+    {"include", "truncation", "prompt_cache_retention", "background"}
+)
 
 
 class ResponsesRequest(_Body):
@@ -96,14 +107,21 @@ def input_messages(input: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
         if kind == "message":
             role = item.get("role")
             if role not in ("system", "developer", "user", "assistant"):
-                raise FieldError(f"{where}.role", f"{where}.role must be system, developer, "
-                                 f"user or assistant, got {role!r}")
+                raise FieldError(
+                    f"{where}.role",
+                    f"{where}.role must be system, developer, user or assistant, got {role!r}",
+                )
             role = "system" if role == "developer" else role
             messages.append({"role": role, "content": _text_of(item.get("content"), where)})
         elif kind == "function_call":
-            call = {"id": _str(item, "call_id", where), "type": "function",
-                    "function": {"name": _str(item, "name", where),
-                                 "arguments": _str(item, "arguments", where)}}
+            call = {
+                "id": _str(item, "call_id", where),
+                "type": "function",
+                "function": {
+                    "name": _str(item, "name", where),
+                    "arguments": _str(item, "arguments", where),
+                },
+            }
             last = messages[-1] if messages else None
             if last is not None and last["role"] == "assistant" and last.get("tool_calls"):
                 last["tool_calls"].append(call)  # parallel calls: one assistant message
@@ -111,14 +129,23 @@ def input_messages(input: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
                 messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
         elif kind == "function_call_output":
             output = item.get("output")
-            messages.append({"role": "tool", "tool_call_id": _str(item, "call_id", where),
-                             "content": _text_of(output, f"{where}.output")
-                             if not isinstance(output, str) else output})
+            messages.append(
+                {
+                    "role": "tool",
+                    "tool_call_id": _str(item, "call_id", where),
+                    "content": _text_of(output, f"{where}.output")
+                    if not isinstance(output, str)
+                    else output,
+                }
+            )
         elif kind == "reasoning":
             continue  # earlier turns' thinking: chat templates leave it out
         else:
-            raise FieldError(f"{where}.type", f"{where}.type {kind!r} is not supported: give "
-                             "message, function_call or function_call_output items")
+            raise FieldError(
+                f"{where}.type",
+                f"{where}.type {kind!r} is not supported: give "
+                "message, function_call or function_call_output items",
+            )
     return messages
 
 
@@ -134,25 +161,35 @@ def _text_of(content: Any, where: str) -> str:
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
-        raise FieldError(f"{where}.content", f"{where}.content must be a string or a list "
-                         "of input_text parts")
+        raise FieldError(
+            f"{where}.content", f"{where}.content must be a string or a list of input_text parts"
+        )
     texts = []
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
         if kind not in ("input_text", "output_text", "text") or not isinstance(
-                part.get("text"), str):
-            raise FieldError(f"{where}.content[{j}].type", f"{where}.content[{j}] of type "
-                             f"{kind!r} is not supported: only text parts are")
+            part.get("text"), str
+        ):
+            raise FieldError(
+                f"{where}.content[{j}].type",
+                f"{where}.content[{j}] of type {kind!r} is not supported: only text parts are",
+            )
         texts.append(part["text"])
     return "".join(texts)
 
 
 def _chat_tool(tool: dict[str, Any], i: int) -> dict[str, Any]:
     if tool.get("type") != "function":
-        raise FieldError(f"tools[{i}].type", f"tools[{i}].type {tool.get('type')!r} is not "
-                         "supported: this server runs function tools only (no built-in tools)")
-    function = {k: tool[k] for k in ("name", "description", "parameters", "strict")
-                if tool.get(k) is not None}
+        raise FieldError(
+            f"tools[{i}].type",
+            f"tools[{i}].type {tool.get('type')!r} is not "
+            "supported: this server runs function tools only (no built-in tools)",
+        )
+    function = {
+        k: tool[k]
+        for k in ("name", "description", "parameters", "strict")
+        if tool.get(k) is not None
+    }
     return {"type": "function", "function": function}
 
 
@@ -161,8 +198,11 @@ def _chat_tool_choice(choice: str | dict[str, Any]) -> str | dict[str, Any]:
         return choice  # none, auto, required: checked by the chat path
     if choice.get("type") == "function" and isinstance(choice.get("name"), str):
         return {"type": "function", "function": {"name": choice["name"]}}
-    raise FieldError("tool_choice", "tool_choice must be none, auto, required or "
-                     f"{{'type': 'function', 'name': ...}}, got {choice!r:.80}")
+    raise FieldError(
+        "tool_choice",
+        "tool_choice must be none, auto, required or "
+        f"{{'type': 'function', 'name': ...}}, got {choice!r:.80}",
+    )
 
 
 def _response_format(fmt: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -173,8 +213,10 @@ def _response_format(fmt: dict[str, Any] | None) -> dict[str, Any] | None:
     if fmt.get("type") == "json_schema":
         spec = {k: fmt[k] for k in ("name", "schema", "strict", "description") if k in fmt}
         return {"type": "json_schema", "json_schema": spec}
-    raise FieldError("text.format.type", "text.format.type must be text, json_object or "
-                     f"json_schema, got {fmt.get('type')!r}")
+    raise FieldError(
+        "text.format.type",
+        f"text.format.type must be text, json_object or json_schema, got {fmt.get('type')!r}",
+    )
 
 
 # ---- the response object ----------------------------------------------------------------
@@ -287,11 +329,19 @@ class ResponseObject(_Out):
 def response_of(req: ResponsesRequest, response_id: str, model: str) -> ResponseObject:
     """The in-progress response of `req`, echoing its settings as OpenAI does."""
     return ResponseObject(
-        id=response_id, model=model, instructions=req.instructions,
-        max_output_tokens=req.max_output_tokens, temperature=req.temperature, top_p=req.top_p,
-        tools=req.tools or [], tool_choice=req.tool_choice or ("auto" if req.tools else "none"),
+        id=response_id,
+        model=model,
+        instructions=req.instructions,
+        max_output_tokens=req.max_output_tokens,
+        temperature=req.temperature,
+        top_p=req.top_p,
+        tools=req.tools or [],
+        tool_choice=req.tool_choice or ("auto" if req.tools else "none"),
         parallel_tool_calls=req.parallel_tool_calls is not False,
-        text=req.text or {"format": {"type": "text"}}, reasoning=req.reasoning,
-        metadata=req.metadata or {}, user=req.user, store=req.store,
+        text=req.text or {"format": {"type": "text"}},
+        reasoning=req.reasoning,
+        metadata=req.metadata or {},
+        user=req.user,
+        store=req.store,
         previous_response_id=req.previous_response_id,
     )

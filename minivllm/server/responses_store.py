@@ -68,8 +68,9 @@ class ResponseStore:
             return
         self._entries[response.id] = StoredResponse(response, messages, size)
         self._bytes += size
-        while (len(self._entries) > self.options.max_responses
-               or self._bytes > self.options.max_bytes):
+        while (
+            len(self._entries) > self.options.max_responses or self._bytes > self.options.max_bytes
+        ):
             _, evicted = self._entries.popitem(last=False)
             self._bytes -= evicted.size
 

@@ -44,8 +44,12 @@ def output_items(
         items.append(ReasoningItem(content=[ReasoningText(text=reasoning)], status=status))
     if content or not calls:
         items.append(OutputMessage(content=[OutputText(text=content or "")], status=status))
-    items += [FunctionCallItem(call_id=c.id, name=c.function.name,
-                               arguments=c.function.arguments, status=status) for c in calls]
+    items += [
+        FunctionCallItem(
+            call_id=c.id, name=c.function.name, arguments=c.function.arguments, status=status
+        )
+        for c in calls
+    ]
     return items, reasoning
 
 
@@ -53,9 +57,15 @@ def assistant_message(items: list[OutputItem]) -> dict[str, Any]:
     """The output as the assistant's chat message (for the conversation a continuation
     extends); reasoning is left out, as chat templates leave it out of earlier turns."""
     text = "".join(p.text for i in items if isinstance(i, OutputMessage) for p in i.content)
-    calls = [{"id": i.call_id, "type": "function",
-              "function": {"name": i.name, "arguments": i.arguments}}
-             for i in items if isinstance(i, FunctionCallItem)]
+    calls = [
+        {
+            "id": i.call_id,
+            "type": "function",
+            "function": {"name": i.name, "arguments": i.arguments},
+        }
+        for i in items
+        if isinstance(i, FunctionCallItem)
+    ]
     message: dict[str, Any] = {"role": "assistant", "content": text or None}
     if calls:
         message["tool_calls"] = calls
@@ -65,8 +75,13 @@ def assistant_message(items: list[OutputItem]) -> dict[str, Any]:
 class EventWriter:
     """One streamed response's events, from text deltas to the final response."""
 
-    def __init__(self, response: ResponseObject, reasoning_parser: str | None,
-                 mode: tools.Mode, named: str | None) -> None:
+    def __init__(
+        self,
+        response: ResponseObject,
+        reasoning_parser: str | None,
+        mode: tools.Mode,
+        named: str | None,
+    ) -> None:
         self.response = response
         self.sequence_number = 0
         self.items: list[OutputItem] = []
@@ -78,14 +93,17 @@ class EventWriter:
     def event(self, type: str, **fields: Any) -> str:
         """One server-sent event."""
         data = {"type": type, "sequence_number": self.sequence_number}
-        data.update({k: v.model_dump() if isinstance(v, BaseModel) else v
-                     for k, v in fields.items()})
+        data.update(
+            {k: v.model_dump() if isinstance(v, BaseModel) else v for k, v in fields.items()}
+        )
         self.sequence_number += 1
         return f"event: {type}\ndata: {json.dumps(data)}\n\n"
 
     def start(self) -> list[str]:
-        return [self.event("response.created", response=self.response),
-                self.event("response.in_progress", response=self.response)]
+        return [
+            self.event("response.created", response=self.response),
+            self.event("response.in_progress", response=self.response),
+        ]
 
     def feed(self, delta: str, finished: bool, cut: bool) -> list[str]:
         """The events of one step's new text; at the end, the items' dones and calls."""
@@ -105,9 +123,14 @@ class EventWriter:
                 events += self._append(OutputMessage, "")  # an empty answer is a message too
             events += self._close(cut)
             for call in calls:
-                events += self._call(FunctionCallItem(
-                    call_id=call.id, name=call.function.name, arguments=call.function.arguments,
-                    status="incomplete" if cut else "completed"))
+                events += self._call(
+                    FunctionCallItem(
+                        call_id=call.id,
+                        name=call.function.name,
+                        arguments=call.function.arguments,
+                        status="incomplete" if cut else "completed",
+                    )
+                )
         return events
 
     def _append(self, kind: type[ReasoningItem] | type[OutputMessage], text: str) -> list[str]:
@@ -120,14 +143,28 @@ class EventWriter:
         if isinstance(item, ReasoningItem):
             item.content[0].text += text
             self.reasoning_text += text
-            events.append(self.event("response.reasoning_text.delta", item_id=item.id,
-                                     output_index=index, content_index=0, delta=text))
+            events.append(
+                self.event(
+                    "response.reasoning_text.delta",
+                    item_id=item.id,
+                    output_index=index,
+                    content_index=0,
+                    delta=text,
+                )
+            )
         else:
             assert isinstance(item, OutputMessage)
             item.content[0].text += text
-            events.append(self.event("response.output_text.delta", item_id=item.id,
-                                     output_index=index, content_index=0, delta=text,
-                                     logprobs=[]))
+            events.append(
+                self.event(
+                    "response.output_text.delta",
+                    item_id=item.id,
+                    output_index=index,
+                    content_index=0,
+                    delta=text,
+                    logprobs=[],
+                )
+            )
         return events
 
     def _open_item(self, kind: type[ReasoningItem] | type[OutputMessage]) -> list[str]:
@@ -136,8 +173,15 @@ class EventWriter:
         events = [self.event("response.output_item.added", output_index=index, item=item)]
         part: ReasoningText | OutputText
         part = ReasoningText(text="") if kind is ReasoningItem else OutputText(text="")
-        events.append(self.event("response.content_part.added", item_id=item.id,
-                                 output_index=index, content_index=0, part=part))
+        events.append(
+            self.event(
+                "response.content_part.added",
+                item_id=item.id,
+                output_index=index,
+                content_index=0,
+                part=part,
+            )
+        )
         item.content = [part.model_copy()]  # type: ignore[assignment]
         self.items.append(item)
         self._open = item
@@ -153,10 +197,21 @@ class EventWriter:
         extra = {} if isinstance(item, ReasoningItem) else {"logprobs": []}
         item.status = "incomplete" if cut else "completed"
         return [
-            self.event(f"response.{kind}.done", item_id=item.id, output_index=index,
-                       content_index=0, text=part.text, **extra),
-            self.event("response.content_part.done", item_id=item.id, output_index=index,
-                       content_index=0, part=part),
+            self.event(
+                f"response.{kind}.done",
+                item_id=item.id,
+                output_index=index,
+                content_index=0,
+                text=part.text,
+                **extra,
+            ),
+            self.event(
+                "response.content_part.done",
+                item_id=item.id,
+                output_index=index,
+                content_index=0,
+                part=part,
+            ),
             self.event("response.output_item.done", output_index=index, item=item),
         ]
 
@@ -166,10 +221,19 @@ class EventWriter:
         pending = item.model_copy(update={"arguments": "", "status": "in_progress"})
         return [
             self.event("response.output_item.added", output_index=index, item=pending),
-            self.event("response.function_call_arguments.delta", item_id=item.id,
-                       output_index=index, delta=item.arguments),
-            self.event("response.function_call_arguments.done", item_id=item.id,
-                       output_index=index, name=item.name, arguments=item.arguments),
+            self.event(
+                "response.function_call_arguments.delta",
+                item_id=item.id,
+                output_index=index,
+                delta=item.arguments,
+            ),
+            self.event(
+                "response.function_call_arguments.done",
+                item_id=item.id,
+                output_index=index,
+                name=item.name,
+                arguments=item.arguments,
+            ),
             self.event("response.output_item.done", output_index=index, item=item),
         ]
 
@@ -177,5 +241,6 @@ class EventWriter:
         """The final lifecycle event, after `self.response` was filled in."""
         # failed and cancelled alike end with response.failed: OpenAI has no cancelled event
         kind = {"completed": "response.completed", "incomplete": "response.incomplete"}.get(
-            self.response.status, "response.failed")
+            self.response.status, "response.failed"
+        )
         return self.event(kind, response=self.response)

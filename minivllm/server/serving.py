@@ -54,8 +54,9 @@ class ChatOptions:
 
     def __post_init__(self) -> None:
         if self.reasoning_parser not in (None, *PARSERS):
-            raise ValueError(f"reasoning_parser must be one of {PARSERS}, got "
-                             f"{self.reasoning_parser!r}")
+            raise ValueError(
+                f"reasoning_parser must be one of {PARSERS}, got {self.reasoning_parser!r}"
+            )
 
 
 class OpenAIServer:
@@ -124,8 +125,7 @@ class OpenAIServer:
         if name is not None and name != self.served_model_name:
             raise APIError(
                 404,
-                f"the model {name!r} does not exist; this server serves "
-                f"{self.served_model_name!r}",
+                f"the model {name!r} does not exist; this server serves {self.served_model_name!r}",
                 param="model",
                 code="model_not_found",
             )
@@ -187,8 +187,11 @@ class OpenAIServer:
         there is no template or it rejects the messages."""
         try:
             return requests.chat_text(
-                self.tokenizer, messages, add_generation_prompt=add_generation_prompt,
-                tools=tools, chat_template=self.chat_template,
+                self.tokenizer,
+                messages,
+                add_generation_prompt=add_generation_prompt,
+                tools=tools,
+                chat_template=self.chat_template,
                 chat_template_kwargs={**self.chat_template_kwargs, **(template_kwargs or {})},
             )
         except requests.NoChatTemplateError:
@@ -227,9 +230,7 @@ class OpenAIServer:
                 503, str(exc), type="service_unavailable", code="shutting_down"
             ) from None
         except EngineDeadError as exc:
-            raise APIError(
-                503, str(exc), type="service_unavailable", code="engine_dead"
-            ) from None
+            raise APIError(503, str(exc), type="service_unavailable", code="engine_dead") from None
         except (ValueError, TypeError) as exc:
             raise bad_value(exc) from None
 
@@ -272,7 +273,6 @@ class OpenAIServer:
             completion_tokens,
             time.monotonic() - start,
         )
-
 
 
 def json_response(body: BaseModel) -> Response:

@@ -23,9 +23,11 @@ async def tokenize(server: OpenAIServer, request: Request) -> Response:
     else:
         tokens = await asyncio.to_thread(_chat_tokens, server, req)
     strs = [server.logprobs.token_text(t) for t in tokens] if req.return_token_strs else None
-    return json_response(responses.TokenizeResponse(
-        count=len(tokens), max_model_len=server.max_model_len, tokens=tokens, token_strs=strs
-    ))
+    return json_response(
+        responses.TokenizeResponse(
+            count=len(tokens), max_model_len=server.max_model_len, tokens=tokens, token_strs=strs
+        )
+    )
 
 
 def _chat_tokens(server: OpenAIServer, req: protocol.TokenizeRequest) -> list[int]:
@@ -34,8 +36,9 @@ def _chat_tokens(server: OpenAIServer, req: protocol.TokenizeRequest) -> list[in
         messages = [m.template_dict() for m in req.messages]
     except ValueError as exc:
         raise bad_request(str(exc), param="messages") from None
-    text = server.chat_text(messages, req.add_generation_prompt,
-                            template_kwargs=req.chat_template_kwargs)
+    text = server.chat_text(
+        messages, req.add_generation_prompt, template_kwargs=req.chat_template_kwargs
+    )
     return server.encode(text, add_special_tokens=bool(req.add_special_tokens))
 
 
@@ -44,8 +47,9 @@ async def detokenize(server: OpenAIServer, request: Request) -> Response:
     vocab = server.vocab_size
     bad = [t for t in req.tokens if not 0 <= t < vocab]
     if bad:
-        raise bad_request(f"token id {bad[0]} is outside the vocabulary [0, {vocab})",
-                          param="tokens")
+        raise bad_request(
+            f"token id {bad[0]} is outside the vocabulary [0, {vocab})", param="tokens"
+        )
     if server.tokenizer is None:
         raise bad_request("this model has no tokenizer")
     text = await asyncio.to_thread(server.tokenizer.decode, req.tokens)

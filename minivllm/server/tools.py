@@ -69,12 +69,18 @@ def mode_of(tools: list[Tool] | None, choice: str | NamedToolChoice | None) -> M
     if isinstance(choice, NamedToolChoice):
         names = [t.function.name for t in tools or []]
         if choice.function.name not in names:
-            raise FieldError("tool_choice", f"tool_choice names {choice.function.name!r}, "
-                             f"which is not one of the tools {names}")
+            raise FieldError(
+                "tool_choice",
+                f"tool_choice names {choice.function.name!r}, "
+                f"which is not one of the tools {names}",
+            )
         return "named"
     if choice not in (None, "none", "auto", "required"):
-        raise FieldError("tool_choice", "tool_choice must be none, auto, required or "
-                         f"{{'type': 'function', 'function': {{'name': ...}}}}, got {choice!r}")
+        raise FieldError(
+            "tool_choice",
+            "tool_choice must be none, auto, required or "
+            f"{{'type': 'function', 'function': {{'name': ...}}}}, got {choice!r}",
+        )
     if not tools:
         if choice == "required":
             raise FieldError("tool_choice", "tool_choice required needs tools")
@@ -95,10 +101,15 @@ def tool_constraint(
     if mode == "required":
         assert tools
         items = [
-            {"type": "object",
-             "properties": {"name": {"enum": [t.function.name]},
-                            "parameters": t.function.parameters or _ANY_OBJECT},
-             "required": ["name", "parameters"], "additionalProperties": False}
+            {
+                "type": "object",
+                "properties": {
+                    "name": {"enum": [t.function.name]},
+                    "parameters": t.function.parameters or _ANY_OBJECT,
+                },
+                "required": ["name", "parameters"],
+                "additionalProperties": False,
+            }
             for t in tools
         ]
         schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": items}}
@@ -177,7 +188,7 @@ def _required_items(text: str) -> list[tuple[str, str]]:
             if cut is not None:
                 items.append((json.loads(cut.group(1)), cut.group(2) or ""))
             break
-        pos = end + 1 if text[end:end + 1] == "," else len(text)
+        pos = end + 1 if text[end : end + 1] == "," else len(text)
     return items
 
 
@@ -220,5 +231,5 @@ class ToolStream:
 
     def _content_up_to(self, end: int) -> str:
         end = max(end, self.sent)
-        out, self.sent = self.text[self.sent:end], end
+        out, self.sent = self.text[self.sent : end], end
         return out

@@ -125,8 +125,10 @@ def _close(schema: Any, closable: bool) -> Any:
 
 def _is_open_object(schema: dict[str, Any]) -> bool:
     types = schema.get("type")
-    is_object = types == "object" or (isinstance(types, list) and "object" in types) or (
-        types is None and "properties" in schema
+    is_object = (
+        types == "object"
+        or (isinstance(types, list) and "object" in types)
+        or (types is None and "properties" in schema)
     )
     stated = "additionalProperties" in schema or "unevaluatedProperties" in schema
     composed = any(k in schema for k in _COMPOSITION)

@@ -86,8 +86,11 @@ class StructuredOutputs:
         counts = [1 + len(d) for d in drafts] if drafts is not None else [1] * len(matchers)
         firsts = np.cumsum([0, *counts[:-1]]).tolist()  # each sequence's first row
         bitmask = llnp.allocate_token_bitmask(sum(counts), self.vocab_size)
-        rows = [(m._matcher, firsts[i]) for i, m in enumerate(matchers)
-                if m is not None and counts[i] == 1]
+        rows = [
+            (m._matcher, firsts[i])
+            for i, m in enumerate(matchers)
+            if m is not None and counts[i] == 1
+        ]
         if len(rows) == 1:  # one request: no thread pool to wake
             llnp.fill_next_token_bitmask(rows[0][0], bitmask, rows[0][1])
         elif rows:

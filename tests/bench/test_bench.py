@@ -26,13 +26,34 @@ def test_workload_is_the_same_for_the_same_seed_and_within_its_ranges():
 
 
 @pytest.mark.parametrize("which", ["throughput", "prefix", "overhead"])
-def test_offline_benchmarks_write_their_report(which: str, tiny_llama_dir: Path,
-                                               tmp_path: Path):
+def test_offline_benchmarks_write_their_report(which: str, tiny_llama_dir: Path, tmp_path: Path):
     out = tmp_path / f"{which}.json"
-    rc = main(["bench", which, "--model", str(tiny_llama_dir), "--num-requests", "3",
-               "--input-min", "4", "--input-max", "12", "--output-min", "2",
-               "--output-max", "5", "--prefix-len", "16", "--suffix-len", "4",
-               "--output-len", "3", "--output", str(out)])
+    rc = main(
+        [
+            "bench",
+            which,
+            "--model",
+            str(tiny_llama_dir),
+            "--num-requests",
+            "3",
+            "--input-min",
+            "4",
+            "--input-max",
+            "12",
+            "--output-min",
+            "2",
+            "--output-max",
+            "5",
+            "--prefix-len",
+            "16",
+            "--suffix-len",
+            "4",
+            "--output-len",
+            "3",
+            "--output",
+            str(out),
+        ]
+    )
     assert rc == 0
     report = json.loads(out.read_text())
     assert report["benchmark"] == which

@@ -40,10 +40,14 @@ def hf_greedy(model_dir: str) -> list[list[int]]:
     for prompt in PROMPTS:
         with torch.inference_mode():
             tokens = model.generate(
-                torch.tensor([prompt]), max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS,
-                do_sample=False, pad_token_id=0, eos_token_id=None,
+                torch.tensor([prompt]),
+                max_new_tokens=MAX_TOKENS,
+                min_new_tokens=MAX_TOKENS,
+                do_sample=False,
+                pad_token_id=0,
+                eos_token_id=None,
             )
-        out.append(tokens[0, len(prompt):].tolist())
+        out.append(tokens[0, len(prompt) :].tolist())
     return out
 
 

@@ -37,11 +37,16 @@ def hf_reference(model_dir: str) -> list[tuple[list[int], list[list[int]]]]:
     results = []
     for prompt in PROMPTS:
         out = model.generate(
-            torch.tensor([prompt]), max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS,
-            do_sample=False, output_scores=True, return_dict_in_generate=True,
-            pad_token_id=0, eos_token_id=None,
+            torch.tensor([prompt]),
+            max_new_tokens=MAX_TOKENS,
+            min_new_tokens=MAX_TOKENS,
+            do_sample=False,
+            output_scores=True,
+            return_dict_in_generate=True,
+            pad_token_id=0,
+            eos_token_id=None,
         )
-        tokens = out.sequences[0, len(prompt):].tolist()
+        tokens = out.sequences[0, len(prompt) :].tolist()
         tops = [s[0].topk(TOP).indices.tolist() for s in out.scores]
         results.append((tokens, tops))
     return results
@@ -61,8 +66,9 @@ def assert_matches_hf(outputs, reference) -> None:
 
 
 def greedy(**kw) -> SamplingParams:
-    return SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=TOP,
-                          **kw)
+    return SamplingParams(
+        temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=TOP, **kw
+    )
 
 
 @functools.cache
@@ -122,8 +128,9 @@ def test_prompt_forms_and_output_order(tiny_llama_dir):
     assert outs[0].prompt == text and outs[0].prompt_token_ids == ids
     tokens = [o.outputs[0].token_ids for o in outs]
     assert tokens[0] == tokens[1] == tokens[2]
-    assert outs[0].outputs[0].text == tokenizer.decode(outs[0].outputs[0].token_ids,
-                                                       skip_special_tokens=True)
+    assert outs[0].outputs[0].text == tokenizer.decode(
+        outs[0].outputs[0].token_ids, skip_special_tokens=True
+    )
 
 
 def test_seeded_sampling_is_reproducible_whatever_the_batch(tiny_llama_dir):
@@ -133,8 +140,11 @@ def test_seeded_sampling_is_reproducible_whatever_the_batch(tiny_llama_dir):
     noise = SamplingParams(temperature=1.0, max_tokens=7, ignore_eos=True)
     batch = llm.generate(PROMPTS[:4], [params, noise, noise, noise], use_tqdm=False)
     assert batch[0].outputs[0].token_ids == alone
-    other_seed = llm.generate([PROMPTS[0]], SamplingParams(temperature=1.0, seed=99,
-                              max_tokens=10, ignore_eos=True), use_tqdm=False)
+    other_seed = llm.generate(
+        [PROMPTS[0]],
+        SamplingParams(temperature=1.0, seed=99, max_tokens=10, ignore_eos=True),
+        use_tqdm=False,
+    )
     assert other_seed[0].outputs[0].token_ids != alone
 
 
@@ -160,8 +170,11 @@ def test_mixed_greedy_and_sampled_in_one_batch(tiny_qwen3_dir):
 
 def test_n_samples_and_logprobs(tiny_llama_dir):
     llm = cached_llm(str(tiny_llama_dir), max_model_len=128)
-    out = llm.generate([PROMPTS[0]], SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=6,
-                                                    logprobs=2), use_tqdm=False)[0]
+    out = llm.generate(
+        [PROMPTS[0]],
+        SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=6, logprobs=2),
+        use_tqdm=False,
+    )[0]
     assert [c.index for c in out.outputs] == [0, 1, 2]
     assert len({tuple(c.token_ids) for c in out.outputs}) > 1
     for c in out.outputs:
@@ -172,14 +185,17 @@ def test_n_samples_and_logprobs(tiny_llama_dir):
 
 def test_stop_strings_cut_the_text(tiny_llama_dir):
     llm = cached_llm(str(tiny_llama_dir), max_model_len=128)
-    full = llm.generate([PROMPTS[3]], SamplingParams(temperature=0, max_tokens=20,
-                                                     ignore_eos=True), use_tqdm=False)[0]
+    full = llm.generate(
+        [PROMPTS[3]], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True), use_tqdm=False
+    )[0]
     text = full.outputs[0].text
     assert len(text) > 6
     stop = text[3:6]
-    cut = llm.generate([PROMPTS[3]], SamplingParams(temperature=0, max_tokens=20,
-                                                    ignore_eos=True, stop=[stop]),
-                       use_tqdm=False)[0]
+    cut = llm.generate(
+        [PROMPTS[3]],
+        SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, stop=[stop]),
+        use_tqdm=False,
+    )[0]
     assert cut.outputs[0].text == text[: text.find(stop)]
     assert cut.outputs[0].finish_reason == "stop"
 
@@ -196,8 +212,7 @@ def test_bad_requests_leave_the_engine_serving(tiny_llama_dir):
     assert len(llm.generate([PROMPTS[0]], greedy(), use_tqdm=False)) == 1
 
 
-def test_unsupported_architecture_and_missing_path_are_clear_errors(tmp_path: Path,
-                                                                      tiny_llama_dir):
+def test_unsupported_architecture_and_missing_path_are_clear_errors(tmp_path: Path, tiny_llama_dir):
     with pytest.raises(FileNotFoundError, match="does not exist"):
         LLM(str(tmp_path / "nope"))
     broken = tmp_path / "broken"

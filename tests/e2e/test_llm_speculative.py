@@ -19,8 +19,14 @@ from minivllm.layers import rejection_sampler
 
 # The cost model off (tests/engine/test_spec_policy.py covers it): every match proposes, at any
 # batch size, so these tests verify drafts wherever the proposer finds them.
-NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
-         "prompt_lookup_max": 3, "disable_by_batch_size": None, "draft_token_cost": 0.0}
+NGRAM = {
+    "method": "ngram",
+    "num_speculative_tokens": 3,
+    "prompt_lookup_min": 1,
+    "prompt_lookup_max": 3,
+    "disable_by_batch_size": None,
+    "draft_token_cost": 0.0,
+}
 PROMPTS = [
     [5, 17, 42, 99, 3] * 4,
     [200, 201, 202, 203, 204, 205, 206, 207, 1, 2, 3] * 2 + [200, 201],
@@ -32,12 +38,12 @@ PROMPTS = [
 @functools.cache
 def cached_llm(model_dir: str, speculative: bool, **options) -> LLM:
     spec = NGRAM if speculative else None
-    return LLM(model_dir, dtype="float32", max_model_len=512, speculative_config=spec,
-               **options)
+    return LLM(model_dir, dtype="float32", max_model_len=512, speculative_config=spec, **options)
 
 
-@pytest.mark.parametrize("options", [{}, {"max_num_batched_tokens": 16, "block_size": 4,
-                                          "num_kv_blocks": 30}])
+@pytest.mark.parametrize(
+    "options", [{}, {"max_num_batched_tokens": 16, "block_size": 4, "num_kv_blocks": 30}]
+)
 def test_greedy_with_speculation_is_token_identical(tiny_llama_dir, options):
     """Mixed batches (prefill chunks, speculating and plain decodes), small blocks and a
     pool small enough to preempt: the same tokens as without speculation."""
@@ -60,15 +66,22 @@ def test_greedy_with_speculation_is_token_identical_in_every_family(
 ):
     """Sliding windows, soft-caps, q/k norms: the verification step's several queries over
     existing KV attend like one-token steps do."""
-    model_dir = str(request.getfixturevalue("tiny_qwen3_dir") if family == "qwen3"
-                    else tiny_family_dirs[family])
+    model_dir = str(
+        request.getfixturevalue("tiny_qwen3_dir") if family == "qwen3" else tiny_family_dirs[family]
+    )
     params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
     outputs = []
     for speculative in (False, True):
-        llm = LLM(model_dir, dtype="float32", max_model_len=256, block_size=4,
-                  speculative_config=NGRAM if speculative else None)
-        outputs.append([o.outputs[0].token_ids
-                        for o in llm.generate(PROMPTS[:2], params, use_tqdm=False)])
+        llm = LLM(
+            model_dir,
+            dtype="float32",
+            max_model_len=256,
+            block_size=4,
+            speculative_config=NGRAM if speculative else None,
+        )
+        outputs.append(
+            [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:2], params, use_tqdm=False)]
+        )
     assert outputs[1] == outputs[0]
     # Drafts were verified; whether a random model repeats itself enough to accept some
     # depends on the family (the Llama test above requires accepted ones).

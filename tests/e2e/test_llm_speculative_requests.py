@@ -11,15 +11,26 @@ import math
 from minivllm import LLM, SamplingParams
 from minivllm.sampling_params import StructuredOutputsParams
 
-NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
-         "prompt_lookup_max": 3, "disable_by_batch_size": None, "draft_token_cost": 0.0}
+NGRAM = {
+    "method": "ngram",
+    "num_speculative_tokens": 3,
+    "prompt_lookup_min": 1,
+    "prompt_lookup_max": 3,
+    "disable_by_batch_size": None,
+    "draft_token_cost": 0.0,
+}
 PROMPTS = [[5, 17, 42, 99, 3] * 4, [200, 201, 202, 203, 1, 2, 3] * 3 + [200, 201], [7] * 9]
 
 
 @functools.cache
 def cached_llm(model_dir: str, speculative: bool) -> LLM:
-    return LLM(model_dir, dtype="float32", max_model_len=256, block_size=4,
-               speculative_config=NGRAM if speculative else None)
+    return LLM(
+        model_dir,
+        dtype="float32",
+        max_model_len=256,
+        block_size=4,
+        speculative_config=NGRAM if speculative else None,
+    )
 
 
 def both(model_dir: str, prompts: list, params: list[SamplingParams]) -> tuple[list, list, dict]:
@@ -33,8 +44,10 @@ def both(model_dir: str, prompts: list, params: list[SamplingParams]) -> tuple[l
 
 
 def test_greedy_logprobs_with_speculation_are_the_same(tiny_llama_dir):
-    params = [SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=n)
-              for n in (0, 3, 1)]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=n)
+        for n in (0, 3, 1)
+    ]
     plain, spec, delta = both(str(tiny_llama_dir), PROMPTS, params)
     assert delta["spec_decode_num_accepted_tokens"] > 0
     for p, s in zip(plain, spec):
@@ -51,17 +64,35 @@ def test_greedy_logprobs_with_speculation_are_the_same(tiny_llama_dir):
 def test_greedy_structured_outputs_with_speculation_are_the_same(tiny_llama_dir):
     llm = cached_llm(str(tiny_llama_dir), False)
     tokenizer = llm.get_tokenizer()
-    texts = ["ab ab ab ab ab ab ab ab", "alpha beta alpha beta alpha", "<12><12><12><12>",
-             '{"id": 7, "label": "x"} {"id": 7, "label": "x"}']
+    texts = [
+        "ab ab ab ab ab ab ab ab",
+        "alpha beta alpha beta alpha",
+        "<12><12><12><12>",
+        '{"id": 7, "label": "x"} {"id": 7, "label": "x"}',
+    ]
     prompts = [tokenizer.encode(t, add_special_tokens=False) for t in texts]
-    specs = [StructuredOutputsParams(regex=r"(ab ){2,20}"),
-             StructuredOutputsParams(choice=["alpha beta alpha", "beta"]),
-             StructuredOutputsParams(grammar='root ::= ("<" [0-9]+ ">")+'),
-             StructuredOutputsParams(json={"type": "object", "properties": {
-                 "id": {"type": "integer"}, "label": {"type": "string", "maxLength": 4}},
-                 "required": ["id", "label"], "additionalProperties": False})]
-    params = [SamplingParams(temperature=0.0, max_tokens=32, structured_outputs=spec,
-                             logprobs=1 if i == 0 else None) for i, spec in enumerate(specs)]
+    specs = [
+        StructuredOutputsParams(regex=r"(ab ){2,20}"),
+        StructuredOutputsParams(choice=["alpha beta alpha", "beta"]),
+        StructuredOutputsParams(grammar='root ::= ("<" [0-9]+ ">")+'),
+        StructuredOutputsParams(
+            json={
+                "type": "object",
+                "properties": {
+                    "id": {"type": "integer"},
+                    "label": {"type": "string", "maxLength": 4},
+                },
+                "required": ["id", "label"],
+                "additionalProperties": False,
+            }
+        ),
+    ]
+    params = [
+        SamplingParams(
+            temperature=0.0, max_tokens=32, structured_outputs=spec, logprobs=1 if i == 0 else None
+        )
+        for i, spec in enumerate(specs)
+    ]
     plain, spec, delta = both(str(tiny_llama_dir), prompts, params)
     assert delta["spec_decode_num_drafts"] > 0
     for p, s in zip(plain, spec):

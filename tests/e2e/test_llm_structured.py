@@ -18,8 +18,10 @@ from minivllm.structured import GrammarError
 
 SCHEMA = {
     "type": "object",
-    "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 999},
-                   "label": {"type": "string", "maxLength": 10}},
+    "properties": {
+        "id": {"type": "integer", "minimum": 0, "maximum": 999},
+        "label": {"type": "string", "maxLength": 10},
+    },
     "required": ["id", "label"],
     "additionalProperties": False,
 }
@@ -31,8 +33,14 @@ SPECS = [
     StructuredOutputsParams(choice=["alpha", "beta"]),
     StructuredOutputsParams(grammar='root ::= "<" [0-9]+ ">"'),
 ]
-PROMPTS = ["The quick brown fox", "Hello", "Paged attention stores", "Once upon a time",
-           "A scheduler mixes", "0 1 2 3"]
+PROMPTS = [
+    "The quick brown fox",
+    "Hello",
+    "Paged attention stores",
+    "Once upon a time",
+    "A scheduler mixes",
+    "0 1 2 3",
+]
 
 
 def _params(i: int, spec: StructuredOutputsParams | None) -> SamplingParams:
@@ -42,8 +50,9 @@ def _params(i: int, spec: StructuredOutputsParams | None) -> SamplingParams:
 def test_mixed_batch_with_preemption_equals_one_at_a_time(tiny_llama_dir) -> None:
     # 24 blocks of 4 tokens for 6 sequences of up to ~55 tokens each: preemption is certain.
     # fp32: the path whose numerics do not depend on the batch's shape (see the README)
-    llm = LLM(str(tiny_llama_dir), max_model_len=256, block_size=4, num_kv_blocks=24,
-              dtype="float32")
+    llm = LLM(
+        str(tiny_llama_dir), max_model_len=256, block_size=4, num_kv_blocks=24, dtype="float32"
+    )
     params = [_params(i, spec) for i, spec in enumerate(SPECS)]
     together = llm.generate(PROMPTS, params, use_tqdm=False)
     assert llm.llm_engine.scheduler.num_preemptions > 0
@@ -67,9 +76,11 @@ def test_chat_with_a_schema_and_greedy_min_tokens(tiny_llama_dir) -> None:
     """min_tokens cannot keep a finished grammar from ending: the grammar wins."""
     llm = LLM(str(tiny_llama_dir), max_model_len=256)
     spec = StructuredOutputsParams(choice=["ok"])
-    out = llm.chat([{"role": "user", "content": "hi"}],
-                   SamplingParams(temperature=0, max_tokens=20, min_tokens=10,
-                                  structured_outputs=spec), use_tqdm=False)[0]
+    out = llm.chat(
+        [{"role": "user", "content": "hi"}],
+        SamplingParams(temperature=0, max_tokens=20, min_tokens=10, structured_outputs=spec),
+        use_tqdm=False,
+    )[0]
     assert out.outputs[0].text == "ok"
     assert out.outputs[0].finish_reason == "stop"
 
@@ -79,9 +90,16 @@ def test_chat_passes_tools_and_template_kwargs(tiny_llama_dir) -> None:
     template kwarg is what shows)."""
     llm = LLM(str(tiny_llama_dir), max_model_len=256)
     tokenizer = llm.get_tokenizer()
-    tokenizer.chat_template = ("{% for m in messages %}{{ m['content'] }}{% endfor %}"
-                               "{% if tools %}TOOLS{% endif %}{% if flag %}FLAG{% endif %}")
+    tokenizer.chat_template = (
+        "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+        "{% if tools %}TOOLS{% endif %}{% if flag %}FLAG{% endif %}"
+    )
     conv = [{"role": "user", "content": "hi"}]
-    text = tokenizer.decode(llm.apply_chat_template(conv, tools=[{"type": "function",
-                            "function": {"name": "f"}}], chat_template_kwargs={"flag": True}))
+    text = tokenizer.decode(
+        llm.apply_chat_template(
+            conv,
+            tools=[{"type": "function", "function": {"name": "f"}}],
+            chat_template_kwargs={"flag": True},
+        )
+    )
     assert text.endswith("hiTOOLSFLAG")

@@ -31,8 +31,9 @@ def hf_completion_logprobs(model_dir: str, prompt: list[int], completion: list[i
     return logits[len(prompt) - 1 : -1].float().log_softmax(-1)
 
 
-def assert_entry_matches(entry: dict[int, Logprob], token: int, ref: torch.Tensor,
-                         num_top: int, tokenizer) -> None:
+def assert_entry_matches(
+    entry: dict[int, Logprob], token: int, ref: torch.Tensor, num_top: int, tokenizer
+) -> None:
     """One entry against one row of the reference distribution: the top-N most likely first
     with ranks 1..N, `token` present with its full-vocabulary rank, every text decoded."""
     assert token in entry
@@ -56,8 +57,9 @@ def test_completion_logprobs_ranks_and_texts_match_hf(tiny_llama_dir, temperatur
     own rank; the top-N rank 1..N; cumulative_logprob sums the chosen tokens'."""
     model_dir = str(tiny_llama_dir)
     llm = cached_llm(model_dir)
-    params = SamplingParams(temperature=temperature, seed=3, max_tokens=12, ignore_eos=True,
-                            logprobs=TOP)
+    params = SamplingParams(
+        temperature=temperature, seed=3, max_tokens=12, ignore_eos=True, logprobs=TOP
+    )
     outside_top = 0
     for prompt, out in zip(PROMPTS, llm.generate(PROMPTS, params, use_tqdm=False), strict=True):
         completion = out.outputs[0]
@@ -101,7 +103,8 @@ def test_logprob_entry_keeps_the_top_n_first_and_adds_the_token():
     assert entry == {1: Logprob(-0.1, 1), 2: Logprob(-0.2, 2), 7: Logprob(-5.0, 40)}
     # A token among the top-N keeps its top-N rank (vLLM: the top-N entry wins).
     assert logprob_entry(2, -0.2, 2, [1, 2], [-0.1, -0.2]) == {
-        1: Logprob(-0.1, 1), 2: Logprob(-0.2, 2)
+        1: Logprob(-0.1, 1),
+        2: Logprob(-0.2, 2),
     }
 
 

@@ -36,7 +36,11 @@ def test_apply_penalties_matches_the_rules_row_by_row():
     )
     for row in range(rows):
         want = reference_penalties(
-            logits[row], histories[row], num_prompt[row], repetition[row], presence[row],
+            logits[row],
+            histories[row],
+            num_prompt[row],
+            repetition[row],
+            presence[row],
             frequency[row],
         )
         torch.testing.assert_close(got[row], want)
@@ -61,8 +65,9 @@ def test_logit_bias_and_min_tokens_change_the_choice_but_not_the_logprobs():
     assert out.token_ids[2] == 4  # min_tokens reached: EOS is allowed again
     raw = logits.log_softmax(-1)
     chosen = [entry[token].logprob for entry, token in zip(out.logprobs, out.token_ids)]
-    assert chosen == pytest.approx([raw[0, 9].item(), raw[1, out.token_ids[1]].item(),
-                                    raw[2, 4].item()])
+    assert chosen == pytest.approx(
+        [raw[0, 9].item(), raw[1, out.token_ids[1]].item(), raw[2, 4].item()]
+    )
 
 
 @pytest.mark.parametrize(
@@ -121,8 +126,13 @@ def test_repetition_penalty_matches_hf_generate(tiny_llama_dir):
     llm = LLM(str(tiny_llama_dir), dtype="float32")
     for prompt in PROMPTS:
         hf = model.generate(
-            torch.tensor([prompt]), max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS,
-            do_sample=False, repetition_penalty=1.3, pad_token_id=0, eos_token_id=None,
+            torch.tensor([prompt]),
+            max_new_tokens=MAX_TOKENS,
+            min_new_tokens=MAX_TOKENS,
+            do_sample=False,
+            repetition_penalty=1.3,
+            pad_token_id=0,
+            eos_token_id=None,
         )[0, len(prompt) :].tolist()
         [out] = llm.generate([prompt], greedy(repetition_penalty=1.3), use_tqdm=False)
         assert out.outputs[0].token_ids == hf

@@ -74,8 +74,9 @@ def test_prompt_logprobs_across_lm_head_slices(tiny_llama_dir, monkeypatch):
 
 
 def test_prompt_logprobs_with_tensor_parallelism(tiny_qwen3_dir):
-    with LLM(str(tiny_qwen3_dir), tensor_parallel_size=2, max_model_len=128,
-             dtype="float32") as llm:
+    with LLM(
+        str(tiny_qwen3_dir), tensor_parallel_size=2, max_model_len=128, dtype="float32"
+    ) as llm:
         params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, prompt_logprobs=TOP)
         outs = llm.generate(PROMPTS[:2], params, use_tqdm=False)
     for prompt, out in zip(PROMPTS[:2], outs, strict=True):

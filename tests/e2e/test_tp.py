@@ -93,8 +93,11 @@ def odd_heads_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     14 heads / 2 KV heads (Qwen2.5-0.5B's layout)."""
     dirs = {}
     for name, heads, kv_heads in [("5h1kv", 5, 1), ("14h2kv", 14, 2)]:
-        kwargs = {**tiny_config_kwargs(build_tokenizer()), "num_attention_heads": heads,
-                  "num_key_value_heads": kv_heads}
+        kwargs = {
+            **tiny_config_kwargs(build_tokenizer()),
+            "num_attention_heads": heads,
+            "num_key_value_heads": kv_heads,
+        }
         config = Qwen2Config(**kwargs, tie_word_embeddings=True)
         config.architectures = ["Qwen2ForCausalLM"]
         out_dir = tmp_path_factory.mktemp(f"tiny_qwen2_{name}")

@@ -239,8 +239,10 @@ def test_stop_conditions(make_engine):
     eos = engine.config.eos_token_ids[0]
     stops = engine.add_request([1, 2], greedy(max_tokens=5))
     ignores = engine.add_request([1, 2], greedy(max_tokens=5, ignore_eos=True))
-    stop_id = engine.add_request([1, 2], greedy(max_tokens=5, stop_token_ids=[
-        reference_completion([1, 2], 3)[2]], ignore_eos=True))
+    stop_id = engine.add_request(
+        [1, 2],
+        greedy(max_tokens=5, stop_token_ids=[reference_completion([1, 2], 3)[2]], ignore_eos=True),
+    )
     finals = run_to_completion(engine)
     assert finals[str(stops.seq_id)].outputs[0].token_ids[-1] == eos
     assert finals[str(stops.seq_id)].outputs[0].finish_reason == "stop"
@@ -288,11 +290,23 @@ def test_invariant_checker_catches_a_broken_sequence():
         check_invariants(seq, 4)
 
 
-@pytest.mark.parametrize("bad", [
-    dict(temperature=-1.0), dict(temperature=float("nan")), dict(top_p=0.0), dict(top_p=1.5),
-    dict(top_k=-2), dict(n=0), dict(max_tokens=0), dict(max_tokens=-3), dict(min_p=2.0),
-    dict(min_tokens=5, max_tokens=2), dict(stop=[1]), dict(logprobs=-1),
-])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        dict(temperature=-1.0),
+        dict(temperature=float("nan")),
+        dict(top_p=0.0),
+        dict(top_p=1.5),
+        dict(top_k=-2),
+        dict(n=0),
+        dict(max_tokens=0),
+        dict(max_tokens=-3),
+        dict(min_p=2.0),
+        dict(min_tokens=5, max_tokens=2),
+        dict(stop=[1]),
+        dict(logprobs=-1),
+    ],
+)
 def test_invalid_sampling_params_raise_value_error(bad):
     with pytest.raises(ValueError):
         SamplingParams(**bad)

@@ -56,8 +56,13 @@ def test_random_workloads_keep_the_invariants(
         max_num_seqs=max_num_seqs,
         max_model_len=48,
         enable_prefix_caching=prefix_caching,
-        speculative_config={"method": "ngram", "num_speculative_tokens": speculative_tokens,
-                            "prompt_lookup_min": 1} if speculative_tokens else None,
+        speculative_config={
+            "method": "ngram",
+            "num_speculative_tokens": speculative_tokens,
+            "prompt_lookup_min": 1,
+        }
+        if speculative_tokens
+        else None,
     )
     # With speculation, a model of the last token over 12 ids: outputs cycle, drafts hit.
     vocab, order = (12, 1) if speculative_tokens else (1000, None)

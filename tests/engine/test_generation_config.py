@@ -14,9 +14,17 @@ from minivllm.config import EngineConfig
 from minivllm.engine.generation_config import default_sampling_params
 
 QWEN_STYLE = {
-    "bos_token_id": 1, "eos_token_id": [2, 3], "do_sample": True, "temperature": 0.7,
-    "top_p": 0.8, "top_k": 20, "repetition_penalty": 1.05, "max_new_tokens": 64,
-    "min_p": None, "num_beams": 1, "transformers_version": "4.45.0",
+    "bos_token_id": 1,
+    "eos_token_id": [2, 3],
+    "do_sample": True,
+    "temperature": 0.7,
+    "top_p": 0.8,
+    "top_k": 20,
+    "repetition_penalty": 1.05,
+    "max_new_tokens": 64,
+    "min_p": None,
+    "num_beams": 1,
+    "transformers_version": "4.45.0",
 }
 
 
@@ -31,7 +39,10 @@ def test_auto_reads_the_sampling_fields_only(tmp_path):
     max_new_tokens is vLLM's max_tokens."""
     model = write(tmp_path / "model", QWEN_STYLE)
     assert default_sampling_params("auto", model) == {
-        "temperature": 0.7, "top_p": 0.8, "top_k": 20, "repetition_penalty": 1.05,
+        "temperature": 0.7,
+        "top_p": 0.8,
+        "top_k": 20,
+        "repetition_penalty": 1.05,
         "max_tokens": 64,
     }
 
@@ -50,14 +61,17 @@ def test_vllm_ignores_the_file_and_a_folder_replaces_it(tmp_path):
     assert default_sampling_params(str(other), model) == {"temperature": 0.3, "min_p": 0.1}
 
 
-@pytest.mark.parametrize("content, match", [
-    (None, "not a folder holding a generation_config.json"),
-    ("{not json", "cannot read"),
-    ("[1, 2]", "must hold a JSON object"),
-    (json.dumps({"temperature": -1}), "temperature"),
-    (json.dumps({"top_k": 20.5}), "top_k"),
-    (json.dumps({"max_new_tokens": 0}), "max_tokens"),
-])
+@pytest.mark.parametrize(
+    "content, match",
+    [
+        (None, "not a folder holding a generation_config.json"),
+        ("{not json", "cannot read"),
+        ("[1, 2]", "must hold a JSON object"),
+        (json.dumps({"temperature": -1}), "temperature"),
+        (json.dumps({"top_k": 20.5}), "top_k"),
+        (json.dumps({"max_new_tokens": 0}), "max_tokens"),
+    ],
+)
 def test_a_bad_folder_or_file_is_a_clear_error(tmp_path, content, match):
     folder = tmp_path / "gen"
     folder.mkdir()

@@ -54,8 +54,7 @@ def test_default_cpu_budget_is_a_capped_share_of_available(monkeypatch) -> None:
     # the mapped weights the first steps read back are not room for the KV pool
     assert memory.kv_cache_budget(config, cpu, 2 * 10**9) == pytest.approx(0.5e9)
     monkeypatch.setattr(memory, "available_memory", lambda: 64 * 10**9)
-    assert memory.kv_cache_budget(config, cpu, 0) == pytest.approx(
-        memory.DEFAULT_CPU_KV_GB * 1e9)
+    assert memory.kv_cache_budget(config, cpu, 0) == pytest.approx(memory.DEFAULT_CPU_KV_GB * 1e9)
     given = EngineConfig(kv_cache_memory_gb=0.25)
     assert memory.kv_cache_budget(given, cpu, 0) == pytest.approx(0.25e9)
 
@@ -75,9 +74,13 @@ def test_blocks_for_budget() -> None:
 
 
 def _report(blocks: int) -> memory.MemoryReport:
-    return memory.MemoryReport(weight_bytes=1, mapped_weight_bytes=0,
-                               kv_cache_bytes=blocks * 10**6, num_kv_blocks=blocks,
-                               peak_rss_bytes=1)
+    return memory.MemoryReport(
+        weight_bytes=1,
+        mapped_weight_bytes=0,
+        kv_cache_bytes=blocks * 10**6,
+        num_kv_blocks=blocks,
+        peak_rss_bytes=1,
+    )
 
 
 def test_fit_max_model_len(caplog: pytest.LogCaptureFixture) -> None:
@@ -101,15 +104,25 @@ def test_fit_max_model_len(caplog: pytest.LogCaptureFixture) -> None:
 
 
 def test_report_line_and_gauges() -> None:
-    report = memory.MemoryReport(weight_bytes=2_500_000_000, mapped_weight_bytes=2 * 10**9,
-                                 kv_cache_bytes=10**9, num_kv_blocks=100,
-                                 peak_rss_bytes=3 * 10**9)
+    report = memory.MemoryReport(
+        weight_bytes=2_500_000_000,
+        mapped_weight_bytes=2 * 10**9,
+        kv_cache_bytes=10**9,
+        num_kv_blocks=100,
+        peak_rss_bytes=3 * 10**9,
+    )
     line = report.log_line(16, torch.bfloat16, torch.device("cpu"))
-    assert line == ("memory: weights 2.50 GB (2.00 GB of it the GGUF's mapped pages); KV cache "
-                    "1.00 GB = 100 blocks x 16 tokens (bfloat16, cpu); peak resident 3.00 GB "
-                    "at start-up")
-    assert report.gauges() == {"model_weights_bytes": 2.5e9, "kv_cache_bytes": 1e9,
-                               "kv_cache_num_blocks": 100.0, "startup_peak_rss_bytes": 3e9}
+    assert line == (
+        "memory: weights 2.50 GB (2.00 GB of it the GGUF's mapped pages); KV cache "
+        "1.00 GB = 100 blocks x 16 tokens (bfloat16, cpu); peak resident 3.00 GB "
+        "at start-up"
+    )
+    assert report.gauges() == {
+        "model_weights_bytes": 2.5e9,
+        "kv_cache_bytes": 1e9,
+        "kv_cache_num_blocks": 100.0,
+        "startup_peak_rss_bytes": 3e9,
+    }
 
 
 def test_a_gguf_model_counts_its_stored_blocks_once(
@@ -132,8 +145,9 @@ def test_a_gguf_model_counts_its_stored_blocks_once(
         llm = LLM(model=str(path), enforce_eager=True, device="cpu", num_kv_blocks=8)
     report = llm.llm_engine.model_runner.memory
     assert report.mapped_weight_bytes == 2 * 64 * 8 * 34
-    dense = sum(p.numel() * p.element_size()
-                for p in llm.llm_engine.model_runner.model.parameters())
+    dense = sum(
+        p.numel() * p.element_size() for p in llm.llm_engine.model_runner.model.parameters()
+    )
     assert report.weight_bytes >= dense + report.mapped_weight_bytes
     assert report.num_kv_blocks == 8 and report.kv_cache_bytes > 0
     assert "memory: weights" in caplog.text and "of it the GGUF's mapped pages" in caplog.text

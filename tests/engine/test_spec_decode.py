@@ -30,8 +30,12 @@ from minivllm.engine.spec_decode import (
 )
 from minivllm.sampling_params import SamplingParams
 
-NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
-         "prompt_lookup_max": 3}
+NGRAM = {
+    "method": "ngram",
+    "num_speculative_tokens": 3,
+    "prompt_lookup_min": 1,
+    "prompt_lookup_max": 3,
+}
 VOCAB, ORDER = 16, 1
 
 
@@ -84,20 +88,23 @@ def test_speculative_config_accepts_vllms_shapes():
     assert EngineConfig().speculative_config is None
 
 
-@pytest.mark.parametrize("bad, message", [
-    ({"model": "draft.gguf", "num_speculative_tokens": 3}, "not supported yet"),
-    ({"method": "draft_model", "model": "d"}, "not supported yet"),
-    ({"method": "eagle", "num_speculative_tokens": 3}, "'eagle' is not supported"),
-    ({"num_speculative_tokens": 3}, 'needs a "method"'),
-    ({"method": "ngram", "num_speculative_tokens": 0}, "positive integer"),
-    ({"method": "ngram", "prompt_lookup_min": 4, "prompt_lookup_max": 2}, "must not exceed"),
-    ({"method": "ngram", "lookahead": 2}, "unknown speculative_config key"),
-    ({"method": "ngram", "disable_by_batch_size": 0}, "positive integer or null"),
-    ({"method": "ngram", "draft_token_cost": -1}, "a number >= 0"),
-    ({"method": "ngram", "draft_token_cost": "cheap"}, "a number >= 0"),
-    ("{not json", "not valid JSON"),
-    (7, "must be a dict"),
-])
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        ({"model": "draft.gguf", "num_speculative_tokens": 3}, "not supported yet"),
+        ({"method": "draft_model", "model": "d"}, "not supported yet"),
+        ({"method": "eagle", "num_speculative_tokens": 3}, "'eagle' is not supported"),
+        ({"num_speculative_tokens": 3}, 'needs a "method"'),
+        ({"method": "ngram", "num_speculative_tokens": 0}, "positive integer"),
+        ({"method": "ngram", "prompt_lookup_min": 4, "prompt_lookup_max": 2}, "must not exceed"),
+        ({"method": "ngram", "lookahead": 2}, "unknown speculative_config key"),
+        ({"method": "ngram", "disable_by_batch_size": 0}, "positive integer or null"),
+        ({"method": "ngram", "draft_token_cost": -1}, "a number >= 0"),
+        ({"method": "ngram", "draft_token_cost": "cheap"}, "a number >= 0"),
+        ("{not json", "not valid JSON"),
+        (7, "must be a dict"),
+    ],
+)
 def test_bad_speculative_configs_say_what_to_change(bad, message):
     with pytest.raises(ValueError, match=message):
         EngineConfig(speculative_config=bad)
@@ -159,8 +166,11 @@ def test_per_position_counts_and_mean_acceptance_length():
     assert stats.accepted_per_pos == [3, 2, 1]
     out = stats.as_stats()
     assert per_position(out) == [3, 2, 1]
-    assert (out["spec_decode_num_drafts"], out["spec_decode_num_draft_tokens"],
-            out["spec_decode_num_accepted_tokens"]) == (4, 11, 6)
+    assert (
+        out["spec_decode_num_drafts"],
+        out["spec_decode_num_draft_tokens"],
+        out["spec_decode_num_accepted_tokens"],
+    ) == (4, 11, 6)
     assert mean_acceptance_length(4, 6) == 2.5
     assert mean_acceptance_length(0, 0) is None
 
@@ -214,7 +224,8 @@ def test_eos_inside_an_accepted_run_ends_the_output_there(make_engine):
         stats = engine.stats()
         # The accepted drafts outnumber the tokens kept after the first: some were dropped.
         inside += stats["spec_decode_num_accepted_tokens"] > len(out.token_ids) - 1 - (
-            stats["spec_decode_num_drafts"] == 0)
+            stats["spec_decode_num_drafts"] == 0
+        )
     assert inside > 0
 
 
@@ -223,16 +234,26 @@ def test_min_tokens_and_stop_token_ids_hold_under_speculation(make_engine):
     stop token."""
     prompt = [2, *reference([2], 10), 2]
     full = reference(prompt, 30)
-    requests = [greedy(max_tokens=30, min_tokens=8),
-                greedy(max_tokens=30, stop_token_ids=[full[5]], ignore_eos=True)]
+    requests = [
+        greedy(max_tokens=30, min_tokens=8),
+        greedy(max_tokens=30, stop_token_ids=[full[5]], ignore_eos=True),
+    ]
     results = []
     for spec in [None, NGRAM]:
-        engine = make_engine(vocab_size=VOCAB, order=ORDER, eos_token_ids=(full[3],),
-                             speculative_config=spec)
+        engine = make_engine(
+            vocab_size=VOCAB, order=ORDER, eos_token_ids=(full[3],), speculative_config=spec
+        )
         seqs = [engine.add_request(prompt, params) for params in requests]
         finals = run_to_completion(engine)
-        results.append([(finals[str(s.seq_id)].outputs[0].token_ids,
-                         finals[str(s.seq_id)].outputs[0].finish_reason) for s in seqs])
+        results.append(
+            [
+                (
+                    finals[str(s.seq_id)].outputs[0].token_ids,
+                    finals[str(s.seq_id)].outputs[0].finish_reason,
+                )
+                for s in seqs
+            ]
+        )
         assert (engine.stats()["spec_decode_num_accepted_tokens"] > 0) == (spec is not None)
     assert results[0] == results[1]
     assert len(results[1][0][0]) >= 8 and results[1][1][0][-1] == full[5]

@@ -42,8 +42,10 @@ def test_a_request_below_break_even_stops_and_probes_again():
         p.observe(7, 4, 0)
     decisions = [p.should_propose(7, 1) for _ in range(2 * PROBE_INTERVAL)]
     # One probe every PROBE_INTERVAL decode steps, no proposal between.
-    assert [i for i, yes in enumerate(decisions) if yes] == [PROBE_INTERVAL - 1,
-                                                             2 * PROBE_INTERVAL - 1]
+    assert [i for i, yes in enumerate(decisions) if yes] == [
+        PROBE_INTERVAL - 1,
+        2 * PROBE_INTERVAL - 1,
+    ]
     for _ in range(WINDOW // 2):  # the probes hit: the text started quoting its prompt
         p.observe(7, 4, 4)
     assert p.should_propose(7, 1)
@@ -56,8 +58,14 @@ def test_a_request_below_break_even_stops_and_probes_again():
 def test_the_engine_turns_speculation_off_at_large_batches(make_engine):
     """Drafts appear only in plans made with fewer running sequences than the limit, and the
     outputs are the model's own."""
-    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
-            "prompt_lookup_max": 3, "disable_by_batch_size": 3, "draft_token_cost": 0.0}
+    spec = {
+        "method": "ngram",
+        "num_speculative_tokens": 3,
+        "prompt_lookup_min": 1,
+        "prompt_lookup_max": 3,
+        "disable_by_batch_size": 3,
+        "draft_token_cost": 0.0,
+    }
     engine = make_engine(vocab_size=VOCAB, order=ORDER, speculative_config=spec)
     params = SamplingParams(temperature=0.0, max_tokens=12)
     prompts = [[1, 2, 3], [4, 5], [6, 7, 8]]

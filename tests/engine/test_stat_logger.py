@@ -11,8 +11,14 @@ def stats_after(steps: list[tuple[int, int]], k: int = 3) -> dict[str, float]:
     spec = SpecDecodeStats(k)
     for drafts, accepted in steps:
         spec.observe(drafts, accepted)
-    return {"num_requests_running": 2, "num_requests_waiting": 1, "kv_cache_usage_perc": 0.25,
-            "prefix_cache_queries": 10, "prefix_cache_hits": 4, **spec.as_stats()}
+    return {
+        "num_requests_running": 2,
+        "num_requests_waiting": 1,
+        "kv_cache_usage_perc": 0.25,
+        "prefix_cache_queries": 10,
+        "prefix_cache_hits": 4,
+        **spec.as_stats(),
+    }
 
 
 def test_the_line_reports_the_mean_acceptance_length_since_the_last_line():
@@ -28,8 +34,9 @@ def test_the_line_reports_the_mean_acceptance_length_since_the_last_line():
 
 
 def test_an_engine_that_does_not_speculate_logs_no_spec_part():
-    line = format_stats({"num_requests_running": 1, "prefix_cache_queries": 8,
-                         "prefix_cache_hits": 2}, {}, 10.0)
+    line = format_stats(
+        {"num_requests_running": 1, "prefix_cache_queries": 8, "prefix_cache_hits": 2}, {}, 10.0
+    )
     assert "SpecDecoding" not in line and "Prefix cache hit rate: 25.0%" in line
 
 

@@ -16,8 +16,13 @@ CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 kernels = pytest.mark.skipif(not cpu_caps().kernels, reason="our CPU kernels do not run here")
 
 
-def _decide(compute: torch.dtype, tp_size: int = 1, gguf: bool = True,
-            device: torch.device = CPU, **options: object) -> WeightPolicy:
+def _decide(
+    compute: torch.dtype,
+    tp_size: int = 1,
+    gguf: bool = True,
+    device: torch.device = CPU,
+    **options: object,
+) -> WeightPolicy:
     """The policy for engine `options`, computing in `compute` on `device`."""
     return WeightPolicy.decide(EngineConfig(**options), device, compute, tp_size, gguf=gguf)
 
@@ -25,8 +30,9 @@ def _decide(compute: torch.dtype, tp_size: int = 1, gguf: bool = True,
 @kernels
 def test_the_default_fp32_cpu_path_keeps_blocks_and_runs_4bit_weights_on_qgemv() -> None:
     policy = _decide(torch.float32)
-    assert policy == WeightPolicy(keep_blocks=True, stored_kernel="qgemv", int8=False,
-                                  quantize_int4=False, token_exact=False)
+    assert policy == WeightPolicy(
+        keep_blocks=True, stored_kernel="qgemv", int8=False, quantize_int4=False, token_exact=False
+    )
 
 
 def test_explicit_float32_is_the_token_exact_dense_path() -> None:
@@ -59,10 +65,13 @@ def test_int8_quantizes_and_keeps_no_stored_weights() -> None:
     assert policy.int8 and policy.stored_kernel is None and not policy.keep_blocks
 
 
-@pytest.mark.parametrize("device, dtype, tp_size, message", [
-    (CUDA, torch.bfloat16, 1, "quantization='int4' runs on the CPU"),
-    (CPU, torch.bfloat16, 2, "tensor_parallel_size=1"),
-])
+@pytest.mark.parametrize(
+    "device, dtype, tp_size, message",
+    [
+        (CUDA, torch.bfloat16, 1, "quantization='int4' runs on the CPU"),
+        (CPU, torch.bfloat16, 2, "tensor_parallel_size=1"),
+    ],
+)
 def test_int4_where_it_cannot_run_is_refused(device, dtype, tp_size, message) -> None:
     with pytest.raises(ValueError, match=message):
         _decide(dtype, tp_size=tp_size, device=device, quantization="int4")

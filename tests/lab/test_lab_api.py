@@ -111,8 +111,9 @@ def test_seq8_follows_the_seed(client: TestClient) -> None:
     slots = [s["state"] for b in execute["blocks"][2:4] for s in b["slots"]]
     assert slots == ["written"] * 8
     assert [s["state"] for b in s2["blocks"][2:4] for s in b["slots"]] == ["committed"] * 8
-    assert s2["blocks"][2]["slots"][0]["owners"] == [{"seq_id": 1, "pos": 0, "token_id":
-                                                       seq(s2)["token_ids"][0]}]
+    assert s2["blocks"][2]["slots"][0]["owners"] == [
+        {"seq_id": 1, "pos": 0, "token_id": seq(s2)["token_ids"][0]}
+    ]
 
     s3 = post(client, "step")
     assert fields(seq(s3)) == ("RUNNING", 0, 9, 10)
@@ -346,8 +347,18 @@ def test_page_and_its_hooks_are_served(client: TestClient) -> None:
     """The page, its script and styles come from the package; the data-testid hooks the
     issue lists are in the page or built by the script."""
     html = client.get("/").text
-    modules = ["main", "core", "i18n", "words_en", "words_zh", "guides", "sequence", "pool",
-               "log", "timeline"]
+    modules = [
+        "main",
+        "core",
+        "i18n",
+        "words_en",
+        "words_zh",
+        "guides",
+        "sequence",
+        "pool",
+        "log",
+        "timeline",
+    ]
     scripts = {m: client.get(f"/static/{m}.js") for m in modules}
     assert all(r.status_code == 200 for r in scripts.values())
     js = "".join(r.text for r in scripts.values())
@@ -418,8 +429,9 @@ def test_snapshot_of_any_engine_without_a_tracer() -> None:
     from minivllm.lab.snapshot import Snapshotter
     from minivllm.sampling_params import SamplingParams
 
-    config = EngineConfig(block_size=4, num_kv_blocks=8, max_num_batched_tokens=64,
-                          max_model_len=64)
+    config = EngineConfig(
+        block_size=4, num_kv_blocks=8, max_num_batched_tokens=64, max_model_len=64
+    )
     engine = LLMEngine(config, FakeModelRunner(8, 4), None)
     params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
     engine.add_request(list(range(5, 11)), params)

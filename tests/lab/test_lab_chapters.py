@@ -21,8 +21,9 @@ def post(client: TestClient, path: str, body: object = None, status: int = 200) 
     return r.json()
 
 
-def play(client: TestClient, name: str, answer: str, actions: list[str],
-         **options: int) -> tuple[dict, list[dict]]:
+def play(
+    client: TestClient, name: str, answer: str, actions: list[str], **options: int
+) -> tuple[dict, list[dict]]:
     """Reset `name`, lock `answer`, run `actions`; the lesson then, and the learner's frames."""
     start = post(client, "reset", {"scenario": name, **options})
     assert start["lesson"]["result"] is None and start["lesson"]["prediction"] is None
@@ -37,8 +38,9 @@ def play(client: TestClient, name: str, answer: str, actions: list[str],
     return state["lesson"], frames
 
 
-def graded(client: TestClient, name: str, wrong: str, right: str, actions: list[str],
-           **options: int) -> tuple[dict, list[dict]]:
+def graded(
+    client: TestClient, name: str, wrong: str, right: str, actions: list[str], **options: int
+) -> tuple[dict, list[dict]]:
     """A wrong prediction is graded wrong, the right one right; both see the same answer."""
     lesson, _ = play(client, name, wrong, actions, **options)
     assert lesson["result"]["correct"] is False and lesson["result"]["answer"] == right
@@ -78,9 +80,16 @@ def test_scenarios_carry_their_chapter_and_code_links(lab_client: TestClient) ->
             assert r.status_code == 200, link
             assert r.json()["function"] == link["function"]
             names.add(link["function"])
-    assert {"Scheduler.schedule", "BlockManager.match_prefix", "hash_block",
-            "slot_mapping_for", "prepare_inputs", "ModelRunner.run",
-            "NgramProposer.propose", "Scheduler._propose"} <= names
+    assert {
+        "Scheduler.schedule",
+        "BlockManager.match_prefix",
+        "hash_block",
+        "slot_mapping_for",
+        "prepare_inputs",
+        "ModelRunner.run",
+        "NgramProposer.propose",
+        "Scheduler._propose",
+    } <= names
 
 
 # ---- 04 · Scheduler ----------------------------------------------------------------------
@@ -210,8 +219,9 @@ def test_a_speculative_step_commits_accepted_plus_one(lab_client: TestClient) ->
     """The first plan with drafts schedules k + 1 tokens, the runner writes k + 1 slots, and
     only the commit advances cached, by accepted + 1 (the fake model accepts all three)."""
     lesson, frames = graded(lab_client, "spec", "1", "4", ["step"] * 6)
-    plan = next(f for f in frames if f["frame"]["stage"] == "plan"
-                and f["sequences"][0]["spec_token_ids"])
+    plan = next(
+        f for f in frames if f["frame"]["stage"] == "plan" and f["sequences"][0]["spec_token_ids"]
+    )
     after = frames[frames.index(plan) + 1 :]
     execute, commit = stage(after, "execute"), stage(after, "commit")
     a = plan["sequences"][0]
@@ -221,7 +231,12 @@ def test_a_speculative_step_commits_accepted_plus_one(lab_client: TestClient) ->
     assert commit["sequences"][0]["num_cached_tokens"] == a["num_cached_tokens"] + 4
     p = lesson["result"]["params"]
     assert (p["scheduled"], p["written"], p["grew"], p["accepted"], p["rejected"]) == (
-        4, 4, 4, 3, 0)
+        4,
+        4,
+        4,
+        3,
+        0,
+    )
     assert len(p["slots"].split(", ")) == 4
 
 
@@ -242,8 +257,12 @@ def test_bad_predictions_and_options_are_refused_without_change(lab_client: Test
     assert post(lab_client, "predict", {"answer": "6"}, status=409)["code"] == "too_late"
     post(lab_client, "reset", {"scenario": "seq8"})
     assert post(lab_client, "predict", {"answer": "1"}, status=409)["code"] == "no_lesson"
-    for option, value in [("num_kv_blocks", 0), ("num_kv_blocks", 65),
-                          ("max_num_batched_tokens", 1000), ("max_num_seqs", 0)]:
+    for option, value in [
+        ("num_kv_blocks", 0),
+        ("num_kv_blocks", 65),
+        ("max_num_batched_tokens", 1000),
+        ("max_num_seqs", 0),
+    ]:
         r = post(lab_client, "reset", {"scenario": "budget", option: value}, status=400)
         assert r["code"] == "option_range" and r["params"]["name"] == option
     # Too few blocks for the scenario's own requests: refused, the old experiment stays.

@@ -49,12 +49,16 @@ PLAYS = {
     "logits": ("2", "1", ["step"]),
     "spec": ("1", "4", ["step"]),
 }
-CHAPTER_OF = {name: ch for ch, names in {
-    "04": ["budget", "chunks", "max_seqs", "victim"],
-    "05": ["chain", "reuse", "partial", "lru"],
-    "06": ["slot", "read", "logits"],
-    "07": ["spec"],
-}.items() for name in names}
+CHAPTER_OF = {
+    name: ch
+    for ch, names in {
+        "04": ["budget", "chunks", "max_seqs", "victim"],
+        "05": ["chain", "reuse", "partial", "lru"],
+        "06": ["slot", "read", "logits"],
+        "07": ["spec"],
+    }.items()
+    for name in names
+}
 SHOT_OF = {"04": "budget", "05": "reuse", "06": "slot", "07": "spec"}
 # The screenshot starts at the guide's Run step: the verdict and the state beside it.
 SCROLL_TO_RUN = (
@@ -120,7 +124,12 @@ def test_a_learner_plays_each_chapter_wrong_then_right(lesson_page) -> None:
     set_language(page, "en")
     groups = page.locator(".chapter-group")
     assert [g.get_attribute("data-testid") for g in groups.all()] == [
-        "chapter-03", "chapter-04", "chapter-05", "chapter-06", "chapter-07"]
+        "chapter-03",
+        "chapter-04",
+        "chapter-05",
+        "chapter-06",
+        "chapter-07",
+    ]
     for name, (wrong, right, _) in PLAYS.items():
         text = play(page, name, wrong)
         assert text.startswith("Not quite."), (name, text)

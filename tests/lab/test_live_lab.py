@@ -78,7 +78,9 @@ class LiveServer:
         def client(i: int) -> None:
             while not stop.is_set():
                 self.client.completions.create(
-                    model=MODEL, prompt=PROMPTS[i % len(PROMPTS)], max_tokens=max_tokens + i,
+                    model=MODEL,
+                    prompt=PROMPTS[i % len(PROMPTS)],
+                    max_tokens=max_tokens + i,
                     extra_body={"ignore_eos": True},
                 )
                 done[0] += 1
@@ -96,15 +98,21 @@ class LiveServer:
 
 @pytest.fixture(scope="module")
 def live(tiny_llama_dir: Path) -> Iterator[LiveServer]:
-    base = LLMEngine.from_options(model=str(tiny_llama_dir), max_model_len=64,
-                                  num_kv_blocks=16, block_size=BLOCK_SIZE, max_num_seqs=4,
-                                  device="cpu")
+    base = LLMEngine.from_options(
+        model=str(tiny_llama_dir),
+        max_model_len=64,
+        num_kv_blocks=16,
+        block_size=BLOCK_SIZE,
+        max_num_seqs=4,
+        device="cpu",
+    )
     runner = PacedRunner(base.model_runner)
     engine = LLMEngine(base.config, runner, base.tokenizer)
     app = create_app(engine, MODEL, api_key=KEY, lab=True)
     with ServerThread(app) as thread:
-        client = openai.OpenAI(base_url=f"{thread.base_url}/v1", api_key=KEY, max_retries=0,
-                               timeout=60)
+        client = openai.OpenAI(
+            base_url=f"{thread.base_url}/v1", api_key=KEY, max_retries=0, timeout=60
+        )
         yield LiveServer(thread.base_url, client, runner)
         client.close()
 
@@ -180,7 +188,7 @@ def test_snapshots_keep_the_invariants_and_show_preemption(live: LiveServer) -> 
     assert history[at - 1]["status"] == "RUNNING" and history[at - 1]["num_cached_tokens"] > 0
     assert history[at]["status"] == "WAITING"
     assert history[at]["num_cached_tokens"] == 0 and history[at]["block_table"] == []
-    assert any(r and r["status"] == "RUNNING" for r in history[at + 1:]) or at == len(frames) - 1
+    assert any(r and r["status"] == "RUNNING" for r in history[at + 1 :]) or at == len(frames) - 1
 
 
 def test_cli_serve_lab(tiny_llama_dir: Path) -> None:
@@ -190,12 +198,27 @@ def test_cli_serve_lab(tiny_llama_dir: Path) -> None:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     cli = Path(sys.executable).parent / "minivllm"
-    cmd = [str(cli), "serve", "--lab", "--api-key", KEY, "--model", str(tiny_llama_dir),
-           "--served-model-name", MODEL, "--port", str(port), "--device", "cpu",
-           "--num-kv-blocks", "32", "--max-model-len", "64"]
+    cmd = [
+        str(cli),
+        "serve",
+        "--lab",
+        "--api-key",
+        KEY,
+        "--model",
+        str(tiny_llama_dir),
+        "--served-model-name",
+        MODEL,
+        "--port",
+        str(port),
+        "--device",
+        "cpu",
+        "--num-kv-blocks",
+        "32",
+        "--max-model-len",
+        "64",
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=env)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     base = f"http://127.0.0.1:{port}"
     auth = {"Authorization": f"Bearer {KEY}"}
     try:
@@ -221,6 +244,7 @@ def test_cli_serve_lab(tiny_llama_dir: Path) -> None:
     assert proc.returncode == 0, err
     assert f"live Engine Lab on http://127.0.0.1:{port}/lab" in err
 
+
 # ---- the page in headless Chromium --------------------------------------------------------
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
@@ -238,8 +262,9 @@ def browser():
             pytest.fail(f"MINIVLLM_REQUIRE_BROWSER=1 but {problem}")
         pytest.skip(problem)
     with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM,
-                                    args=["--headless", "--no-sandbox", "--disable-gpu"])
+        browser = p.chromium.launch(
+            executable_path=CHROMIUM, args=["--headless", "--no-sandbox", "--disable-gpu"]
+        )
         yield browser
         browser.close()
 
@@ -277,8 +302,10 @@ def test_page_counts_agree_with_metrics(live: LiveServer, browser) -> None:
                 m1 = scrape_metrics(live.base_url)
                 shown = (_count(page, "live-running"), _count(page, "live-waiting"))
                 m2 = scrape_metrics(live.base_url)
-                counts = [(m["minivllm:num_requests_running"], m["minivllm:num_requests_waiting"])
-                          for m in (m1, m2)]
+                counts = [
+                    (m["minivllm:num_requests_running"], m["minivllm:num_requests_waiting"])
+                    for m in (m1, m2)
+                ]
                 if counts[0] == counts[1] == shown and shown[0] > 0:
                     agreed = shown
                 time.sleep(0.05)
@@ -304,7 +331,9 @@ def test_page_shows_a_preemption_and_follows_its_request(live: LiveServer, brows
         mark.dispatch_event("click")
         expect(page.get_by_test_id("mode")).to_have_text("paused")
         expect(page.get_by_test_id("history-id")).to_have_text(victim)
-        expect(page.locator('[data-testid="history-row"][data-event="ev_preempted"]')).not_to_have_count(0)
+        expect(
+            page.locator('[data-testid="history-row"][data-event="ev_preempted"]')
+        ).not_to_have_count(0)
         expect(page.get_by_test_id("history-preempt").first).to_be_attached()
         expect(page.get_by_test_id("timeline").locator(".col.at")).to_have_count(1)
         if shot:

@@ -27,17 +27,31 @@ def test_plan_counts_chunks_and_decodes(make_engine) -> None:
         recorder.step(engine, names)
     timeline = [f.record for f in recorder.frames()]
     assert [(r.num_prefill_tokens, r.num_decode_tokens) for r in timeline] == [
-        (8, 0), (2, 0), (0, 1), (0, 1)
+        (8, 0),
+        (2, 0),
+        (0, 1),
+        (0, 1),
     ]
-    assert [r.scheduled for r in timeline] == [(("r0", 8),), (("r0", 2),), (("r0", 1),),
-                                               (("r0", 1),)]
+    assert [r.scheduled for r in timeline] == [
+        (("r0", 8),),
+        (("r0", 2),),
+        (("r0", 1),),
+        (("r0", 1),),
+    ]
     assert [r.step for r in timeline] == [1, 2, 3, 4]
     assert all(r.num_seqs == 1 and r.seconds >= 0 for r in timeline)
     first = recorder.frames()[0].requests_json()
-    assert first == [{
-        "request_id": "r0", "status": "RUNNING", "num_tokens": 10, "num_prompt_tokens": 10,
-        "num_cached_tokens": 8, "num_scheduled_tokens": 0, "block_table": [0, 1],
-    }]
+    assert first == [
+        {
+            "request_id": "r0",
+            "status": "RUNNING",
+            "num_tokens": 10,
+            "num_prompt_tokens": 10,
+            "num_cached_tokens": 8,
+            "num_scheduled_tokens": 0,
+            "block_table": [0, 1],
+        }
+    ]
     assert recorder.frames()[-1].requests == ()  # finished: out of the queues
 
 

@@ -19,8 +19,13 @@ from minivllm.layers.attention.sdpa import store_kv
 
 
 def reference(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context_len: int, scale: float,
-    window: int | None, softcap: float | None,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    context_len: int,
+    scale: float,
+    window: int | None,
+    softcap: float | None,
 ) -> torch.Tensor:
     """One sequence: q `[Q, H, D]` at positions context_len.., k/v `[N, KVH, D]` -> `[Q, H, D]`."""
     group = q.shape[1] // k.shape[1]
@@ -39,8 +44,13 @@ def reference(
 
 
 def run_batch(
-    context_lens: list[int], query_lens: list[int], block_size: int, heads: tuple[int, int],
-    window: int | None, softcap: float | None, seed: int = 0,
+    context_lens: list[int],
+    query_lens: list[int],
+    block_size: int,
+    heads: tuple[int, int],
+    window: int | None,
+    softcap: float | None,
+    seed: int = 0,
 ) -> None:
     num_heads, num_kv_heads = heads
     head_dim = 8
@@ -61,7 +71,9 @@ def run_batch(
         store_kv(
             torch.cat([k[:c] for k, c in zip(full_k, context_lens, strict=True)]),
             torch.cat([v[:c] for v, c in zip(full_v, context_lens, strict=True)]),
-            k_cache, v_cache, prior.slot_mapping,
+            k_cache,
+            v_cache,
+            prior.slot_mapping,
         )
     meta, _ = make_attention_metadata(tables, context_lens, query_lens, block_size)
     scale = head_dim**-0.5
@@ -73,10 +85,12 @@ def run_batch(
         (k_cache, v_cache),
         meta,
     )
-    expected = torch.cat([
-        reference(q, k, v, c, scale, window, softcap)
-        for q, k, v, c in zip(queries, full_k, full_v, context_lens, strict=True)
-    ]).flatten(1)
+    expected = torch.cat(
+        [
+            reference(q, k, v, c, scale, window, softcap)
+            for q, k, v, c in zip(queries, full_k, full_v, context_lens, strict=True)
+        ]
+    ).flatten(1)
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
 
 

@@ -23,8 +23,10 @@ from minivllm.layers.int4 import PackedInt4, PackedInt4Pair, quantize_int4, spli
 from minivllm.layers.kernel_rows import KERNEL_ROWS, kernel_rows
 from minivllm.layers.qgemv import QGemvWeight
 
-PROBES = re.compile(r"get_cpu_capability|_is_vnni_supported|_is_avx512_bf16_supported|"
-                    r"_is_amx_tile_supported|_is_mkldnn_bf16_supported")
+PROBES = re.compile(
+    r"get_cpu_capability|_is_vnni_supported|_is_avx512_bf16_supported|"
+    r"_is_amx_tile_supported|_is_mkldnn_bf16_supported"
+)
 
 
 def test_the_probe_runs_once_and_is_frozen() -> None:
@@ -38,21 +40,32 @@ def test_the_probe_runs_once_and_is_frozen() -> None:
 def test_no_other_module_probes_the_cpu() -> None:
     """A second probe could disagree with the first (an env override read in one place only)."""
     package = Path(minivllm.__file__).parent
-    probing = sorted(str(path.relative_to(package)) for path in package.rglob("*.py")
-                     if PROBES.search(path.read_text()))
+    probing = sorted(
+        str(path.relative_to(package))
+        for path in package.rglob("*.py")
+        if PROBES.search(path.read_text())
+    )
     assert probing == ["layers/cpu_kernels.py"]
 
 
 def test_forcing_torchs_avx2_kernels_reads_as_an_avx2_only_cpu() -> None:
     """What `ATEN_CPU_CAPABILITY=avx2` runs (tests of the AVX2 paths on an AVX-512 machine):
     kind AVX2, no native bf16 (dtype "auto" is fp32), the AVX2 row thresholds."""
-    script = ("from minivllm.layers.cpu_kernels import cpu_caps\n"
-              "from minivllm.layers.kernel_rows import KERNEL_ROWS, kernel_rows\n"
-              "c = cpu_caps()\n"
-              "print(c.capability, c.kind, c.native_bf16, kernel_rows() == KERNEL_ROWS['AVX2'])")
+    script = (
+        "from minivllm.layers.cpu_kernels import cpu_caps\n"
+        "from minivllm.layers.kernel_rows import KERNEL_ROWS, kernel_rows\n"
+        "c = cpu_caps()\n"
+        "print(c.capability, c.kind, c.native_bf16, kernel_rows() == KERNEL_ROWS['AVX2'])"
+    )
     env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2"}
-    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
-                         text=True, check=True, timeout=120).stdout.split()
+    out = subprocess.run(
+        [sys.executable, "-c", script],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
+    ).stdout.split()
     if out[0] not in ("AVX2", "AVX512"):
         pytest.skip(f"torch runs {out[0]} kernels here")
     assert out == ["AVX2", "AVX2", "False", "True"]
@@ -65,8 +78,10 @@ def test_each_kernel_reads_its_threshold_from_the_table() -> None:
     int_dot = block_weight.INT_DOT_MAX_ROWS
     assert int_dot[GGMLQuantizationType.Q8_0] == rows.ggml_int_dot
     assert int_dot[GGMLQuantizationType.Q4_K] == rows.ggml_int_dot_k
-    assert all((r.ggml_int_dot, r.ggml_int_dot_k) == (rows.ggml_int_dot, rows.ggml_int_dot_k)
-               for r in KERNEL_ROWS.values())  # block_weight reads one kind's: the same
+    assert all(
+        (r.ggml_int_dot, r.ggml_int_dot_k) == (rows.ggml_int_dot, rows.ggml_int_dot_k)
+        for r in KERNEL_ROWS.values()
+    )  # block_weight reads one kind's: the same
     if hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"):
         assert PackedInt4(weight).max_rows == rows.int4
         codes = torch.randint(-128, 128, (16, 64), dtype=torch.int8)

@@ -51,8 +51,11 @@ def test_gelu_tanh_gate_and_soft_cap() -> None:
 
 def phi3_config(**rope: object) -> Phi3Config:
     return Phi3Config(
-        hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
-        max_position_embeddings=128, original_max_position_embeddings=32,
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        original_max_position_embeddings=32,
         rope_parameters={"rope_theta": 10000.0, **rope},
     )
 
@@ -76,7 +79,8 @@ def test_longrope_uses_the_long_factors_and_scales_cos_sin() -> None:
 
 def test_linear_rope_divides_the_frequencies() -> None:
     config = LlamaConfig(
-        hidden_size=64, num_attention_heads=4,
+        hidden_size=64,
+        num_attention_heads=4,
         rope_parameters={"rope_type": "linear", "rope_theta": 1e6, "factor": 8.0},
     )
     hf_inv_freq, _ = ROPE_INIT_FUNCTIONS["linear"](config)
@@ -92,14 +96,17 @@ def test_fused_checkpoint_tensors_load_like_their_parts() -> None:
     gate, up = torch.randn(12, hidden), torch.randn(12, hidden)
     for tp_size in (1, 2):
         for rank in range(tp_size):
-            fused, parts = (QKVParallelLinear(hidden, head_dim, heads, kv_heads, False,
-                                              tp_size, rank) for _ in range(2))
+            fused, parts = (
+                QKVParallelLinear(hidden, head_dim, heads, kv_heads, False, tp_size, rank)
+                for _ in range(2)
+            )
             fused.weight_loader(fused.weight, torch.cat([q, k, v]))
             for shard_id, tensor in zip("qkv", (q, k, v), strict=True):
                 parts.weight_loader(parts.weight, tensor, shard_id)
             assert torch.equal(fused.weight, parts.weight)
-            mlp_fused, mlp_parts = (MergedColumnParallelLinear(hidden, [12, 12], False,
-                                                               tp_size, rank) for _ in range(2))
+            mlp_fused, mlp_parts = (
+                MergedColumnParallelLinear(hidden, [12, 12], False, tp_size, rank) for _ in range(2)
+            )
             mlp_fused.weight_loader(mlp_fused.weight, torch.cat([gate, up]))
             mlp_parts.weight_loader(mlp_parts.weight, gate, 0)
             mlp_parts.weight_loader(mlp_parts.weight, up, 1)

@@ -26,8 +26,9 @@ from minivllm.layers.ggml_blocks import (
 
 T = GGMLQuantizationType
 TYPES = sorted(GGML_KERNEL_TYPES, key=int)
-pytestmark = pytest.mark.skipif(not cpu_kernels_available(),
-                                reason="the block kernels are for x86 CPUs with AVX2")
+pytestmark = pytest.mark.skipif(
+    not cpu_kernels_available(), reason="the block kernels are for x86 CPUs with AVX2"
+)
 ISAS = [isa for isa in ("scalar", "avx2", "avx512_vnni") if isa in available_isas()]
 # Bytes of each kind's block holding its codes (the rest: scales and mins), [start, end).
 CODE_BYTES = {T.Q4_1: (4, 20), T.Q5_1: (4, 24), T.Q4_K: (16, 144), T.Q5_K: (16, 176)}
@@ -68,8 +69,9 @@ def dense_parts(blocks: np.ndarray, qtype: T, k: int) -> tuple[torch.Tensor, tor
     return w, mins
 
 
-def reference(w: torch.Tensor, mins: torch.Tensor, x: torch.Tensor,
-              block: int = 32) -> torch.Tensor:
+def reference(
+    w: torch.Tensor, mins: torch.Tensor, x: torch.Tensor, block: int = 32
+) -> torch.Tensor:
     """What the kernel computes, in float64: the activations rounded to int8 with one step per
     `block` inputs (32; 256 for the K kinds), nearest even, for the codes' products, exact for
     the min terms."""
@@ -100,8 +102,7 @@ def test_dequantize_matches_gguf_bit_for_bit(qtype: T, isa: str) -> None:
     expected = torch.from_numpy(dequantize(blocks, qtype).reshape(7, k).astype(np.float32))
     raw = torch.from_numpy(blocks)
     assert torch.equal(ggml_dequantize(raw, qtype, k, isa=isa), expected)
-    assert torch.equal(ggml_dequantize(raw, qtype, k, torch.bfloat16, isa=isa),
-                       expected.bfloat16())
+    assert torch.equal(ggml_dequantize(raw, qtype, k, torch.bfloat16, isa=isa), expected.bfloat16())
 
 
 @pytest.mark.parametrize("isa", ISAS)
@@ -132,17 +133,21 @@ def test_segments_are_the_single_matmuls_side_by_side(isa: str) -> None:
     the kernel's chunk of 64)."""
     k = 512
     kinds = (T.Q4_K, T.Q6_K, T.Q8_0, T.Q5_K)
-    parts = [torch.from_numpy(random_blocks(kind, 3 + i, k, seed=i))
-             for i, kind in enumerate(kinds)]
+    parts = [
+        torch.from_numpy(random_blocks(kind, 3 + i, k, seed=i)) for i, kind in enumerate(kinds)
+    ]
     for m in (1, 70):
         x = torch.randn(m, k)
         fused = ggml_matmul_segments(x, list(zip(parts, kinds)), isa=isa)
-        single = torch.cat([ggml_matmul(x, raw, kind, isa=isa)
-                            for raw, kind in zip(parts, kinds)], dim=-1)
+        single = torch.cat(
+            [ggml_matmul(x, raw, kind, isa=isa) for raw, kind in zip(parts, kinds)], dim=-1
+        )
         assert fused.shape == (m, sum(p.shape[0] for p in parts))
         assert torch.equal(fused, single)
-        dense = x.double() @ torch.cat([dense_parts(raw.numpy(), kind, k)[0]
-                                        for raw, kind in zip(parts, kinds)]).T
+        dense = (
+            x.double()
+            @ torch.cat([dense_parts(raw.numpy(), kind, k)[0] for raw, kind in zip(parts, kinds)]).T
+        )
         assert (fused.double() - dense).abs().max() <= 3e-2 * dense.abs().max()
 
 
@@ -192,8 +197,12 @@ def test_dequant_matmul_tiles(qtype: T, dtype: torch.dtype) -> None:
         y = dequant_matmul(x, raw, qtype, tile_rows=tile)
         expected = x @ ggml_dequantize(raw, qtype, k, dtype).T
         assert y.dtype == dtype and y.shape == (17, n)
-        torch.testing.assert_close(y, expected, rtol=1e-5 if dtype == torch.float32 else 2e-2,
-                                   atol=1e-4 if dtype == torch.float32 else 2e-2)
+        torch.testing.assert_close(
+            y,
+            expected,
+            rtol=1e-5 if dtype == torch.float32 else 2e-2,
+            atol=1e-4 if dtype == torch.float32 else 2e-2,
+        )
 
 
 def test_dequant_matmul_keeps_one_tile() -> None:
@@ -252,9 +261,14 @@ def test_fake_ops_match_real_ones() -> None:
     ops = torch.ops.minivllm
     checks = ("test_schema", "test_faketensor")
     torch.library.opcheck(ops.ggml_matmul.default, (x, raw, int(T.Q6_K), 0), test_utils=checks)
-    torch.library.opcheck(ops.ggml_matmul_segments.default,
-                          (x, [raw, raw[:2]], [int(T.Q6_K), int(T.Q6_K)], 0), test_utils=checks)
-    torch.library.opcheck(ops.ggml_dequantize.default, (raw, int(T.Q6_K), 256, torch.bfloat16, 0),
-                          test_utils=checks)
-    torch.library.opcheck(ops.ggml_dequant_matmul.default, (x, raw, int(T.Q6_K), 3),
-                          test_utils=checks)
+    torch.library.opcheck(
+        ops.ggml_matmul_segments.default,
+        (x, [raw, raw[:2]], [int(T.Q6_K), int(T.Q6_K)], 0),
+        test_utils=checks,
+    )
+    torch.library.opcheck(
+        ops.ggml_dequantize.default, (raw, int(T.Q6_K), 256, torch.bfloat16, 0), test_utils=checks
+    )
+    torch.library.opcheck(
+        ops.ggml_dequant_matmul.default, (x, raw, int(T.Q6_K), 3), test_utils=checks
+    )

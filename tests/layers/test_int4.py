@@ -62,8 +62,9 @@ def test_linear_layer_uses_int4_for_decode_rows_and_dense_for_prefill_rows():
     layer.weight.data.zero_()  # only the int4 path can give a non-zero output now
     few = torch.randn(kernel_rows().int4, 64).bfloat16()
     many = torch.randn(kernel_rows().int4 + 1, 64).bfloat16()
-    torch.testing.assert_close(layer(few).float(), few.float() @ q.dequantize().t(),
-                               rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(
+        layer(few).float(), few.float() @ q.dequantize().t(), rtol=2e-2, atol=2e-2
+    )
     assert layer(many).abs().max() == 0
 
 
@@ -72,8 +73,9 @@ def test_int4_weights_of_the_wrong_shape_or_with_tensor_parallelism_are_refused(
     with pytest.raises(ValueError, match="shape"):
         Int4Method.for_layer(layer, quantize_int4(torch.randn(32, 96)))
     with pytest.raises(ValueError, match="tensor_parallel_size=1"):
-        Int4Method.for_layer(RowParallelLinear(64, 32, tp_size=2, tp_rank=0),
-                             quantize_int4(torch.randn(32, 32)))
+        Int4Method.for_layer(
+            RowParallelLinear(64, 32, tp_size=2, tp_rank=0), quantize_int4(torch.randn(32, 32))
+        )
 
 
 def test_forced_avx2_kernels_pick_fp32_and_int4_still_matches_dense():
@@ -97,8 +99,9 @@ def test_forced_avx2_kernels_pick_fp32_and_int4_still_matches_dense():
         "                           x.float() @ q.dequantize().t(), rtol=2e-2, atol=2e-2)\n"
     )
     env = dict(os.environ, ATEN_CPU_CAPABILITY="avx2")
-    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
-                          text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120
+    )
     assert done.returncode == 0, done.stderr[-2000:]
 
 

@@ -332,7 +332,8 @@ def test_paged_attention_split_into_many_groups(seed: int) -> None:
 @settings(max_examples=200, deadline=None)
 @given(
     st.lists(
-        st.tuples(st.integers(0, 300), st.sampled_from([1, 1, 1, 2, 7, 64])), min_size=1,
+        st.tuples(st.integers(0, 300), st.sampled_from([1, 1, 1, 2, 7, 64])),
+        min_size=1,
         max_size=40,
     )
 )

@@ -21,8 +21,9 @@ from minivllm.layers.quantization import int8_linear, pack_int8
 def _blocks(weight: torch.Tensor) -> BlockWeight:
     """`weight` `[out, in]` as Q8_0 blocks."""
     rows = quantize(weight.numpy().astype(np.float32), GGMLQuantizationType.Q8_0)
-    return BlockWeight([BlockSegment(torch.from_numpy(rows), GGMLQuantizationType.Q8_0)],
-                       weight.shape[1])
+    return BlockWeight(
+        [BlockSegment(torch.from_numpy(rows), GGMLQuantizationType.Q8_0)], weight.shape[1]
+    )
 
 
 def test_a_new_layer_is_dense_and_forward_is_its_methods_apply() -> None:
@@ -56,7 +57,8 @@ def test_stored_blocks_of_another_shape_or_for_a_split_layer_are_refused() -> No
         ReplicatedLinear(64, 16).set_method(GgmlBlockMethod(_blocks(torch.randn(32, 64))))
     with pytest.raises(ValueError, match="tensor_parallel_size=1"):
         RowParallelLinear(64, 32, tp_size=2, tp_rank=0).set_method(
-            GgmlBlockMethod(_blocks(torch.randn(32, 32))))
+            GgmlBlockMethod(_blocks(torch.randn(32, 32)))
+        )
 
 
 def test_int8_weights_compute_as_int8_linear() -> None:

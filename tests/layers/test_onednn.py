@@ -66,8 +66,6 @@ def test_the_runner_prepacks_the_dense_layers_of_a_bf16_model(dtype, packed, tin
     from minivllm import LLM
     from minivllm.layers.linear import LinearBase
 
-    llm = LLM(str(tiny_llama_dir), device="cpu", max_model_len=64, dtype=dtype,
-              enforce_eager=True)
-    layers = [m for m in llm.llm_engine.model_runner.model.modules()
-              if isinstance(m, LinearBase)]
+    llm = LLM(str(tiny_llama_dir), device="cpu", max_model_len=64, dtype=dtype, enforce_eager=True)
+    layers = [m for m in llm.llm_engine.model_runner.model.modules() if isinstance(m, LinearBase)]
     assert layers and all((m.method.onednn is not None) == packed for m in layers)

@@ -26,39 +26,44 @@ def _step(tables, context, kv_heads, dim, block, seed, dtype=torch.float32):
     """A decode-only step: caches NaN but for each sequence's context and new token."""
     gen = torch.Generator().manual_seed(seed)
     meta, _ = make_attention_metadata(tables, context, [1] * len(tables), block)
-    k_cache, v_cache = allocate_kv_caches(1, 1 + max(max(t) for t in tables), block, kv_heads,
-                                          dim)[0]
+    k_cache, v_cache = allocate_kv_caches(1, 1 + max(max(t) for t in tables), block, kv_heads, dim)[
+        0
+    ]
     for cache in (k_cache, v_cache):
         for table, n in zip(tables, context, strict=True):
             for pos in range(n + 1):
-                cache[table[pos // block], pos % block] = torch.randn(kv_heads, dim,
-                                                                      generator=gen)
+                cache[table[pos // block], pos % block] = torch.randn(kv_heads, dim, generator=gen)
     return meta, k_cache.to(dtype), v_cache.to(dtype), gen
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("window, softcap", [(None, None), (5, None), (None, 3.0), (7, 2.0)])
-@pytest.mark.parametrize("heads, kv_heads, dim, block", [(6, 2, 8, 4), (9, 3, 64, 16),
-                                                         (4, 4, 16, 1), (4, 2, 136, 4)])
-def test_matches_the_gather_and_sdpa_path(kv_dtype, threads, window, softcap, heads, kv_heads,
-                                          dim, block):
+@pytest.mark.parametrize(
+    "heads, kv_heads, dim, block", [(6, 2, 8, 4), (9, 3, 64, 16), (4, 4, 16, 1), (4, 2, 136, 4)]
+)
+def test_matches_the_gather_and_sdpa_path(
+    kv_dtype, threads, window, softcap, heads, kv_heads, dim, block
+):
     tables = [[3, 1, 4, 7, 9], [0, 2], [5], [8, 6, 10, 11, 12, 13, 14, 15, 16, 17]]
     tables = [t[: max(1, (len(t) * 4) // block)] for t in tables]
     context = [min(len(t) * block - 1, c) for t, c in zip(tables, [17, 6, 0, 35], strict=True)]
-    meta, k_cache, v_cache, gen = _step(tables, context, kv_heads, dim, block, seed=heads,
-                                        dtype=kv_dtype)
+    meta, k_cache, v_cache, gen = _step(
+        tables, context, kv_heads, dim, block, seed=heads, dtype=kv_dtype
+    )
     q = torch.randn(len(tables), heads, dim, generator=gen)
     spec = AttentionSpec(torch.device("cpu"), torch.bfloat16, kv_dtype, dim, block)
     assert choose_backend(spec).name == "paged_decode"
     # SDPA over the same rows in fp32 (a bf16 cache's values widened exactly)
-    want = paged_attention_sdpa(q, k_cache.float(), v_cache.float(), meta, dim**-0.5, window,
-                                softcap)
+    want = paged_attention_sdpa(
+        q, k_cache.float(), v_cache.float(), meta, dim**-0.5, window, softcap
+    )
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        got = paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
-                                     dim**-0.5, window, softcap)
+        got = paged_decode_attention(
+            q, k_cache, v_cache, meta.block_tables, meta.seq_lens, dim**-0.5, window, softcap
+        )
     finally:
         torch.set_num_threads(before)
     assert not got.isnan().any()
@@ -98,14 +103,18 @@ def test_bad_tables_are_refused_with_a_message():
     meta, k_cache, v_cache, _ = _step([[0, 1]], [5], 2, 8, 4, seed=1)
     q = torch.zeros(1, 4, 8)
     with pytest.raises(RuntimeError, match="not a block of the cache"):
-        torch.ops.minivllm.paged_decode(q, k_cache, v_cache, torch.tensor([[0, 99]]),
-                                        meta.seq_lens, 1.0, 0, 0.0)
+        torch.ops.minivllm.paged_decode(
+            q, k_cache, v_cache, torch.tensor([[0, 99]]), meta.seq_lens, 1.0, 0, 0.0
+        )
     with pytest.raises(RuntimeError, match="outside its block table"):
-        torch.ops.minivllm.paged_decode(q, k_cache, v_cache, meta.block_tables,
-                                        torch.tensor([9]), 1.0, 0, 0.0)
+        torch.ops.minivllm.paged_decode(
+            q, k_cache, v_cache, meta.block_tables, torch.tensor([9]), 1.0, 0, 0.0
+        )
     with pytest.raises(RuntimeError, match="multiple of kv_heads"):
-        torch.ops.minivllm.paged_decode(torch.zeros(1, 3, 8), k_cache, v_cache,
-                                        meta.block_tables, meta.seq_lens, 1.0, 0, 0.0)
+        torch.ops.minivllm.paged_decode(
+            torch.zeros(1, 3, 8), k_cache, v_cache, meta.block_tables, meta.seq_lens, 1.0, 0, 0.0
+        )
     with pytest.raises(RuntimeError, match="float32 or bfloat16, both the same"):
-        torch.ops.minivllm.paged_decode(q, k_cache.bfloat16(), v_cache, meta.block_tables,
-                                        meta.seq_lens, 1.0, 0, 0.0)
+        torch.ops.minivllm.paged_decode(
+            q, k_cache.bfloat16(), v_cache, meta.block_tables, meta.seq_lens, 1.0, 0, 0.0
+        )

@@ -32,8 +32,9 @@ def test_the_kernel_builds_and_loads_on_every_x86_cpu_this_project_runs_on():
     assert stored_weight_kernel(torch.device("cpu"), torch.float32) == "qgemv"
 
 
-@pytest.mark.parametrize("compiler, message", [("/nonexistent/g++", "no C\\+\\+ compiler"),
-                                               ("false", "failed")])
+@pytest.mark.parametrize(
+    "compiler, message", [("/nonexistent/g++", "no C\\+\\+ compiler"), ("false", "failed")]
+)
 def test_a_build_that_cannot_run_says_why(compiler, message, tmp_path, monkeypatch):
     """`cpu_kernels_available` logs this and keeps torch's ops (no crash, no half-written
     file)."""
@@ -104,8 +105,7 @@ def test_8bit_matmul_equals_the_fp32_matmul_of_the_q8_0_weight(rows):
     head = pack_8bit_halves(*split_int8(codes, scales), torch.float32)
     dense = codes.float() * scales.repeat_interleave(GROUP_SIZE, dim=1)  # [300, 128]
     x = torch.randn(rows, 128, generator=gen)
-    torch.testing.assert_close(head.matmul(x), _reference(x, dense, None), rtol=1e-4,
-                               atol=1e-4)
+    torch.testing.assert_close(head.matmul(x), _reference(x, dense, None), rtol=1e-4, atol=1e-4)
 
 
 def test_bad_shapes_are_refused_with_a_message():
@@ -128,8 +128,9 @@ def test_torch_compile_traces_the_operator():
     """The compiled decode step calls it inside its graph: the fake kernel gives the shape."""
     q = QGemvWeight.from_int4(_int4_weight(64, 96, seed=2))
     x = torch.randn(1, 96)
-    compiled = torch.compile(lambda t: q.matmul(torch.relu(t)) * 2, backend="inductor",
-                             fullgraph=True)
+    compiled = torch.compile(
+        lambda t: q.matmul(torch.relu(t)) * 2, backend="inductor", fullgraph=True
+    )
     torch.testing.assert_close(compiled(x), q.matmul(torch.relu(x)) * 2)
 
 
@@ -142,9 +143,9 @@ def test_linear_layer_uses_the_kernel_for_few_fp32_rows_and_dense_for_many():
     layer.set_method(Int4Method.for_layer(layer, q))
     assert isinstance(layer.method.small, QGemvWeight)
     few, many = torch.randn(kernel_rows().qgemv, 64), torch.randn(kernel_rows().qgemv + 1, 64)
-    torch.testing.assert_close(layer(few), _reference(few, q.dequantize(),
-                                                      q.zeros - 8 * q.scales),
-                               rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(
+        layer(few), _reference(few, q.dequantize(), q.zeros - 8 * q.scales), rtol=1e-4, atol=1e-4
+    )
     torch.testing.assert_close(layer(many), many @ layer.weight.t())
 
 
@@ -174,13 +175,16 @@ def test_a_bf16_models_q8_0_head_runs_the_kernel_for_one_row_only():
     dense = codes.float() * scales.repeat_interleave(GROUP_SIZE, dim=1)  # [52, 64]
     logits = head(hidden)
     assert logits.dtype == torch.float32
-    torch.testing.assert_close(logits, _reference(hidden.float(), dense, None), rtol=1e-4,
-                               atol=1e-4)
+    torch.testing.assert_close(
+        logits, _reference(hidden.float(), dense, None), rtol=1e-4, atol=1e-4
+    )
     assert head(torch.randn(2, 64).bfloat16()).abs().sum() == 0
 
 
-@pytest.mark.skipif(not (x86 and cpu_kernels_available() and cpu_caps().qgemv_vnni),
-                    reason="the AVX-512 VNNI path (the AVX2 path is tested above)")
+@pytest.mark.skipif(
+    not (x86 and cpu_kernels_available() and cpu_caps().qgemv_vnni),
+    reason="the AVX-512 VNNI path (the AVX2 path is tested above)",
+)
 def test_a_bf16_layer_runs_one_row_on_the_vnni_path_and_more_on_torchs_int4_kernel():
     """The linear layer of a bf16 model with 4-bit weights, where the VNNI path runs: one row
     through qgemv (its integers: the reference), 2-4 rows through torch's int4 kernel, more
@@ -197,7 +201,8 @@ def test_a_bf16_layer_runs_one_row_on_the_vnni_path_and_more_on_torchs_int4_kern
     want = _reference(one.float(), q.dequantize(), q.zeros - 8 * q.scales)
     torch.testing.assert_close(out.float(), want, rtol=1e-2, atol=1e-2)  # bf16 output
     few = torch.randn(3, 576).bfloat16()
-    torch.testing.assert_close(layer(few).float(), few.float() @ q.dequantize().t(), rtol=2e-2,
-                               atol=2e-2)
+    torch.testing.assert_close(
+        layer(few).float(), few.float() @ q.dequantize().t(), rtol=2e-2, atol=2e-2
+    )
     many = torch.randn(kernel_rows().int4 + 1, 576).bfloat16()
     torch.testing.assert_close(layer(many), many @ layer.weight.t())

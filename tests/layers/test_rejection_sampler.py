@@ -18,8 +18,9 @@ def test_greedy_accepts_the_prefix_equal_to_the_argmax_and_takes_the_next_argmax
     logits = torch.full((4, 6), -5.0)
     for row, best in enumerate([2, 3, 5, 1]):  # the target's argmax after each position
         logits[row, best] = 5.0
-    tokens, accepted, rows = accept(logits, None, [[2, 3, 4]], [True],
-                                    torch.zeros(4), torch.zeros(4))
+    tokens, accepted, rows = accept(
+        logits, None, [[2, 3, 4]], [True], torch.zeros(4), torch.zeros(4)
+    )
     assert (tokens, accepted, rows) == ([5], [2], [2])  # drafts 2, 3 accepted; 4 != 5
 
 

@@ -30,8 +30,7 @@ BLOCK = 4
 def test_decode_attention_matches_the_eager_paged_attention(window, softcap) -> None:
     torch.manual_seed(0)
     heads, kv_heads, dim = 6, 2, 8
-    attn = Attention(heads, kv_heads, dim, dim**-0.5, sliding_window=window,
-                     logit_softcap=softcap)
+    attn = Attention(heads, kv_heads, dim, dim**-0.5, sliding_window=window, logit_softcap=softcap)
     tables, context = [[3, 1, 4], [0, 2], [5]], [9, 6, 2]  # three sequences, one new token each
     meta, _ = make_attention_metadata(tables, context, [1, 1, 1], BLOCK)
     caches = allocate_kv_caches(1, 6, BLOCK, kv_heads, dim)[0]
@@ -66,8 +65,9 @@ def test_the_compiled_step_matches_the_eager_one(family, tiny_llama_dir, tiny_fa
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
     def caches():
-        return allocate_kv_caches(config.num_hidden_layers, 8, BLOCK, config.num_key_value_heads,
-                                  head_dim)
+        return allocate_kv_caches(
+            config.num_hidden_layers, 8, BLOCK, config.num_key_value_heads, head_dim
+        )
 
     compiled = CompiledDecode(model)
     with torch.inference_mode():
@@ -86,8 +86,9 @@ def _hidden_after_prefills(model, caches, prompts: list[list[int]], compiled):
     for table, prompt in zip(tables, prompts, strict=True):
         meta, positions = make_attention_metadata([table], [0], [len(prompt) - 1], BLOCK)
         model(torch.tensor(prompt[:-1]), positions, caches, meta)
-    meta, positions = make_attention_metadata(tables, [len(p) - 1 for p in prompts],
-                                              [1] * len(prompts), BLOCK)
+    meta, positions = make_attention_metadata(
+        tables, [len(p) - 1 for p in prompts], [1] * len(prompts), BLOCK
+    )
     step = compiled if compiled is not None else model
     return step(torch.tensor([p[-1] for p in prompts]), positions, caches, meta)  # [S, hidden]
 
@@ -108,17 +109,28 @@ def test_the_compiled_step_of_several_sequences_matches_the_eager_one(
     compiled = CompiledDecode(model, paged=True)
     with torch.inference_mode():
         for num_seqs, runs_compiled in ((4, True), (5, False)):
-            meta, _ = make_attention_metadata([[s] for s in range(num_seqs)], [1] * num_seqs,
-                                              [1] * num_seqs, BLOCK)
+            meta, _ = make_attention_metadata(
+                [[s] for s in range(num_seqs)], [1] * num_seqs, [1] * num_seqs, BLOCK
+            )
             assert compiled.applies(meta) == runs_compiled
         for num_seqs in (2, 4, 1):
-            prompts = [[(7 * i + 3 * s) % config.vocab_size for i in range(3 + 2 * s)]
-                       for s in range(num_seqs)]
+            prompts = [
+                [(7 * i + 3 * s) % config.vocab_size for i in range(3 + 2 * s)]
+                for s in range(num_seqs)
+            ]
             want, got = (
                 _hidden_after_prefills(
-                    model, allocate_kv_caches(config.num_hidden_layers, 4 * num_seqs, BLOCK,
-                                              config.num_key_value_heads, head_dim),
-                    prompts, step).float()
+                    model,
+                    allocate_kv_caches(
+                        config.num_hidden_layers,
+                        4 * num_seqs,
+                        BLOCK,
+                        config.num_key_value_heads,
+                        head_dim,
+                    ),
+                    prompts,
+                    step,
+                ).float()
                 for step in (None, compiled)
             )
             assert (got - want).norm() / want.norm() < 2e-2, num_seqs
@@ -133,8 +145,9 @@ def test_the_compiled_fp32_step_with_qgemv_weights_matches_the_eager_one(tiny_ll
     assert isinstance(model.model.layers[0].mlp.down_proj.method.small, QGemvWeight)
 
     def caches():
-        return allocate_kv_caches(config.num_hidden_layers, 8, BLOCK, config.num_key_value_heads,
-                                  config.head_dim)
+        return allocate_kv_caches(
+            config.num_hidden_layers, 8, BLOCK, config.num_key_value_heads, config.head_dim
+        )
 
     compiled = CompiledDecode(model)
     with torch.inference_mode():
@@ -148,20 +161,24 @@ def test_the_compiled_fp32_step_with_qgemv_weights_matches_the_eager_one(tiny_ll
             assert (got - want).norm() / want.norm() < 1e-3, length
 
 
-@pytest.mark.parametrize("options, compiled", [
-    ({"dtype": "bfloat16"}, True),
-    ({"dtype": "bfloat16", "enforce_eager": True}, False),
-    ({"dtype": "float32"}, False),  # the token-exact path stays eager
-    ({"dtype": "float32", "quantization": "int4"}, cpu_kernels_available()),  # fp32 + qgemv
-])
+@pytest.mark.parametrize(
+    "options, compiled",
+    [
+        ({"dtype": "bfloat16"}, True),
+        ({"dtype": "bfloat16", "enforce_eager": True}, False),
+        ({"dtype": "float32"}, False),  # the token-exact path stays eager
+        ({"dtype": "float32", "quantization": "int4"}, cpu_kernels_available()),  # fp32 + qgemv
+    ],
+)
 def test_the_runner_compiles_bf16_and_qgemv_decode_steps_only(options, compiled, tiny_llama_dir):
     from minivllm import LLM, SamplingParams
 
     llm = LLM(str(tiny_llama_dir), device="cpu", max_model_len=64, **options)
     runner = llm.llm_engine.model_runner
     assert (runner.compiled_decode is not None) == compiled
-    out = llm.generate([[5, 6, 7, 8]], SamplingParams(temperature=0, max_tokens=6,
-                                                      ignore_eos=True), use_tqdm=False)
+    out = llm.generate(
+        [[5, 6, 7, 8]], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False
+    )
     assert len(out[0].outputs[0].token_ids) == 6
 
 
@@ -188,8 +205,9 @@ def test_one_sequence_steps_run_on_the_servers_thread_share(tiny_llama_dir):
 
     runner._run = spy
     before = torch.get_num_threads()
-    llm.generate([[5, 6, 7, 8]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
-                 use_tqdm=False)
+    llm.generate(
+        [[5, 6, 7, 8]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False
+    )
     assert torch.get_num_threads() == before
     assert seen[0] == (4, before) and all(s == (1, 1) for s in seen[1:]), seen
 
@@ -211,8 +229,9 @@ def test_inductor_cache_is_per_cpu_kind_unless_the_user_chose_one(monkeypatch, t
 
 
 @pytest.mark.parametrize("family, kinds", [("llama", 1), ("gemma2", 2)])
-def test_each_step_goes_through_dynamo_once_per_layer_kind(family, kinds, tiny_llama_dir,
-                                                           tiny_family_dirs) -> None:
+def test_each_step_goes_through_dynamo_once_per_layer_kind(
+    family, kinds, tiny_llama_dir, tiny_family_dirs
+) -> None:
     """Dynamo's guard check runs on the first layer of each kind (Gemma 2 alternates sliding
     and full attention: two); the other layers call that graph directly, with the answer the
     all-Dynamo step gives."""
@@ -223,8 +242,9 @@ def test_each_step_goes_through_dynamo_once_per_layer_kind(family, kinds, tiny_l
     prompt = [(5 * i + 1) % config.vocab_size for i in range(11)]
 
     def decode(direct: bool) -> tuple[torch.Tensor, int]:
-        caches = allocate_kv_caches(config.num_hidden_layers, 8, BLOCK,
-                                    config.num_key_value_heads, head_dim)
+        caches = allocate_kv_caches(
+            config.num_hidden_layers, 8, BLOCK, config.num_key_value_heads, head_dim
+        )
         if not direct:
             compiled._kind.clear()  # every layer is new again: each goes through Dynamo
         calls = []
@@ -245,11 +265,13 @@ def test_each_step_goes_through_dynamo_once_per_layer_kind(family, kinds, tiny_l
     assert torch.equal(got, want)
 
 
-def test_many_engines_in_one_process_each_keep_their_compiled_step(tiny_llama_dir,
-                                                                   tiny_family_dirs) -> None:
+def test_many_engines_in_one_process_each_keep_their_compiled_step(
+    tiny_llama_dir, tiny_family_dirs
+) -> None:
     """Every engine compiles its own graphs on the same function: past Dynamo's limit of 8
     recompiles shared by all of them, later engines ran the layers eagerly (caught by the
     full suite: the once-per-kind check saw every layer go through Dynamo)."""
     for _ in range(10):
         test_each_step_goes_through_dynamo_once_per_layer_kind(
-            "llama", 1, tiny_llama_dir, tiny_family_dirs)
+            "llama", 1, tiny_llama_dir, tiny_family_dirs
+        )

@@ -12,8 +12,11 @@ pytestmark = pytest.mark.default_model
 
 
 def test_capital_of_france_is_paris(default_llm):
-    out = default_llm.chat([{"role": "user", "content": "What is the capital of France?"}],
-                           SamplingParams(temperature=0.0, max_tokens=24), use_tqdm=False)[0]
+    out = default_llm.chat(
+        [{"role": "user", "content": "What is the capital of France?"}],
+        SamplingParams(temperature=0.0, max_tokens=24),
+        use_tqdm=False,
+    )[0]
     assert "Paris" in out.outputs[0].text
     assert out.outputs[0].finish_reason == "stop"  # it ended on <|im_end|>, not the limit
 
@@ -25,18 +28,28 @@ def test_our_gguf_loading_matches_transformers_gguf_loading(default_llm_fp32):
 
     path = default_model_path()
     hf_tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    hf_model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
-                                                    dtype=torch.float32).eval()
-    prompts = ["The history of the Roman Empire", "def fibonacci(n):",
-               "<|im_start|>user\nName a planet.<|im_end|>\n<|im_start|>assistant\n"]
-    ours = default_llm_fp32.generate(prompts, SamplingParams(temperature=0.0, max_tokens=16,
-                                                        ignore_eos=True), use_tqdm=False)
+    hf_model = AutoModelForCausalLM.from_pretrained(
+        path.parent, gguf_file=path.name, dtype=torch.float32
+    ).eval()
+    prompts = [
+        "The history of the Roman Empire",
+        "def fibonacci(n):",
+        "<|im_start|>user\nName a planet.<|im_end|>\n<|im_start|>assistant\n",
+    ]
+    ours = default_llm_fp32.generate(
+        prompts, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True), use_tqdm=False
+    )
     for prompt, out in zip(prompts, ours):
         ids = hf_tok(prompt, return_tensors="pt").input_ids
         assert ids[0].tolist() == out.prompt_token_ids  # same tokenizer
-        ref = hf_model.generate(ids, max_new_tokens=16, min_new_tokens=16, do_sample=False,
-                                pad_token_id=hf_tok.eos_token_id)
-        assert out.outputs[0].token_ids == ref[0, ids.shape[1]:].tolist(), prompt
+        ref = hf_model.generate(
+            ids,
+            max_new_tokens=16,
+            min_new_tokens=16,
+            do_sample=False,
+            pad_token_id=hf_tok.eos_token_id,
+        )
+        assert out.outputs[0].token_ids == ref[0, ids.shape[1] :].tolist(), prompt
 
 
 def test_the_gguf_gives_no_sampling_defaults(default_llm):

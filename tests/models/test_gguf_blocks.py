@@ -20,14 +20,22 @@ from minivllm.layers.linear import LinearBase
 from minivllm.layers.linear_method import GgmlBlockMethod
 from minivllm.models.gguf import convert_gguf
 
-pytestmark = pytest.mark.skipif(not cpu_kernels_available(),
-                                reason="the block kernels need an x86 CPU with AVX2")
+pytestmark = pytest.mark.skipif(
+    not cpu_kernels_available(), reason="the block kernels need an x86 CPU with AVX2"
+)
 
 HIDDEN, INTER, LAYERS, HEADS, KV_HEADS, HEAD_DIM = 256, 512, 2, 4, 2, 64
 # One Q4_K_M-like mix: 4-bit K-quants, a 6-bit v and down, an 8-bit o, and one Q4_0 tensor
 # that stays with the 4-bit kernels (its fused gate_up stays dense: one shard is not blocks).
-TYPES = {"attn_q": QT.Q4_K, "attn_k": QT.Q4_K, "attn_v": QT.Q6_K, "attn_output": QT.Q8_0,
-         "ffn_gate": QT.Q4_K, "ffn_up": QT.Q4_K, "ffn_down": QT.Q6_K}
+TYPES = {
+    "attn_q": QT.Q4_K,
+    "attn_k": QT.Q4_K,
+    "attn_v": QT.Q6_K,
+    "attn_output": QT.Q8_0,
+    "ffn_gate": QT.Q4_K,
+    "ffn_up": QT.Q4_K,
+    "ffn_down": QT.Q6_K,
+}
 BLOCK_LAYERS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.down_proj")
 
 
@@ -54,10 +62,16 @@ def _write(path: Path, layer1_up: QT) -> None:
     from transformers.convert_slow_tokenizer import bytes_to_unicode
 
     tokens = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", *bytes_to_unicode().values(), "he"]
-    cfg = LlamaConfig(vocab_size=len(tokens), hidden_size=HIDDEN, intermediate_size=INTER,
-                      num_hidden_layers=LAYERS, num_attention_heads=HEADS,
-                      num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM,
-                      max_position_embeddings=256)
+    cfg = LlamaConfig(
+        vocab_size=len(tokens),
+        hidden_size=HIDDEN,
+        intermediate_size=INTER,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS,
+        num_key_value_heads=KV_HEADS,
+        head_dim=HEAD_DIM,
+        max_position_embeddings=256,
+    )
     rng = np.random.default_rng(0)
     writer = gguf_writer(path, "llama", cfg)
     writer.add_key_length(HEAD_DIM)
@@ -72,19 +86,27 @@ def _write(path: Path, layer1_up: QT) -> None:
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
     # the tied embedding in Q6_K, as llama-quantize writes a Q4_K_M's
-    writer.add_tensor("token_embd.weight", _blocks(QT.Q6_K, len(tokens), HIDDEN, rng),
-                      raw_dtype=QT.Q6_K)
+    writer.add_tensor(
+        "token_embd.weight", _blocks(QT.Q6_K, len(tokens), HIDDEN, rng), raw_dtype=QT.Q6_K
+    )
     writer.add_tensor("output_norm.weight", np.ones(HIDDEN, np.float32))
-    shapes = {"attn_q": (HEADS * HEAD_DIM, HIDDEN), "attn_k": (KV_HEADS * HEAD_DIM, HIDDEN),
-              "attn_v": (KV_HEADS * HEAD_DIM, HIDDEN), "attn_output": (HIDDEN, HEADS * HEAD_DIM),
-              "ffn_gate": (INTER, HIDDEN), "ffn_up": (INTER, HIDDEN), "ffn_down": (HIDDEN, INTER)}
+    shapes = {
+        "attn_q": (HEADS * HEAD_DIM, HIDDEN),
+        "attn_k": (KV_HEADS * HEAD_DIM, HIDDEN),
+        "attn_v": (KV_HEADS * HEAD_DIM, HIDDEN),
+        "attn_output": (HIDDEN, HEADS * HEAD_DIM),
+        "ffn_gate": (INTER, HIDDEN),
+        "ffn_up": (INTER, HIDDEN),
+        "ffn_down": (HIDDEN, INTER),
+    }
     for layer in range(LAYERS):
         writer.add_tensor(f"blk.{layer}.attn_norm.weight", np.ones(HIDDEN, np.float32))
         writer.add_tensor(f"blk.{layer}.ffn_norm.weight", np.ones(HIDDEN, np.float32))
         for part, (rows, cols) in shapes.items():
             qtype = layer1_up if (layer, part) == (1, "ffn_up") else TYPES[part]
-            writer.add_tensor(f"blk.{layer}.{part}.weight", _blocks(qtype, rows, cols, rng),
-                              raw_dtype=qtype)
+            writer.add_tensor(
+                f"blk.{layer}.{part}.weight", _blocks(qtype, rows, cols, rng), raw_dtype=qtype
+            )
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -129,19 +151,24 @@ def test_block_typed_layers_hold_no_dense_weight(llm: LLM) -> None:
 
 def _engine_logprobs(llm: LLM, prompt: list[int], new: int) -> tuple[list[int], list[float]]:
     """(prompt + generated tokens, the engine's log-prob of every token after the first)."""
-    params = SamplingParams(temperature=0, max_tokens=new, ignore_eos=True, prompt_logprobs=0,
-                            logprobs=0)
+    params = SamplingParams(
+        temperature=0, max_tokens=new, ignore_eos=True, prompt_logprobs=0, logprobs=0
+    )
     out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
     completion = out.outputs[0]
-    scores = [entry[tok].logprob for entry, tok in zip(out.prompt_logprobs[1:], prompt[1:],
-                                                        strict=True)]
-    scores += [entry[tok].logprob for entry, tok in zip(completion.logprobs,
-                                                         completion.token_ids, strict=True)]
+    scores = [
+        entry[tok].logprob for entry, tok in zip(out.prompt_logprobs[1:], prompt[1:], strict=True)
+    ]
+    scores += [
+        entry[tok].logprob
+        for entry, tok in zip(completion.logprobs, completion.token_ids, strict=True)
+    ]
     return prompt + list(completion.token_ids), scores
 
 
-def test_prefill_and_decode_match_the_dequantized_model(llm: LLM,
-                                                        model_files: tuple[Path, Path]) -> None:
+def test_prefill_and_decode_match_the_dequantized_model(
+    llm: LLM, model_files: tuple[Path, Path]
+) -> None:
     """Prompt tokens (a 40-row prefill: tile-by-tile dequantization) and generated tokens
     (one-row steps: integer dot products) score as HF fp32 scores them on the dequantized
     weights, within the error of 8-bit activations."""
@@ -150,8 +177,9 @@ def test_prefill_and_decode_match_the_dequantized_model(llm: LLM,
     ref = hf_prompt_logprobs(str(model_files[1]), tuple(tokens))  # [T - 1, V]
     expected = ref.gather(-1, torch.tensor(tokens[1:])[:, None])[:, 0]
     # bf16 logits near -50 are 0.25 apart: the bound scales with them
-    bound = 0.1 + (0.01 * expected.abs() if llm.llm_engine.model_runner.dtype == torch.bfloat16
-                   else 0)
+    bound = 0.1 + (
+        0.01 * expected.abs() if llm.llm_engine.model_runner.dtype == torch.bfloat16 else 0
+    )
     diff = (torch.tensor(scores) - expected).abs()
     assert (diff < bound).all(), diff
     # the generated tokens are the reference's argmax, but where two are within the error

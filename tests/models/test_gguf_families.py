@@ -32,9 +32,16 @@ PROMPTS = [[5, 17, 42, 99, 3, 8], list(range(10, 50))]  # the second outgrows ev
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 
 
-def _write(path: Path, model: torch.nn.Module, arch: str, *, permute: bool = False,
-           norm_shift: float = 0.0, extra: Callable[[gguf.GGUFWriter], None] | None = None,
-           head_dim_key: bool = True) -> None:
+def _write(
+    path: Path,
+    model: torch.nn.Module,
+    arch: str,
+    *,
+    permute: bool = False,
+    norm_shift: float = 0.0,
+    extra: Callable[[gguf.GGUFWriter], None] | None = None,
+    head_dim_key: bool = True,
+) -> None:
     """`model` as llama.cpp's converter writes architecture `arch`."""
     cfg = model.config
     head_dim = cfg.head_dim
@@ -81,6 +88,7 @@ def _gemma_meta(cfg, softcaps: bool) -> Callable[[gguf.GGUFWriter], None]:
             writer.add_sliding_window_pattern([t == "sliding_attention" for t in cfg.layer_types])
             writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
             writer.add_rope_scaling_factor(cfg.rope_parameters["full_attention"]["factor"])
+
     return extra
 
 
@@ -91,6 +99,7 @@ def _phi3_meta(cfg, factors: dict | None) -> Callable[[gguf.GGUFWriter], None]:
         if factors is not None:
             writer.add_tensor("rope_factors_long.weight", np.array(factors["long"], np.float32))
             writer.add_tensor("rope_factors_short.weight", np.array(factors["short"], np.float32))
+
     return extra
 
 
@@ -113,8 +122,11 @@ def _case(name: str) -> tuple[torch.nn.Module, str, dict]:
     if name == "phi3-longrope":
         config.max_position_embeddings, config.original_max_position_embeddings = 128, 32
         config.rope_parameters = {
-            "rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 1.0,
-            "long_factor": LONGROPE["long"], "short_factor": LONGROPE["short"],
+            "rope_type": "longrope",
+            "rope_theta": 10000.0,
+            "partial_rotary_factor": 1.0,
+            "long_factor": LONGROPE["long"],
+            "short_factor": LONGROPE["short"],
         }
     config.architectures = [model_cls.__name__]
     torch.manual_seed(seed)
@@ -129,8 +141,7 @@ def _case(name: str) -> tuple[torch.nn.Module, str, dict]:
         "gemma2": dict(arch="gemma2", norm_shift=1.0, extra=_gemma_meta(config, True)),
         "gemma3": dict(arch="gemma3", norm_shift=1.0, extra=_gemma_meta(config, False)),
         "phi3": dict(arch="phi3", head_dim_key=False, extra=_phi3_meta(config, None)),
-        "phi3-longrope": dict(arch="phi3", head_dim_key=False,
-                              extra=_phi3_meta(config, LONGROPE)),
+        "phi3-longrope": dict(arch="phi3", head_dim_key=False, extra=_phi3_meta(config, LONGROPE)),
     }[name]
     return model, options.pop("arch"), options
 
@@ -150,8 +161,15 @@ def test_family_gguf_converts_and_generates_like_hf(tmp_path: Path, case: str) -
     config = AutoConfig.from_pretrained(out)
     want_arch = "LlamaForCausalLM" if case == "mistral" else type(original).__name__
     assert config.architectures == [want_arch]
-    for key in ("sliding_window", "attn_logit_softcapping", "final_logit_softcapping",
-                "query_pre_attn_scalar", "layer_types", "tie_word_embeddings", "head_dim"):
+    for key in (
+        "sliding_window",
+        "attn_logit_softcapping",
+        "final_logit_softcapping",
+        "query_pre_attn_scalar",
+        "layer_types",
+        "tie_word_embeddings",
+        "head_dim",
+    ):
         if hasattr(original.config, key) and case != "mistral":
             assert getattr(config, key) == getattr(original.config, key), key
     if case == "gemma3" or case == "phi3-longrope":
@@ -170,9 +188,14 @@ def test_family_gguf_converts_and_generates_like_hf(tmp_path: Path, case: str) -
     ours = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
     with torch.inference_mode():
         theirs = [
-            original.generate(torch.tensor([p]), max_new_tokens=8, min_new_tokens=8,
-                              do_sample=False, pad_token_id=0, eos_token_id=None)[0, len(p):]
-            .tolist()
+            original.generate(
+                torch.tensor([p]),
+                max_new_tokens=8,
+                min_new_tokens=8,
+                do_sample=False,
+                pad_token_id=0,
+                eos_token_id=None,
+            )[0, len(p) :].tolist()
             for p in prompts
         ]
     assert ours == theirs
@@ -183,10 +206,16 @@ def test_gemma3_default_layer_pattern_and_27b_scale(tmp_path: Path) -> None:
     """Without a pattern key, llama.cpp's: five sliding layers, then a full one. The 27B
     models (62 layers) scale q by hidden / heads, every other size by head_dim."""
     writer = gguf.GGUFWriter(str(tmp_path / "g.gguf"), "gemma3")
-    for key, value in [("block_count", 62), ("context_length", 512), ("embedding_length", 5376),
-                       ("feed_forward_length", 128), ("attention.head_count", 32),
-                       ("attention.head_count_kv", 16), ("attention.key_length", 128),
-                       ("attention.sliding_window", 1024)]:
+    for key, value in [
+        ("block_count", 62),
+        ("context_length", 512),
+        ("embedding_length", 5376),
+        ("feed_forward_length", 128),
+        ("attention.head_count", 32),
+        ("attention.head_count_kv", 16),
+        ("attention.key_length", 128),
+        ("attention.sliding_window", 1024),
+    ]:
         writer.add_uint32(f"gemma3.{key}", value)
     writer.add_float32("gemma3.attention.layer_norm_rms_epsilon", 1e-6)
     writer.add_float32("gemma3.rope.freq_base", 1e6)

@@ -32,8 +32,9 @@ def good(tmp_path_factory: pytest.TempPathFactory) -> Path:
     writer.add_array("some.floats", [1.5, 2.5])
     rng = np.random.default_rng(0)
     writer.add_tensor("a.weight", rng.standard_normal((4, 64)).astype(np.float32))
-    writer.add_tensor("b.weight", rng.integers(0, 256, (8, 2 * 34), dtype=np.uint8),
-                      raw_dtype=QT.Q8_0)
+    writer.add_tensor(
+        "b.weight", rng.integers(0, 256, (8, 2 * 34), dtype=np.uint8), raw_dtype=QT.Q8_0
+    )
     writer.add_tensor("c.weight", rng.standard_normal(32).astype(np.float16))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -52,8 +53,10 @@ def test_reads_what_gguf_py_reads(good: Path) -> None:
     for mine, ref in zip(ours.tensors, theirs.tensors, strict=True):
         assert mine.tensor_type == ref.tensor_type
         assert mine.shape == tuple(int(d) for d in ref.shape)
-        np.testing.assert_array_equal(np.asarray(mine.data).reshape(-1).view(np.uint8),
-                                      np.asarray(ref.data).reshape(-1).view(np.uint8))
+        np.testing.assert_array_equal(
+            np.asarray(mine.data).reshape(-1).view(np.uint8),
+            np.asarray(ref.data).reshape(-1).view(np.uint8),
+        )
 
 
 def _bad(tmp_path: Path, data: bytes) -> Path:
@@ -98,32 +101,46 @@ def bad_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path,
     table = raw.index(b"blk.0.ffn_up.weight") + len(b"blk.0.ffn_up.weight")
 
     def patched(at: int, value: bytes) -> bytes:
-        return raw[:at] + value + raw[at + len(value):]
+        return raw[:at] + value + raw[at + len(value) :]
 
     files = {
         "truncated": (raw[:-100], "'blk.1.ffn_down.weight' needs 65536 bytes"),
         "header": (raw[:table], "the file is truncated"),
         "not gguf": (b"PK\x03\x04" + raw[4:], "not a GGUF file"),
-        "unknown type": (patched(table + 4 + 2 * 8, struct.pack("<I", 250)),
-                         "'blk.0.ffn_up.weight' has unknown ggml type id 250"),
-        "empty dimension": (patched(table + 4, struct.pack("<Q", 0)),
-                            "'blk.0.ffn_up.weight' has shape [0, 256], with an empty dimension"),
+        "unknown type": (
+            patched(table + 4 + 2 * 8, struct.pack("<I", 250)),
+            "'blk.0.ffn_up.weight' has unknown ggml type id 250",
+        ),
+        "empty dimension": (
+            patched(table + 4, struct.pack("<Q", 0)),
+            "'blk.0.ffn_up.weight' has shape [0, 256], with an empty dimension",
+        ),
     }
     paths = {}
     for kind, (data, expected) in files.items():
         path = out / f"{kind.replace(' ', '-')}.gguf"
         path.write_bytes(data)
         paths[kind] = (path, expected)
-    paths["architecture"] = (write_tiny_llama_gguf(out / "mamba.gguf", arch="mamba"),
-                             "GGUF architecture 'mamba' is not supported")
+    paths["architecture"] = (
+        write_tiny_llama_gguf(out / "mamba.gguf", arch="mamba"),
+        "GGUF architecture 'mamba' is not supported",
+    )
     paths["unreadable type"] = (
         write_tiny_llama_gguf(out / "q8k.gguf", ffn_type=QT.Q8_K),
-        "'blk.0.ffn_down.weight' has type Q8_K, which minivllm cannot read")
+        "'blk.0.ffn_down.weight' has type Q8_K, which minivllm cannot read",
+    )
     return paths
 
 
-BAD_KINDS = ["truncated", "header", "not gguf", "unknown type", "empty dimension",
-             "architecture", "unreadable type"]
+BAD_KINDS = [
+    "truncated",
+    "header",
+    "not gguf",
+    "unknown type",
+    "empty dimension",
+    "architecture",
+    "unreadable type",
+]
 
 
 def _assert_one_line(stderr: str, path: Path, expected: str, cache: Path) -> None:
@@ -136,8 +153,11 @@ def _assert_one_line(stderr: str, path: Path, expected: str, cache: Path) -> Non
 
 @pytest.mark.parametrize("kind", BAD_KINDS)
 def test_cli_refuses_each_bad_file_in_one_line(
-    bad_files: dict[str, tuple[Path, str]], kind: str, tmp_path: Path,
-    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+    bad_files: dict[str, tuple[Path, str]],
+    kind: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     """`minivllm generate --model BAD.gguf`: exit status 2, one line naming the file, the
     tensor and what is wrong, and nothing written to the cache."""
@@ -148,27 +168,40 @@ def test_cli_refuses_each_bad_file_in_one_line(
     _assert_one_line(capsys.readouterr().err, path, expected, cache)
 
 
-@pytest.mark.parametrize("command,kind", [
-    (["generate", "hi"], "truncated"),
-    (["serve", "--port", "0"], "architecture"),  # the engine in its own process
-    (["bench", "throughput"], "unknown type"),
-])
+@pytest.mark.parametrize(
+    "command,kind",
+    [
+        (["generate", "hi"], "truncated"),
+        (["serve", "--port", "0"], "architecture"),  # the engine in its own process
+        (["bench", "throughput"], "unknown type"),
+    ],
+)
 def test_every_command_exits_2_without_traceback(
-    bad_files: dict[str, tuple[Path, str]], command: list[str], kind: str, tmp_path: Path,
+    bad_files: dict[str, tuple[Path, str]],
+    command: list[str],
+    kind: str,
+    tmp_path: Path,
 ) -> None:
     """The same through the installed command, as a user runs it: generate, serve (whose
     engine process reports the error back) and bench."""
     cache = tmp_path / "cache"
     path, expected = bad_files[kind]
     env = dict(os.environ, MINIVLLM_CACHE=str(cache))
-    proc = subprocess.run([sys.executable, "-m", "minivllm.cli", *command, "--model",
-                           str(path)], capture_output=True, text=True, timeout=300, env=env)
+    proc = subprocess.run(
+        [sys.executable, "-m", "minivllm.cli", *command, "--model", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
     assert proc.returncode == 2, proc.stderr
     _assert_one_line(proc.stderr, path, expected, cache)
 
 
 def test_types_without_a_kernel_load_dequantized_with_one_warning(
-    bad_files: dict[str, tuple[Path, str]], tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    bad_files: dict[str, tuple[Path, str]],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     """An IQ4_NL tensor (no kernel of ours runs it) is decoded at load into the dense weight
@@ -183,9 +216,11 @@ def test_types_without_a_kernel_load_dequantized_with_one_warning(
     with caplog.at_level(logging.WARNING, logger="minivllm.models.gguf"):
         llm = LLM(model=str(path), dtype="float32", enforce_eager=True, device="cpu")
     warnings = [r.getMessage() for r in caplog.records if "no kernel" in r.getMessage()]
-    assert warnings == ["iq4nl.gguf: 2 tensors of type IQ4_NL have no kernel here: dequantized "
-                        "at load into dense float32 weights, 0.1 MB in memory against 0.0 MB "
-                        "as stored (slower loads and steps)"]
+    assert warnings == [
+        "iq4nl.gguf: 2 tensors of type IQ4_NL have no kernel here: dequantized "
+        "at load into dense float32 weights, 0.1 MB in memory against 0.0 MB "
+        "as stored (slower loads and steps)"
+    ]
     weight = llm.llm_engine.model_runner.model.model.layers[0].mlp.down_proj.weight
     expected = dequantize_tensor(GGUFFile(path).by_name["blk.0.ffn_down.weight"])
     np.testing.assert_array_equal(weight.numpy(), expected)

@@ -44,8 +44,10 @@ def test_int4_blocks_equal_the_dense_dequantization(tmp_path: Path, qtype: QT):
     """Q4_0 / Q4_1 / Q4_K as (q - 8) * scale + zero: the same weights as gguf-py's decoder
     (itself checked against ggml's C loops in test_gguf.py), up to float rounding."""
     rows, cols = 8, 512
-    _write(tmp_path / "t.gguf", {"t.weight": (_random_blocks(qtype, rows, cols,
-                                                              np.random.default_rng(0)), qtype)})
+    _write(
+        tmp_path / "t.gguf",
+        {"t.weight": (_random_blocks(qtype, rows, cols, np.random.default_rng(0)), qtype)},
+    )
     (tensor,) = GGUFFile(tmp_path / "t.gguf").tensors
     weight = int4_from_tensor(tensor)
     assert weight.codes.shape == (rows, cols) and int(weight.codes.max()) <= 15
@@ -67,12 +69,13 @@ def test_read_int4_weights_unpermutes_llama_qk_like_the_converter(tmp_path: Path
     _write(path, tensors)
     dense = mgguf.read_state_dict(GGUFFile(path))
     int4 = read_int4_weights(GGUFFile(path))
-    assert set(int4) == {"model.layers.0.self_attn.q_proj.weight",
-                         "model.layers.0.self_attn.k_proj.weight",
-                         "model.layers.0.mlp.up_proj.weight"}  # no LM head in this file
+    assert set(int4) == {
+        "model.layers.0.self_attn.q_proj.weight",
+        "model.layers.0.self_attn.k_proj.weight",
+        "model.layers.0.mlp.up_proj.weight",
+    }  # no LM head in this file
     for name, weight in int4.items():
-        torch.testing.assert_close(weight.dequantize(), dense[name], rtol=1e-5, atol=1e-6,
-                                   msg=name)
+        torch.testing.assert_close(weight.dequantize(), dense[name], rtol=1e-5, atol=1e-6, msg=name)
 
 
 @pytest.mark.parametrize("head", ["output.weight", "token_embd.weight"])

@@ -12,11 +12,20 @@ from minivllm.bench.quality import measure_quality
 
 pytestmark = pytest.mark.default_model
 
-PROMPTS = ["The history of the Roman Empire", "def fibonacci(n):", "Water boils at",
-           "Once upon a time, in a small village,", "The three primary colors are",
-           "import numpy as np\n", "My favourite food is", "The capital of Germany is",
-           "Explain photosynthesis:", "1, 2, 3, 4, 5,", "Dear Sir or Madam,",
-           "The quick brown fox"]
+PROMPTS = [
+    "The history of the Roman Empire",
+    "def fibonacci(n):",
+    "Water boils at",
+    "Once upon a time, in a small village,",
+    "The three primary colors are",
+    "import numpy as np\n",
+    "My favourite food is",
+    "The capital of Germany is",
+    "Explain photosynthesis:",
+    "1, 2, 3, 4, 5,",
+    "Dear Sir or Madam,",
+    "The quick brown fox",
+]
 
 
 def test_defaults_stay_within_half_a_percent_perplexity_and_97_percent_top1(default_llm):

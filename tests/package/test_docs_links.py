@@ -55,8 +55,9 @@ def test_every_relative_link_and_anchor_resolves() -> None:
 
 def test_every_file_in_docs_bench_is_cited_by_a_page() -> None:
     text = "\n".join(p.read_text() for p in _pages())
-    uncited = [p.name for p in sorted((ROOT / "docs" / "bench").glob("*"))
-               if f"bench/{p.name}" not in text]
+    uncited = [
+        p.name for p in sorted((ROOT / "docs" / "bench").glob("*")) if f"bench/{p.name}" not in text
+    ]
     assert not uncited, f"files in docs/bench/ no page cites: {uncited}"
 
 

@@ -50,8 +50,11 @@ def _imports(name: str, path: Path, known: set[str]) -> set[str]:
 
 
 def test_no_module_is_over_400_lines() -> None:
-    long = {name: n for name, path in _modules().items()
-            if (n := len(path.read_text().splitlines())) > MAX_MODULE_LINES}
+    long = {
+        name: n
+        for name, path in _modules().items()
+        if (n := len(path.read_text().splitlines())) > MAX_MODULE_LINES
+    }
     assert not long, f"modules over {MAX_MODULE_LINES} lines: {long}"
 
 
@@ -83,7 +86,7 @@ def test_no_import_cycles() -> None:
         stack.append(node)
         for nxt in sorted(graph[node]):
             if state.get(nxt) == 1:
-                cycles.append(stack[stack.index(nxt):] + [nxt])
+                cycles.append(stack[stack.index(nxt) :] + [nxt])
             elif nxt not in state:
                 visit(nxt)
         stack.pop()
@@ -98,18 +101,26 @@ def test_no_import_cycles() -> None:
 def test_the_engine_core_imports_neither_torch_nor_the_server_nor_the_lab() -> None:
     """CONTRIBUTING.md: scheduling and paging are pure Python; the engine never imports its UIs."""
     modules = _modules()
-    for name in ["minivllm.engine.sequence", "minivllm.engine.block_manager",
-                 "minivllm.engine.scheduler", "minivllm.engine.llm_engine",
-                 "minivllm.engine.tracing", "minivllm.config"]:
+    for name in [
+        "minivllm.engine.sequence",
+        "minivllm.engine.block_manager",
+        "minivllm.engine.scheduler",
+        "minivllm.engine.llm_engine",
+        "minivllm.engine.tracing",
+        "minivllm.config",
+    ]:
         source = modules[name].read_text()
         tree = ast.parse(source)
-        top = {a.name.split(".")[0] for n in tree.body if isinstance(n, ast.Import)
-               for a in n.names}
-        top |= {(n.module or "").split(".")[0] for n in tree.body
-                if isinstance(n, ast.ImportFrom)}
+        top = {
+            a.name.split(".")[0] for n in tree.body if isinstance(n, ast.Import) for a in n.names
+        }
+        top |= {(n.module or "").split(".")[0] for n in tree.body if isinstance(n, ast.ImportFrom)}
         assert "torch" not in top, f"{name} imports torch at module level"
     for name, path in modules.items():
         if name.startswith("minivllm.engine"):
-            bad = {t for t in _imports(name, path, set(modules))
-                   if t.startswith(("minivllm.server", "minivllm.lab"))}
+            bad = {
+                t
+                for t in _imports(name, path, set(modules))
+                if t.startswith(("minivllm.server", "minivllm.lab"))
+            }
             assert not bad, f"{name} imports {bad}"

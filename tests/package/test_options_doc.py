@@ -13,8 +13,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _generator():
-    spec = importlib.util.spec_from_file_location("gen_options_doc",
-                                                  ROOT / "scripts" / "gen_options_doc.py")
+    spec = importlib.util.spec_from_file_location(
+        "gen_options_doc", ROOT / "scripts" / "gen_options_doc.py"
+    )
     module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
     spec.loader.exec_module(module)  # type: ignore[union-attr]
     return module

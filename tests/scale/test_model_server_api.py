@@ -24,8 +24,13 @@ API_KEY = "router-key"
 @pytest.fixture(scope="module")
 def base_url(tiny_llama_long_dir: Path) -> Iterator[str]:
     engine = LLMEngine.from_options(
-        model=str(tiny_llama_long_dir), max_model_len=4096, num_kv_blocks=256, block_size=16,
-        max_num_seqs=8, device="cpu", dtype="float32",
+        model=str(tiny_llama_long_dir),
+        max_model_len=4096,
+        num_kv_blocks=256,
+        block_size=16,
+        max_num_seqs=8,
+        device="cpu",
+        dtype="float32",
     )
     app = create_app(engine, MODEL, api_key=API_KEY)
     with ServerThread(app) as thread:
@@ -57,8 +62,12 @@ def test_vllm_metric_names_alias_ours(base_url: str) -> None:
 
     def stream() -> None:
         chunks = client.completions.create(
-            model=MODEL, prompt="a long running request", max_tokens=3000, stream=True,
-            temperature=0, extra_body={"ignore_eos": True},
+            model=MODEL,
+            prompt="a long running request",
+            max_tokens=3000,
+            stream=True,
+            temperature=0,
+            extra_body={"ignore_eos": True},
         )
         for _ in chunks:
             started.set()
@@ -90,19 +99,35 @@ def test_vllm_metric_names_alias_ours(base_url: str) -> None:
 # The bodies vllm-router forwards (captured from vllm-router 0.1.17 in front of a recording
 # server): the client's fields plus SGLang's and vLLM's extras at their defaults.
 ROUTER_CHAT = {
-    "model": MODEL, "messages": [{"role": "user", "content": "hello"}], "stream": False,
-    "max_tokens": 5, "logprobs": False, "no_stop_trim": False, "ignore_eos": False,
-    "continue_final_message": False, "skip_special_tokens": True, "separate_reasoning": True,
-    "stream_reasoning": True, "return_hidden_states": False, "include_reasoning": True,
+    "model": MODEL,
+    "messages": [{"role": "user", "content": "hello"}],
+    "stream": False,
+    "max_tokens": 5,
+    "logprobs": False,
+    "no_stop_trim": False,
+    "ignore_eos": False,
+    "continue_final_message": False,
+    "skip_special_tokens": True,
+    "separate_reasoning": True,
+    "stream_reasoning": True,
+    "return_hidden_states": False,
+    "include_reasoning": True,
 }
 ROUTER_COMPLETION = {
-    "model": MODEL, "prompt": "hello", "max_tokens": 5, "stream": False, "echo": False,
-    "no_stop_trim": False, "ignore_eos": False, "skip_special_tokens": True,
+    "model": MODEL,
+    "prompt": "hello",
+    "max_tokens": 5,
+    "stream": False,
+    "echo": False,
+    "no_stop_trim": False,
+    "ignore_eos": False,
+    "skip_special_tokens": True,
     "return_hidden_states": False,
 }
 # Before forwarding a chat request, its cache-aware policy asks the worker for its tokens.
 ROUTER_TOKENIZE = {
-    "model": MODEL, "continue_final_message": False,
+    "model": MODEL,
+    "continue_final_message": False,
     "messages": [{"role": "user", "content": "hello"}],
 }
 
@@ -124,15 +149,26 @@ def test_requests_as_the_routers_forward_them(base_url: str) -> None:
         assert tokens.json()["count"] == len(tokens.json()["tokens"]) > 0
 
 
-@pytest.mark.parametrize("field,value", [
-    ("no_stop_trim", True), ("continue_final_message", True), ("return_hidden_states", True),
-    ("separate_reasoning", False), ("no_stop_trim", 0),
-])
-def test_router_fields_off_their_default_are_refused(base_url: str, field: str,
-                                                     value: object) -> None:
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("no_stop_trim", True),
+        ("continue_final_message", True),
+        ("return_hidden_states", True),
+        ("separate_reasoning", False),
+        ("no_stop_trim", 0),
+    ],
+)
+def test_router_fields_off_their_default_are_refused(
+    base_url: str, field: str, value: object
+) -> None:
     """A router extra at any value but the one this server implements is a 400 naming it,
     not an answer that silently differs from what was asked."""
-    r = httpx.post(f"{base_url}/v1/chat/completions", headers=_auth(),
-                   json={**ROUTER_CHAT, field: value}, timeout=60)
+    r = httpx.post(
+        f"{base_url}/v1/chat/completions",
+        headers=_auth(),
+        json={**ROUTER_CHAT, field: value},
+        timeout=60,
+    )
     assert r.status_code == 400, r.text
     assert field in r.json()["error"]["message"]

@@ -13,8 +13,10 @@ from minivllm.cli import main
 
 def test_cli_and_server_do_not_import_ray() -> None:
     """`make run` and plain `minivllm serve` must work on an install without Ray."""
-    code = ("import sys, minivllm.cli, minivllm.server.serve, minivllm.server.app; "
-            "sys.exit('ray' in sys.modules)")
+    code = (
+        "import sys, minivllm.cli, minivllm.server.serve, minivllm.server.app; "
+        "sys.exit('ray' in sys.modules)"
+    )
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
 
 
@@ -32,8 +34,15 @@ def test_app_builder_parses_engine_options_and_refuses_unknown_ones() -> None:
     pytest.importorskip("ray")
     from minivllm.scale.ray_serve import app_builder
 
-    app = app_builder({"model": "m", "num_replicas": "2", "replica_cpus": "1.5",
-                       "max_model_len": "512", "enforce_eager": "true"})
+    app = app_builder(
+        {
+            "model": "m",
+            "num_replicas": "2",
+            "replica_cpus": "1.5",
+            "max_model_len": "512",
+            "enforce_eager": "true",
+        }
+    )
     deployment = app._bound_deployment  # Serve's Application keeps the bound deployment here
     assert deployment.num_replicas == 2
     assert deployment.ray_actor_options["num_cpus"] == 1.5

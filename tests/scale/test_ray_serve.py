@@ -40,12 +40,24 @@ def base_url(tiny_llama_long_dir: Path) -> Iterator[str]:
     port = _free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     options = ReplicaOptions(
-        dict(model=str(tiny_llama_long_dir), max_model_len=4096, num_kv_blocks=256,
-             block_size=16, max_num_seqs=16, device="cpu", dtype="float32"),
-        served_model_name=MODEL, api_key=API_KEY, num_cpus=1,
+        dict(
+            model=str(tiny_llama_long_dir),
+            max_model_len=4096,
+            num_kv_blocks=256,
+            block_size=16,
+            max_num_seqs=16,
+            device="cpu",
+            dtype="float32",
+        ),
+        served_model_name=MODEL,
+        api_key=API_KEY,
+        num_cpus=1,
     )
-    serve.run(build_app(options, num_replicas=2, graceful_shutdown_s=GRACE_S), name="minivllm",
-              route_prefix="/")
+    serve.run(
+        build_app(options, num_replicas=2, graceful_shutdown_s=GRACE_S),
+        name="minivllm",
+        route_prefix="/",
+    )
     try:
         yield f"http://127.0.0.1:{port}"
     finally:
@@ -60,8 +72,13 @@ def _client(base_url: str) -> openai.OpenAI:
 def _stream(client: openai.OpenAI, max_tokens: int) -> tuple[str, openai.Stream]:
     """A streamed completion: the replica that serves it and its stream of chunks."""
     raw = client.completions.with_raw_response.create(
-        model=MODEL, prompt="Ray replicas", max_tokens=max_tokens, stream=True,
-        temperature=0, stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+        model=MODEL,
+        prompt="Ray replicas",
+        max_tokens=max_tokens,
+        stream=True,
+        temperature=0,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
     )
     return raw.headers[REPLICA_HEADER], raw.parse()
 
@@ -119,8 +136,8 @@ def _scrape(base_url: str) -> tuple[str, dict[str, float]]:
 
     r = httpx.get(f"{base_url}/metrics", timeout=30)
     return r.headers[REPLICA_HEADER], {
-        name: float(value) for name, _, value in
-        (line.rpartition(" ") for line in r.text.splitlines())
+        name: float(value)
+        for name, _, value in (line.rpartition(" ") for line in r.text.splitlines())
         if name and not name.startswith("#")
     }
 
@@ -153,8 +170,10 @@ def test_client_disconnect_aborts_through_the_proxy(base_url: str) -> None:
             break
         assert time.monotonic() < deadline, "the request kept running after the disconnect"
         time.sleep(0.2)
-    generated = (after["minivllm:generation_tokens_total"]
-                 - before[replica]["minivllm:generation_tokens_total"])
+    generated = (
+        after["minivllm:generation_tokens_total"]
+        - before[replica]["minivllm:generation_tokens_total"]
+    )
     assert generated < 2000
 
 
@@ -202,8 +221,10 @@ def test_killed_replica_is_replaced_and_its_streams_end(base_url: str) -> None:
 
     jobs = [(chunks, None) for chunks in by_replica[victim]]
     jobs += [(chunks, 50) for chunks in by_replica[survivor]]
-    threads = [threading.Thread(target=drain, args=(i, c, lim), daemon=True)
-               for i, (c, lim) in enumerate(jobs)]
+    threads = [
+        threading.Thread(target=drain, args=(i, c, lim), daemon=True)
+        for i, (c, lim) in enumerate(jobs)
+    ]
     for t in threads:
         t.start()
     for t in threads:

@@ -61,23 +61,59 @@ def cluster(tiny_llama_long_dir: Path) -> Iterator[tuple[str, list[str]]]:
     try:
         for _ in range(2):
             port = _free_port()
-            procs.append(subprocess.Popen([
-                sys.executable, "-m", "minivllm.cli", "serve", str(tiny_llama_long_dir),
-                "--port", str(port), "--served-model-name", MODEL, "--device", "cpu",
-                "--dtype", "float32", "--max-model-len", "4096", "--num-kv-blocks", "512",
-                "--block-size", "16", "--enforce-eager",
-            ]))
+            procs.append(
+                subprocess.Popen(
+                    [
+                        sys.executable,
+                        "-m",
+                        "minivllm.cli",
+                        "serve",
+                        str(tiny_llama_long_dir),
+                        "--port",
+                        str(port),
+                        "--served-model-name",
+                        MODEL,
+                        "--device",
+                        "cpu",
+                        "--dtype",
+                        "float32",
+                        "--max-model-len",
+                        "4096",
+                        "--num-kv-blocks",
+                        "512",
+                        "--block-size",
+                        "16",
+                        "--enforce-eager",
+                    ]
+                )
+            )
             workers.append(f"http://127.0.0.1:{port}")
         for url in workers:
             _wait_ready(f"{url}/health", procs)
         port = _free_port()
-        procs.append(subprocess.Popen(
-            [ROUTER, "--host", "127.0.0.1", "--port", str(port), "--policy", "cache_aware",
-             "--worker-urls", *workers, "--log-level", "warning",
-             # its own /metrics listener, on a free port (the default one may be taken)
-             "--prometheus-host", "127.0.0.1", "--prometheus-port", str(_free_port())],
-            stdout=subprocess.DEVNULL,
-        ))
+        procs.append(
+            subprocess.Popen(
+                [
+                    ROUTER,
+                    "--host",
+                    "127.0.0.1",
+                    "--port",
+                    str(port),
+                    "--policy",
+                    "cache_aware",
+                    "--worker-urls",
+                    *workers,
+                    "--log-level",
+                    "warning",
+                    # its own /metrics listener, on a free port (the default one may be taken)
+                    "--prometheus-host",
+                    "127.0.0.1",
+                    "--prometheus-port",
+                    str(_free_port()),
+                ],
+                stdout=subprocess.DEVNULL,
+            )
+        )
         router = f"http://127.0.0.1:{port}"
         _wait_ready(f"{router}/v1/models", procs)
         yield router, workers
@@ -96,10 +132,17 @@ def _served(workers: list[str]) -> list[float]:
 
 
 def _post(router: str, prompt: str, max_tokens: int) -> dict:
-    r = httpx.post(f"{router}/v1/completions", timeout=120, json={
-        "model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-        "ignore_eos": True,
-    })
+    r = httpx.post(
+        f"{router}/v1/completions",
+        timeout=120,
+        json={
+            "model": MODEL,
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+        },
+    )
     assert r.status_code == 200, r.text
     return r.json()
 

@@ -14,9 +14,20 @@ from minivllm.server.app import create_app
 from minivllm.server.async_engine import AsyncLLMEngine
 from minivllm.server.engine_client import EngineClient
 
-MEMBERS = ("config", "tokenizer", "default_sampling_params", "vocab_size", "stats",
-           "is_running", "start", "shutdown", "close", "stop_accepting", "abort_all",
-           "add_request")
+MEMBERS = (
+    "config",
+    "tokenizer",
+    "default_sampling_params",
+    "vocab_size",
+    "stats",
+    "is_running",
+    "start",
+    "shutdown",
+    "close",
+    "stop_accepting",
+    "abort_all",
+    "add_request",
+)
 SETTABLE = ("on_output", "max_waiting_requests")
 
 
@@ -53,12 +64,16 @@ def test_the_server_runs_on_the_protocol_alone() -> None:
     """Token-id prompts complete, and the vocabulary bound comes from the client."""
     client: EngineClient = _client(vocab_size=500)  # type: ignore[assignment]
     with TestClient(create_app(client, "fake")) as http:
-        ok = http.post("/v1/completions", json={"model": "fake", "prompt": [1, 2, 3],
-                                                "max_tokens": 3, "temperature": 0})
+        ok = http.post(
+            "/v1/completions",
+            json={"model": "fake", "prompt": [1, 2, 3], "max_tokens": 3, "temperature": 0},
+        )
         assert ok.status_code == 200, ok.text
         assert ok.json()["usage"]["completion_tokens"] == 3
-        bad = http.post("/v1/completions", json={"model": "fake", "prompt": [1, 2, 3],
-                                                 "max_tokens": 3, "logit_bias": {"700": 1}})
+        bad = http.post(
+            "/v1/completions",
+            json={"model": "fake", "prompt": [1, 2, 3], "max_tokens": 3, "logit_bias": {"700": 1}},
+        )
         assert bad.status_code == 400 and "vocabulary" in bad.json()["error"]["message"]
         assert http.get("/health").status_code == 200
 

@@ -24,8 +24,14 @@ from minivllm.server.engine_process import EngineProcess
 
 
 def _options(model_dir: Path) -> dict:
-    return dict(model=str(model_dir), max_model_len=2048, num_kv_blocks=256, block_size=16,
-                device="cpu", dtype="float32")
+    return dict(
+        model=str(model_dir),
+        max_model_len=2048,
+        num_kv_blocks=256,
+        block_size=16,
+        device="cpu",
+        dtype="float32",
+    )
 
 
 def _alive(pid: int) -> bool:
@@ -70,8 +76,14 @@ def test_outputs_equal_the_engine_run_in_this_process(tiny_llama_long_dir: Path)
 
     engine = EngineProcess(_options(tiny_llama_long_dir))
     with ServerThread(create_app(engine, "tiny")) as thread:
-        body = {"model": "tiny", "prompt": prompts, "max_tokens": 12, "temperature": 0,
-                "ignore_eos": True, "n": 2}
+        body = {
+            "model": "tiny",
+            "prompt": prompts,
+            "max_tokens": 12,
+            "temperature": 0,
+            "ignore_eos": True,
+            "n": 2,
+        }
         r = httpx.post(f"{thread.base_url}/v1/completions", json=body, timeout=60)
     assert r.status_code == 200, r.text
     choices = sorted(r.json()["choices"], key=lambda c: c["index"])
@@ -83,14 +95,19 @@ def test_a_dead_engine_process_ends_requests_with_an_error(live) -> None:
     """The engine process killed mid-stream: the stream ends with an error event and [DONE]
     (no hang), /health turns 503, and a new request gets a 503 with an OpenAI error body."""
     base, engine = live
-    body = {"model": "tiny", "prompt": "The quick brown fox", "max_tokens": 2000,
-            "ignore_eos": True, "stream": True}
+    body = {
+        "model": "tiny",
+        "prompt": "The quick brown fox",
+        "max_tokens": 2000,
+        "ignore_eos": True,
+        "stream": True,
+    }
     events = []
     with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=30) as r:
         for line in r.iter_lines():
             if not line.startswith("data: "):
                 continue
-            data = line[len("data: "):]
+            data = line[len("data: ") :]
             events.append(data if data == "[DONE]" else json.loads(data))
             if len(events) == 3:
                 os.kill(engine._process.pid, signal.SIGKILL)

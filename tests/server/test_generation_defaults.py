@@ -17,8 +17,14 @@ from minivllm import LLM, SamplingParams
 from minivllm.server import ServerThread, create_app, protocol
 
 # top_k 1 makes the model's default greedy: outputs that follow it are deterministic.
-MODEL_DEFAULTS = {"temperature": 0.5, "top_k": 1, "top_p": 0.9, "min_p": 0.05,
-                  "repetition_penalty": 1.1, "max_new_tokens": 5}
+MODEL_DEFAULTS = {
+    "temperature": 0.5,
+    "top_k": 1,
+    "top_p": 0.9,
+    "min_p": 0.05,
+    "repetition_penalty": 1.1,
+    "max_new_tokens": 5,
+}
 AS_SAMPLING_PARAMS = {**MODEL_DEFAULTS, "max_tokens": 5}
 del AS_SAMPLING_PARAMS["max_new_tokens"]
 MAX_MODEL_LEN = 64
@@ -37,8 +43,12 @@ def model_dir(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) ->
 
 
 def _llm(model_dir: Path, generation_config: str) -> LLM:
-    return LLM(str(model_dir), dtype="float32", max_model_len=MAX_MODEL_LEN,
-               generation_config=generation_config)
+    return LLM(
+        str(model_dir),
+        dtype="float32",
+        max_model_len=MAX_MODEL_LEN,
+        generation_config=generation_config,
+    )
 
 
 @pytest.fixture(scope="module", params=["auto", "vllm"])
@@ -84,8 +94,9 @@ def test_chat_outcomes_follow_the_defaults(server):
     source, _, client = server
 
     def chat(**body) -> tuple[str, int, int]:
-        r = client.chat.completions.create(model="tiny", messages=MESSAGES,
-                                           extra_body={"ignore_eos": True, **body})
+        r = client.chat.completions.create(
+            model="tiny", messages=MESSAGES, extra_body={"ignore_eos": True, **body}
+        )
         return r.choices[0].message.content, r.usage.completion_tokens, r.usage.prompt_tokens
 
     plain = {chat(seed=s) for s in range(4)}
@@ -104,12 +115,15 @@ def test_the_default_max_tokens_is_cut_to_the_room_left(server):
     own max_tokens is checked, not cut (too large is a 400)."""
     source, srv, client = server
     content = "Hello"
-    while len(srv.encode(srv.chat_text([{"role": "user", "content": content}], True),
-                         False)) < MAX_MODEL_LEN - 3:
+    while (
+        len(srv.encode(srv.chat_text([{"role": "user", "content": content}], True), False))
+        < MAX_MODEL_LEN - 3
+    ):
         content += " world"
     messages = [{"role": "user", "content": content}]
-    r = client.chat.completions.create(model="tiny", messages=messages,
-                                       extra_body={"ignore_eos": True})
+    r = client.chat.completions.create(
+        model="tiny", messages=messages, extra_body={"ignore_eos": True}
+    )
     room = MAX_MODEL_LEN - r.usage.prompt_tokens
     assert 0 < room < 5
     assert r.usage.completion_tokens == room
@@ -125,8 +139,7 @@ def test_offline_defaults(model_dir):
     prompts = [[5, 17, 42, 99], [7, 8, 9]]
     implicit = llm.generate(prompts, use_tqdm=False)
     explicit = llm.generate(prompts, SamplingParams(**AS_SAMPLING_PARAMS), use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in implicit] == [
-        o.outputs[0].token_ids for o in explicit]
+    assert [o.outputs[0].token_ids for o in implicit] == [o.outputs[0].token_ids for o in explicit]
     chat = llm.chat(MESSAGES, use_tqdm=False)[0].outputs[0]
     assert len(chat.token_ids) <= 5
     assert _llm(model_dir, "vllm").get_default_sampling_params() == SamplingParams()

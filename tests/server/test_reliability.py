@@ -45,7 +45,10 @@ def greedy(max_tokens: int, **kw: Any) -> SamplingParams:
 
 def _base_engine(model_dir: Path) -> LLMEngine:
     return LLMEngine.from_options(
-        model=str(model_dir), device="cpu", max_model_len=MAX_MODEL_LEN, num_kv_blocks=256,
+        model=str(model_dir),
+        device="cpu",
+        max_model_len=MAX_MODEL_LEN,
+        num_kv_blocks=256,
         dtype="float32",
     )
 
@@ -440,12 +443,20 @@ BAD_INPUT = [
     # ignored it would not be the one asked for); informational fields (user, metadata,
     # store) are accepted, and so are unknown keys inside messages (clients echo back the
     # assistant messages they received).
-    ("http-unknown-field-refused", Http(_C, {**_OK, "frobnicate": True}, 400, "frobnicate",
-                                        "frobnicate")),
-    ("http-audio-refused", Http(_CHAT, {**_OK_CHAT, "modalities": ["audio"]}, 400, "modalities",
-                                "modalities")),
-    ("http-informational-accepted",
-     Http(_C, {**_OK, "user": "u", "metadata": {"a": "b"}, "store": True, "logit_bias": {}}, 200)),
+    (
+        "http-unknown-field-refused",
+        Http(_C, {**_OK, "frobnicate": True}, 400, "frobnicate", "frobnicate"),
+    ),
+    (
+        "http-audio-refused",
+        Http(_CHAT, {**_OK_CHAT, "modalities": ["audio"]}, 400, "modalities", "modalities"),
+    ),
+    (
+        "http-informational-accepted",
+        Http(
+            _C, {**_OK, "user": "u", "metadata": {"a": "b"}, "store": True, "logit_bias": {}}, 200
+        ),
+    ),
     (
         "http-unknown-message-keys-ignored",
         Http(
@@ -459,8 +470,13 @@ BAD_INPUT = [
 
 @pytest.fixture(scope="module")
 def llm(tiny_llama_dir: Path) -> LLM:
-    return LLM(str(tiny_llama_dir), device="cpu", max_model_len=MAX_MODEL_LEN, num_kv_blocks=64,
-               dtype="float32")
+    return LLM(
+        str(tiny_llama_dir),
+        device="cpu",
+        max_model_len=MAX_MODEL_LEN,
+        num_kv_blocks=64,
+        dtype="float32",
+    )
 
 
 def _post(live: Live, case: Http) -> httpx.Response:

@@ -22,8 +22,7 @@ MODEL = "SmolLM2-135M-Instruct"
 def base_url() -> Iterator[str]:
     # as test_server.py's default_server: fp32, so that greedy answers do not depend on
     # whether a prompt's tokens came from the prefix cache
-    engine = LLMEngine.from_options(model=None, max_model_len=1024, device="cpu",
-                                    dtype="float32")
+    engine = LLMEngine.from_options(model=None, max_model_len=1024, device="cpu", dtype="float32")
     with ServerThread(create_app(engine, MODEL)) as thread:
         yield thread.base_url
 
@@ -44,11 +43,14 @@ def test_openai_agents_runs_a_function_tool_loop(base_url: str) -> None:
 
     client = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="x", max_retries=0)
     agent = agents.Agent(
-        name="weather", instructions="Answer in one short sentence.", tools=[get_weather],
+        name="weather",
+        instructions="Answer in one short sentence.",
+        tools=[get_weather],
         model=OpenAIResponsesModel(MODEL, openai_client=client),
         # the first turn must call the tool; the SDK then resets tool_choice to auto
-        model_settings=agents.ModelSettings(tool_choice="get_weather", temperature=0,
-                                            max_tokens=80),
+        model_settings=agents.ModelSettings(
+            tool_choice="get_weather", temperature=0, max_tokens=80
+        ),
     )
     result = agents.Runner.run_sync(agent, "What is the weather in Paris?", max_turns=3)
     assert calls, "the tool was never called"
@@ -76,14 +78,15 @@ def test_openai_agents_streams_a_forced_tool_call(base_url: str) -> None:
 
     client = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="x", max_retries=0)
     agent = agents.Agent(
-        name="weather", tools=[get_weather], tool_use_behavior="stop_on_first_tool",
+        name="weather",
+        tools=[get_weather],
+        tool_use_behavior="stop_on_first_tool",
         model=OpenAIResponsesModel(MODEL, openai_client=client),
         model_settings=agents.ModelSettings(tool_choice="get_weather", max_tokens=40),
     )
 
     async def run() -> Any:
-        result = agents.Runner.run_streamed(agent, "What is the weather in Paris?",
-                                            max_turns=2)
+        result = agents.Runner.run_streamed(agent, "What is the weather in Paris?", max_turns=2)
         kinds = [event.type async for event in result.stream_events()]
         assert "raw_response_event" in kinds
         return result
@@ -95,12 +98,21 @@ def test_openai_agents_streams_a_forced_tool_call(base_url: str) -> None:
 @pytest.mark.default_model
 def test_a_continued_conversation_reads_its_earlier_turn_from_the_cache(base_url: str) -> None:
     client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="x", max_retries=0)
-    first = client.responses.create(model=MODEL, input="Name three colours.",
-                                    instructions="You are terse.", max_output_tokens=30,
-                                    temperature=0)
-    second = client.responses.create(model=MODEL, input="And three fruits?",
-                                     instructions="You are terse.", max_output_tokens=20,
-                                     temperature=0, previous_response_id=first.id)
+    first = client.responses.create(
+        model=MODEL,
+        input="Name three colours.",
+        instructions="You are terse.",
+        max_output_tokens=30,
+        temperature=0,
+    )
+    second = client.responses.create(
+        model=MODEL,
+        input="And three fruits?",
+        instructions="You are terse.",
+        max_output_tokens=20,
+        temperature=0,
+        previous_response_id=first.id,
+    )
     assert first.output_text and second.output_text
     cached = second.usage.input_tokens_details.cached_tokens
     # the first turn's prompt, at least in whole blocks, comes from the cache

@@ -135,21 +135,34 @@ def test_penalties_and_logit_bias_reach_the_sampler(tiny_server: Live, tiny_llam
 
     ids = tiny_server.engine.tokenizer.encode(PROMPT, add_special_tokens=True)
     params = SamplingParams(
-        temperature=0, max_tokens=10, ignore_eos=True, presence_penalty=1.0,
-        frequency_penalty=0.5, repetition_penalty=1.2, logit_bias={11: 4.0},
+        temperature=0,
+        max_tokens=10,
+        ignore_eos=True,
+        presence_penalty=1.0,
+        frequency_penalty=0.5,
+        repetition_penalty=1.2,
+        logit_bias={11: 4.0},
     )
     want = tiny_server.engine.tokenizer.decode(
         reference_greedy(str(tiny_llama_dir), ids, params), skip_special_tokens=True
     )
     kw = dict(
-        model=MODEL, prompt=ids, max_tokens=10, temperature=0, presence_penalty=1.0,
-        frequency_penalty=0.5, logit_bias={"11": 4.0},
+        model=MODEL,
+        prompt=ids,
+        max_tokens=10,
+        temperature=0,
+        presence_penalty=1.0,
+        frequency_penalty=0.5,
+        logit_bias={"11": 4.0},
         extra_body={"ignore_eos": True, "repetition_penalty": 1.2},
     )
     r = tiny_server.client.completions.create(**kw)
     assert r.choices[0].text == want
-    streamed = "".join(c.choices[0].text for c in tiny_server.client.completions.create(
-        stream=True, **kw) if c.choices)
+    streamed = "".join(
+        c.choices[0].text
+        for c in tiny_server.client.completions.create(stream=True, **kw)
+        if c.choices
+    )
     assert streamed == want
     plain = tiny_server.client.completions.create(
         model=MODEL, prompt=ids, max_tokens=10, temperature=0, extra_body={"ignore_eos": True}
@@ -166,10 +179,20 @@ def test_echo_puts_the_prompt_and_its_logprobs_first(tiny_server: Live, tiny_lla
 
     engine = tiny_server.engine
     ids = engine.tokenizer.encode(PROMPT, add_special_tokens=True)
-    kw = dict(model=MODEL, max_tokens=4, temperature=0, echo=True, logprobs=2,
-              extra_body={"ignore_eos": True})
+    kw = dict(
+        model=MODEL,
+        max_tokens=4,
+        temperature=0,
+        echo=True,
+        logprobs=2,
+        extra_body={"ignore_eos": True},
+    )
     plain = tiny_server.client.completions.create(
-        model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0, logprobs=2,
+        model=MODEL,
+        prompt=PROMPT,
+        max_tokens=4,
+        temperature=0,
+        logprobs=2,
         extra_body={"ignore_eos": True},
     ).choices[0]
     r = tiny_server.client.completions.create(prompt=PROMPT, **kw).choices[0]
@@ -181,22 +204,28 @@ def test_echo_puts_the_prompt_and_its_logprobs_first(tiny_server: Live, tiny_lla
     for pos in range(1, len(ids)):
         assert lp.token_logprobs[pos] == pytest.approx(ref[pos - 1, ids[pos]].item(), abs=1e-4)
         assert 1 <= len(lp.top_logprobs[pos]) <= 3  # top-2 plus the prompt's own token
-    assert lp.token_logprobs[len(ids):] == pytest.approx(plain.logprobs.token_logprobs)
+    assert lp.token_logprobs[len(ids) :] == pytest.approx(plain.logprobs.token_logprobs)
     assert lp.text_offset == sorted(lp.text_offset)
     # Token ids as the prompt: the prompt is echoed decoded.
     by_ids = tiny_server.client.completions.create(prompt=ids, **kw).choices[0]
     assert by_ids.text == engine.tokenizer.decode(ids) + plain.text
     # Streamed, two prompts: each choice's first chunk is its prompt.
-    chunks = list(tiny_server.client.completions.create(prompt=[PROMPT, "Hello"], stream=True,
-                                                        **kw))
+    chunks = list(
+        tiny_server.client.completions.create(prompt=[PROMPT, "Hello"], stream=True, **kw)
+    )
     texts: dict[int, list[str]] = {0: [], 1: []}
     for chunk in chunks:
         for c in chunk.choices:
             texts[c.index].append(c.text)
     assert texts[0][0] == PROMPT and texts[1][0] == "Hello"
     assert "".join(texts[0]) == r.text
-    streamed_lp = [t for chunk in chunks for c in chunk.choices if c.index == 0 and c.logprobs
-                   for t in c.logprobs.token_logprobs]
+    streamed_lp = [
+        t
+        for chunk in chunks
+        for c in chunk.choices
+        if c.index == 0 and c.logprobs
+        for t in c.logprobs.token_logprobs
+    ]
     assert streamed_lp[0] is None
     assert streamed_lp[1:] == pytest.approx(lp.token_logprobs[1:])
 
@@ -550,8 +579,10 @@ def test_runner_fault_ends_only_its_batch(
     JSON body; streamed: an error event), and the server goes on serving."""
     engine = tiny_server.engine
     if isinstance(engine, EngineProcess):
-        pytest.skip("faults are injected into an engine of this process; the engine process's "
-                    "own failure is tests/server/test_engine_process.py's")
+        pytest.skip(
+            "faults are injected into an engine of this process; the engine process's "
+            "own failure is tests/server/test_engine_process.py's"
+        )
     poison = engine.tokenizer.encode("Paged attention", add_special_tokens=True)
     faulty = FaultyRunner(engine.model_runner, fail_when=lambda s: s.prompt_token_ids == poison)
     monkeypatch.setattr(engine, "model_runner", faulty)
@@ -614,8 +645,7 @@ def default_server() -> Iterator[Live]:
     # second request's prefix-cache hit runs its last prompt token through the int4 kernel
     # (one row) where the first ran it through the dense one (a prefill), so sampled tokens
     # may differ. The defaults' quality is tested in tests/models/test_quality.py.
-    engine = LLMEngine.from_options(model=None, max_model_len=512, device="cpu",
-                                    dtype="float32")
+    engine = LLMEngine.from_options(model=None, max_model_len=512, device="cpu", dtype="float32")
     yield from _serve(engine, "SmolLM2-135M-Instruct")
 
 

@@ -26,15 +26,19 @@ class Forecast(BaseModel):
 
 
 def test_pydantic_ai_tool_loop(tiny_llama_long_dir: Path) -> None:
-    engine = LLMEngine.from_options(model=str(tiny_llama_long_dir), max_model_len=4096,
-                                    device="cpu")
+    engine = LLMEngine.from_options(
+        model=str(tiny_llama_long_dir), max_model_len=4096, device="cpu"
+    )
     calls: list[str] = []
     with ServerThread(create_app(engine, "tiny")) as thread:
         provider = OpenAIProvider(base_url=f"{thread.base_url}/v1", api_key="x")
         model = OpenAIChatModel("tiny", provider=provider)
         for seed in range(6):
-            agent = pydantic_ai.Agent(model, output_type=Forecast, model_settings={
-                "temperature": 1.0, "max_tokens": 200, "seed": seed})
+            agent = pydantic_ai.Agent(
+                model,
+                output_type=Forecast,
+                model_settings={"temperature": 1.0, "max_tokens": 200, "seed": seed},
+            )
 
             @agent.tool_plain
             def get_weather(city: Annotated[str, Field(max_length=8)]) -> str:
@@ -42,7 +46,8 @@ def test_pydantic_ai_tool_loop(tiny_llama_long_dir: Path) -> None:
                 calls.append(city)
                 return "sunny"
 
-            result = agent.run_sync("Forecast for Paris?",
-                                    usage_limits=UsageLimits(request_limit=8))
+            result = agent.run_sync(
+                "Forecast for Paris?", usage_limits=UsageLimits(request_limit=8)
+            )
             assert isinstance(result.output, Forecast)
     assert calls, "no run called the tool: the loop was never exercised"

@@ -31,12 +31,18 @@ SCHEMAS = [
             "name": {"type": "string", "maxLength": 12},
             "age": {"type": "integer", "minimum": 18, "maximum": 99},
             "role": {"enum": ["admin", "user", "guest"]},
-            "tags": {"type": "array", "items": {"type": "string", "maxLength": 6},
-                     "minItems": 1, "maxItems": 3},
+            "tags": {
+                "type": "array",
+                "items": {"type": "string", "maxLength": 6},
+                "minItems": 1,
+                "maxItems": 3,
+            },
             "address": {
                 "type": "object",
-                "properties": {"zip": {"type": "string", "pattern": "^[0-9]{5}$"},
-                               "main": {"type": "boolean"}},
+                "properties": {
+                    "zip": {"type": "string", "pattern": "^[0-9]{5}$"},
+                    "main": {"type": "boolean"},
+                },
                 "required": ["zip", "main"],
                 "additionalProperties": False,
             },
@@ -48,8 +54,10 @@ SCHEMAS = [
         "type": "array",
         "items": {
             "type": "object",
-            "properties": {"x": {"type": "integer", "minimum": -5, "maximum": 5},
-                           "ok": {"type": "boolean"}},
+            "properties": {
+                "x": {"type": "integer", "minimum": -5, "maximum": 5},
+                "ok": {"type": "boolean"},
+            },
             "required": ["x", "ok"],
             "additionalProperties": False,
         },
@@ -79,7 +87,11 @@ def server(tiny_llama_dir: Path) -> Iterator[tuple[str, openai.OpenAI]]:
 
 def _complete(client: openai.OpenAI, seed: int, **extra) -> openai.types.Completion:
     return client.completions.create(
-        model="tiny", prompt="Hello", max_tokens=250, temperature=1.0, seed=seed,
+        model="tiny",
+        prompt="Hello",
+        max_tokens=250,
+        temperature=1.0,
+        seed=seed,
         extra_body=extra,
     )
 
@@ -99,13 +111,22 @@ def test_response_format_json_schema_and_json_object_in_chat(server) -> None:
     messages = [{"role": "user", "content": "Give me JSON"}]
     for seed in SEEDS:
         r = client.chat.completions.create(
-            model="tiny", messages=messages, temperature=1.0, seed=seed, max_tokens=250,
-            response_format={"type": "json_schema",
-                             "json_schema": {"name": "s", "schema": SCHEMAS[1], "strict": True}},
+            model="tiny",
+            messages=messages,
+            temperature=1.0,
+            seed=seed,
+            max_tokens=250,
+            response_format={
+                "type": "json_schema",
+                "json_schema": {"name": "s", "schema": SCHEMAS[1], "strict": True},
+            },
         )
         jsonschema.validate(json.loads(r.choices[0].message.content), SCHEMAS[1])
     r = client.chat.completions.create(
-        model="tiny", messages=messages, temperature=0, max_tokens=5,
+        model="tiny",
+        messages=messages,
+        temperature=0,
+        max_tokens=5,
         response_format={"type": "json_object"},
     )
     assert r.choices[0].message.content.startswith("{")
@@ -116,8 +137,12 @@ def test_sdk_parse_with_a_pydantic_model(server) -> None:
     _, client = server
     for seed in SEEDS:
         r = client.chat.completions.parse(
-            model="tiny", messages=[{"role": "user", "content": "A pet?"}], temperature=1.0,
-            seed=seed, max_tokens=200, response_format=Person,
+            model="tiny",
+            messages=[{"role": "user", "content": "A pet?"}],
+            temperature=1.0,
+            seed=seed,
+            max_tokens=200,
+            response_format=Person,
         )
         assert isinstance(r.choices[0].message.parsed, Person)
 
@@ -136,11 +161,16 @@ def test_regex_choice_and_grammar_are_exact(server) -> None:
 
 def test_streamed_constrained_output_is_the_same_text(server) -> None:
     _, client = server
-    kw = dict(model="tiny", prompt="Hi", max_tokens=250, temperature=1.0, seed=3,
-              extra_body={"structured_outputs": {"json": SCHEMAS[0]}})
+    kw = dict(
+        model="tiny",
+        prompt="Hi",
+        max_tokens=250,
+        temperature=1.0,
+        seed=3,
+        extra_body={"structured_outputs": {"json": SCHEMAS[0]}},
+    )
     whole = client.completions.create(**kw).choices[0].text
-    parts = [c.choices[0].text for c in client.completions.create(stream=True, **kw)
-             if c.choices]
+    parts = [c.choices[0].text for c in client.completions.create(stream=True, **kw) if c.choices]
     assert "".join(parts) == whole
     jsonschema.validate(json.loads(whole), SCHEMAS[0])
 
@@ -149,20 +179,38 @@ BAD = [
     # (id, extra body, the param the 400 must name)
     ("bad-schema", {"structured_outputs": {"json": {"type": "nope"}}}, "structured_outputs.json"),
     ("bad-regex", {"structured_outputs": {"regex": "a(b"}}, "structured_outputs.regex"),
-    ("bad-grammar", {"structured_outputs": {"grammar": "root ::= ("}},
-     "structured_outputs.grammar"),
+    (
+        "bad-grammar",
+        {"structured_outputs": {"grammar": "root ::= ("}},
+        "structured_outputs.grammar",
+    ),
     ("empty-choice", {"guided_choice": []}, "guided_choice"),
     ("two-in-one", {"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
-    ("two-fields", {"structured_outputs": {"regex": "a"}, "guided_choice": ["b"]},
-     "guided_choice"),
-    ("response-format-and-so", {"response_format": {"type": "json_object"},
-                                "structured_outputs": {"regex": "a"}}, "structured_outputs.regex"),
+    ("two-fields", {"structured_outputs": {"regex": "a"}, "guided_choice": ["b"]}, "guided_choice"),
+    (
+        "response-format-and-so",
+        {"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}},
+        "structured_outputs.regex",
+    ),
     ("unknown-format", {"response_format": {"type": "xml"}}, "response_format.type"),
-    ("schema-missing", {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
-     "response_format.json_schema"),
-    ("bad-format-schema", {"response_format": {"type": "json_schema", "json_schema": {
-        "name": "x", "schema": {"type": "object", "properties": {"a": {"type": "what"}}}}}},
-     "response_format.json_schema.schema"),
+    (
+        "schema-missing",
+        {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+        "response_format.json_schema",
+    ),
+    (
+        "bad-format-schema",
+        {
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {
+                    "name": "x",
+                    "schema": {"type": "object", "properties": {"a": {"type": "what"}}},
+                },
+            }
+        },
+        "response_format.json_schema.schema",
+    ),
     ("unknown-field", {"modalities": ["audio"]}, "modalities"),
     ("unknown-so-key", {"structured_outputs": {"structural_tag": "x"}}, "structured_outputs"),
 ]
@@ -171,8 +219,12 @@ BAD = [
 @pytest.mark.parametrize("extra, param", [b[1:] for b in BAD], ids=[b[0] for b in BAD])
 def test_bad_constraints_are_400s_naming_the_field(server, extra, param) -> None:
     base_url, _ = server
-    body = {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": 4,
-            **extra}
+    body = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "x"}],
+        "max_tokens": 4,
+        **extra,
+    }
     r = httpx.post(f"{base_url}/v1/chat/completions", json=body, timeout=30)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param, r.json()
@@ -180,6 +232,13 @@ def test_bad_constraints_are_400s_naming_the_field(server, extra, param) -> None
 
 def test_informational_fields_are_accepted(server) -> None:
     base_url, _ = server
-    body = {"model": "tiny", "prompt": "x", "max_tokens": 2, "user": "u", "store": False,
-            "metadata": {"k": "v"}, "service_tier": "auto"}
+    body = {
+        "model": "tiny",
+        "prompt": "x",
+        "max_tokens": 2,
+        "user": "u",
+        "store": False,
+        "metadata": {"k": "v"},
+        "service_tier": "auto",
+    }
     assert httpx.post(f"{base_url}/v1/completions", json=body, timeout=30).status_code == 200

@@ -17,9 +17,11 @@ from minivllm.structured import StructuredOutputs
 from minivllm.structured.grammar import close_objects
 
 EOS = 1  # the tiny tokenizer's </s>
-PERSON = {"type": "object", "properties": {"name": {"type": "string"},
-                                           "age": {"type": "integer"}},
-          "required": ["name"]}
+PERSON = {
+    "type": "object",
+    "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+    "required": ["name"],
+}
 
 
 def test_close_objects_closes_nested_objects_and_keeps_stated_ones() -> None:
@@ -51,9 +53,12 @@ def test_close_objects_closes_nested_objects_and_keeps_stated_ones() -> None:
 def test_close_objects_leaves_composed_objects_open() -> None:
     """allOf members each hold part of the properties, and an object completed by a sibling
     anyOf holds only part: closing any of them would reject what the schema means."""
-    schema = {"type": "object", "properties": {"kind": {"type": "string"}},
-              "anyOf": [{"properties": {"a": {}}}, {"properties": {"b": {}}}],
-              "allOf": [{"properties": {"c": {}}}]}
+    schema = {
+        "type": "object",
+        "properties": {"kind": {"type": "string"}},
+        "anyOf": [{"properties": {"a": {}}}, {"properties": {"b": {}}}],
+        "allOf": [{"properties": {"c": {}}}],
+    }
     closed = close_objects(schema)
     assert "additionalProperties" not in closed
     assert all("additionalProperties" not in s for s in closed["anyOf"] + closed["allOf"])
@@ -70,13 +75,13 @@ def _accepts(structured: StructuredOutputs, schema: dict, text: str) -> bool:
     spec = StructuredOutputsParams(json=schema)
     matcher = structured.matcher_for(SamplingParams(structured_outputs=spec))
     for token in structured.tokenizer.encode(text, add_special_tokens=False):
-        allowed = allowed_tokens(torch.from_numpy(
-            structured.bitmask([matcher])), TINY_VOCAB_SIZE)[0]
+        allowed = allowed_tokens(torch.from_numpy(structured.bitmask([matcher])), TINY_VOCAB_SIZE)[
+            0
+        ]
         if not allowed[token]:
             return False
         matcher.accept(token)
-    final = allowed_tokens(torch.from_numpy(structured.bitmask([matcher])),
-                           TINY_VOCAB_SIZE)[0]
+    final = allowed_tokens(torch.from_numpy(structured.bitmask([matcher])), TINY_VOCAB_SIZE)[0]
     return bool(final[EOS])
 
 
@@ -85,5 +90,6 @@ def test_the_mask_refuses_undeclared_properties_unless_the_schema_allows_them(
 ) -> None:
     assert _accepts(structured, PERSON, '{"name":"Al","age":3}')
     assert not _accepts(structured, PERSON, '{"name":"Al","description":"x"}')
-    assert _accepts(structured, {**PERSON, "additionalProperties": True},
-                    '{"name":"Al","description":"x"}')
+    assert _accepts(
+        structured, {**PERSON, "additionalProperties": True}, '{"name":"Al","description":"x"}'
+    )

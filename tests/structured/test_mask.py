@@ -25,7 +25,9 @@ CHOICES = ["yes", "no", "maybe so"]
 REGEX = r"[ab]{1,3}-[0-9]"
 REGEX_STRINGS = [
     "".join(p) + "-" + d
-    for n in (1, 2, 3) for p in itertools.product("ab", repeat=n) for d in "0123456789"
+    for n in (1, 2, 3)
+    for p in itertools.product("ab", repeat=n)
+    for d in "0123456789"
 ]
 SCHEMA = {
     "type": "object",
@@ -49,8 +51,11 @@ def tokenizer():
 
 
 def _allowed(bitmask: np.ndarray) -> list[int]:
-    return torch.nonzero(allowed_tokens(torch.from_numpy(bitmask), TINY_VOCAB_SIZE)[0]).flatten(
-    ).tolist()
+    return (
+        torch.nonzero(allowed_tokens(torch.from_numpy(bitmask), TINY_VOCAB_SIZE)[0])
+        .flatten()
+        .tolist()
+    )
 
 
 @pytest.mark.parametrize("spec, language", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
@@ -133,20 +138,24 @@ def test_apply_token_bitmask_matches_a_bit_by_bit_reference() -> None:
     assert torch.equal(got, want)
 
 
-@pytest.mark.parametrize("spec, field", [
-    (StructuredOutputsParams(json={"type": "nope"}), "json"),
-    (StructuredOutputsParams(regex="(unclosed"), "regex"),
-    (StructuredOutputsParams(grammar="root ::= ("), "grammar"),
-    (StructuredOutputsParams(json="{not json"), "json"),
-])
+@pytest.mark.parametrize(
+    "spec, field",
+    [
+        (StructuredOutputsParams(json={"type": "nope"}), "json"),
+        (StructuredOutputsParams(regex="(unclosed"), "regex"),
+        (StructuredOutputsParams(grammar="root ::= ("), "grammar"),
+        (StructuredOutputsParams(json="{not json"), "json"),
+    ],
+)
 def test_bad_specs_raise_grammar_errors_naming_the_field(spec, field) -> None:
     with pytest.raises(GrammarError, match=f"structured_outputs.{field}") as info:
         compile_grammar(spec)
     assert info.value.field == field
 
 
-@pytest.mark.parametrize("kw", [{}, {"json": {}, "regex": "a"}, {"choice": []},
-                                {"regex": ""}, {"json": 3}])
+@pytest.mark.parametrize(
+    "kw", [{}, {"json": {}, "regex": "a"}, {"choice": []}, {"regex": ""}, {"json": 3}]
+)
 def test_structured_outputs_params_needs_exactly_one_valid_constraint(kw) -> None:
     with pytest.raises(ValueError, match="structured_outputs"):
         StructuredOutputsParams(**kw)

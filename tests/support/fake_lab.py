@@ -12,7 +12,6 @@ LAB_BLOCK_SIZE = 4
 FAKE_SPEC_VOCAB = 16
 
 
-
 def fake_lab_engine(shape: EngineShape, tracer: Tracer) -> LLMEngine:
     """A lab engine of `shape` on the fake runner (block_size 4, no tokenizer)."""
     config = EngineConfig(

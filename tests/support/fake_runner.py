@@ -29,7 +29,10 @@ def next_token(context: list[int], vocab_size: int, order: int | None = None) ->
 
 class FakeModelRunner:
     def __init__(
-        self, num_kv_blocks: int, block_size: int, vocab_size: int = 1000,
+        self,
+        num_kv_blocks: int,
+        block_size: int,
+        vocab_size: int = 1000,
         order: int | None = None,
     ) -> None:
         self.num_kv_blocks = num_kv_blocks

@@ -33,8 +33,9 @@ def tiny_vocab() -> tuple[list[str], list[str]]:
     return tokens, merges
 
 
-def write_tiny_llama_gguf(path: Path, arch: str = "llama",
-                          ffn_type: gguf.GGMLQuantizationType | None = None) -> Path:
+def write_tiny_llama_gguf(
+    path: Path, arch: str = "llama", ffn_type: gguf.GGMLQuantizationType | None = None
+) -> Path:
     """A loadable llama GGUF of random weights (2 layers, hidden 64, tied embedding) with a
     tokenizer, written as llama.cpp's converter lays it out; `ffn_type` stores the MLP's down
     projections (rows of 256) in that quantized type (random blocks, see `random_blocks`)."""
@@ -77,8 +78,11 @@ def write_tiny_llama_gguf(path: Path, arch: str = "llama",
         if ffn_type is None:
             writer.add_tensor(f"blk.{i}.ffn_down.weight", dense(hidden, ffn))
         else:
-            writer.add_tensor(f"blk.{i}.ffn_down.weight",
-                              random_blocks(ffn_type, (hidden, ffn), rng), raw_dtype=ffn_type)
+            writer.add_tensor(
+                f"blk.{i}.ffn_down.weight",
+                random_blocks(ffn_type, (hidden, ffn), rng),
+                raw_dtype=ffn_type,
+            )
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -86,8 +90,9 @@ def write_tiny_llama_gguf(path: Path, arch: str = "llama",
     return path
 
 
-def random_blocks(qtype: gguf.GGMLQuantizationType, shape: tuple[int, int],
-                  rng: np.random.Generator) -> np.ndarray:
+def random_blocks(
+    qtype: gguf.GGMLQuantizationType, shape: tuple[int, int], rng: np.random.Generator
+) -> np.ndarray:
     """Random `[rows, bytes per row]` blocks of `qtype`, each block's first two bytes an fp16
     0.01: the scale in the Q8_0, Q4_0 and IQ4_NL layouts, so their values stay small."""
     block, block_bytes = gguf.GGML_QUANT_SIZES[qtype]

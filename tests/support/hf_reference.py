@@ -41,7 +41,11 @@ def reference_greedy(model_dir: str, prompt: list[int], params: SamplingParams) 
         for token, bias in (params.logit_bias or {}).items():
             logits[token] += bias
         logits = reference_penalties(
-            logits, tokens, len(prompt), params.repetition_penalty, params.presence_penalty,
+            logits,
+            tokens,
+            len(prompt),
+            params.repetition_penalty,
+            params.presence_penalty,
             params.frequency_penalty,
         )
         tokens.append(int(logits.argmax()))

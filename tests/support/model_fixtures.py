@@ -234,30 +234,67 @@ def family_configs(tokenizer: PreTrainedTokenizerFast) -> dict[str, tuple[Any, t
 
     base = tiny_config_kwargs(tokenizer)
     gemma = dict(
-        base, query_pre_attn_scalar=24, sliding_window=TINY_WINDOW, tie_word_embeddings=True,
+        base,
+        query_pre_attn_scalar=24,
+        sliding_window=TINY_WINDOW,
+        tie_word_embeddings=True,
         hidden_activation="gelu_pytorch_tanh",
     )
     return {
-        "qwen2": (Qwen2Config(
-            **base, use_sliding_window=True, sliding_window=TINY_WINDOW, max_window_layers=1,
-            tie_word_embeddings=True,
-        ), Qwen2ForCausalLM, 10),
-        "mistral": (MistralConfig(
-            **base, sliding_window=TINY_WINDOW, tie_word_embeddings=False,
-        ), MistralForCausalLM, 11),
-        "gemma2": (Gemma2Config(
-            **gemma, attn_logit_softcapping=2.0, final_logit_softcapping=6.0,
-        ), Gemma2ForCausalLM, 12),
-        "gemma3": (Gemma3TextConfig(
-            **gemma, layer_types=["sliding_attention", "full_attention"],
-            rope_parameters={
-                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
-                "full_attention": {"rope_type": "linear", "rope_theta": 1000000.0, "factor": 8.0},
-            },
-        ), Gemma3ForCausalLM, 13),
-        "phi3": (Phi3Config(
-            **base, sliding_window=TINY_WINDOW, tie_word_embeddings=False,
-        ), Phi3ForCausalLM, 14),
+        "qwen2": (
+            Qwen2Config(
+                **base,
+                use_sliding_window=True,
+                sliding_window=TINY_WINDOW,
+                max_window_layers=1,
+                tie_word_embeddings=True,
+            ),
+            Qwen2ForCausalLM,
+            10,
+        ),
+        "mistral": (
+            MistralConfig(
+                **base,
+                sliding_window=TINY_WINDOW,
+                tie_word_embeddings=False,
+            ),
+            MistralForCausalLM,
+            11,
+        ),
+        "gemma2": (
+            Gemma2Config(
+                **gemma,
+                attn_logit_softcapping=2.0,
+                final_logit_softcapping=6.0,
+            ),
+            Gemma2ForCausalLM,
+            12,
+        ),
+        "gemma3": (
+            Gemma3TextConfig(
+                **gemma,
+                layer_types=["sliding_attention", "full_attention"],
+                rope_parameters={
+                    "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                    "full_attention": {
+                        "rope_type": "linear",
+                        "rope_theta": 1000000.0,
+                        "factor": 8.0,
+                    },
+                },
+            ),
+            Gemma3ForCausalLM,
+            13,
+        ),
+        "phi3": (
+            Phi3Config(
+                **base,
+                sliding_window=TINY_WINDOW,
+                tie_word_embeddings=False,
+            ),
+            Phi3ForCausalLM,
+            14,
+        ),
     }
 
 

@@ -52,8 +52,13 @@ class AttentionBackend(Protocol):
         ...
 
     def attend(
-        self, layer: AttentionLayer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-        kv_cache: KVCache, meta: AttentionMetadata,
+        self,
+        layer: AttentionLayer,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
     ) -> torch.Tensor:
         """`q` `[T, H, D]` (and the step's `k`, `v` `[T, KVH, D]`, already in the cache)
         -> `[T, H, D]`, all in the attention maths' dtype."""
@@ -71,8 +76,13 @@ class SdpaBackend:
         return True
 
     def attend(
-        self, layer: AttentionLayer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-        kv_cache: KVCache, meta: AttentionMetadata,
+        self,
+        layer: AttentionLayer,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
     ) -> torch.Tensor:
         groups = meta.groups
         if len(groups) == 1:
@@ -80,16 +90,24 @@ class SdpaBackend:
         out = torch.empty_like(q)  # [T, H, D]
         for tokens, sub in groups:
             part = self._attend_group(
-                layer, q.index_select(0, tokens), k.index_select(0, tokens),
-                v.index_select(0, tokens), kv_cache, sub,
+                layer,
+                q.index_select(0, tokens),
+                k.index_select(0, tokens),
+                v.index_select(0, tokens),
+                kv_cache,
+                sub,
             )
             out.index_copy_(0, tokens, part)
         return out
 
     @staticmethod
     def _attend_group(
-        layer: AttentionLayer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-        kv_cache: KVCache, meta: AttentionMetadata,
+        layer: AttentionLayer,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
     ) -> torch.Tensor:
         """One group's attention, `[T, H, D]`: without the cache for a lone prefill that has no
         context (and needs no window or cap), else through the paged cache."""
@@ -115,11 +133,21 @@ class FlashBackend:
         return flash_attn_supported(spec.device, spec.kv_dtype, spec.block_size)
 
     def attend(
-        self, layer: AttentionLayer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-        kv_cache: KVCache, meta: AttentionMetadata,
+        self,
+        layer: AttentionLayer,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
     ) -> torch.Tensor:
         return paged_attention_flash(
-            q, kv_cache[0], kv_cache[1], meta, layer.scale, layer.sliding_window,
+            q,
+            kv_cache[0],
+            kv_cache[1],
+            meta,
+            layer.scale,
+            layer.sliding_window,
             layer.logit_softcap,
         )
 
@@ -131,18 +159,28 @@ class PagedDecodeBackend:
     name = "paged_decode"
 
     def supports(self, spec: AttentionSpec) -> bool:
-        return paged_decode_supported(spec.device, spec.model_dtype, spec.kv_dtype,
-                                      spec.head_dim)
+        return paged_decode_supported(spec.device, spec.model_dtype, spec.kv_dtype, spec.head_dim)
 
     def attend(
-        self, layer: AttentionLayer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-        kv_cache: KVCache, meta: AttentionMetadata,
+        self,
+        layer: AttentionLayer,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
     ) -> torch.Tensor:
         if not meta.is_decode_only:
             return SDPA.attend(layer, q, k, v, kv_cache, meta)
         return paged_decode_attention(
-            q, kv_cache[0], kv_cache[1], meta.block_tables, meta.seq_lens, layer.scale,
-            layer.sliding_window, layer.logit_softcap,
+            q,
+            kv_cache[0],
+            kv_cache[1],
+            meta.block_tables,
+            meta.seq_lens,
+            layer.scale,
+            layer.sliding_window,
+            layer.logit_softcap,
         )
 
 

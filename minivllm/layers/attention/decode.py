@@ -55,8 +55,16 @@ def decode_attention(
     maths = attention_dtype(k_cache)
     if meta.block_tables is not None:  # our kernel reads the keys through the block tables
         queries = q.view(num_seqs, -1, head_dim).to(maths)  # [S, H, D]
-        out = paged_decode_attention(queries, k_cache, v_cache, meta.block_tables,
-                                     meta.seq_lens, scale, sliding_window, softcap)  # [S, H, D]
+        out = paged_decode_attention(
+            queries,
+            k_cache,
+            v_cache,
+            meta.block_tables,
+            meta.seq_lens,
+            scale,
+            sliding_window,
+            softcap,
+        )  # [S, H, D]
         return out.reshape(num_seqs, -1).to(q.dtype)  # [S, H*D]
     assert meta.kv_index is not None and meta.kv_valid is not None
     keys = k_flat[meta.kv_index].to(maths)  # [S, L, KVH, D]

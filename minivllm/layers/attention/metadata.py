@@ -98,14 +98,24 @@ class AttentionMetadata:
             return self.kv_gather_index, self.attn_mask
         if sliding_window not in self._window_views:
             if sliding_window - 1 + self.max_query_len >= self.max_seq_len:
-                view = self.kv_gather_index, paged_causal_mask(
-                    self.query_lens, self.seq_lens, self.max_query_len, self.max_seq_len,
-                    sliding_window,
+                view = (
+                    self.kv_gather_index,
+                    paged_causal_mask(
+                        self.query_lens,
+                        self.seq_lens,
+                        self.max_query_len,
+                        self.max_seq_len,
+                        sliding_window,
+                    ),
                 )
             else:
                 view = windowed_kv_view(
-                    self.block_tables, self.query_lens, self.seq_lens, self.max_query_len,
-                    sliding_window, self.block_size,
+                    self.block_tables,
+                    self.query_lens,
+                    self.seq_lens,
+                    self.max_query_len,
+                    sliding_window,
+                    self.block_size,
                 )
             self._window_views[sliding_window] = view
         return self._window_views[sliding_window]

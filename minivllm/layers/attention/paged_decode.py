@@ -21,7 +21,10 @@ from minivllm.layers.cpu_kernels import cpu_kernels_available
 
 
 def paged_decode_supported(
-    device: torch.device, model_dtype: torch.dtype, kv_dtype: torch.dtype, head_dim: int,
+    device: torch.device,
+    model_dtype: torch.dtype,
+    kv_dtype: torch.dtype,
+    head_dim: int,
     quantized: bool = False,
 ) -> bool:
     """Whether decode-only steps attend through the kernel: on the CPU, a bf16 model (or a
@@ -52,6 +55,12 @@ def paged_decode_attention(
     `[num_seqs]` (an eager step's AttentionMetadata or the compiled step's DecodeMetadata
     carry both); returns `[num_seqs, num_heads, head_dim]`."""
     return torch.ops.minivllm.paged_decode(
-        q.contiguous(), k_cache, v_cache, block_tables, seq_lens, scale, sliding_window or 0,
+        q.contiguous(),
+        k_cache,
+        v_cache,
+        block_tables,
+        seq_lens,
+        scale,
+        sliding_window or 0,
         softcap or 0.0,
     )

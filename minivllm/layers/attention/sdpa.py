@@ -24,9 +24,11 @@ def store_kv(
     the cache's dtype)."""
     num_kv_heads, head_dim = k_cache.shape[-2:]
     k_cache.view(-1, num_kv_heads, head_dim).index_copy_(
-        0, slot_mapping, k.to(k_cache.dtype))  # [slots, KVH, D]
+        0, slot_mapping, k.to(k_cache.dtype)
+    )  # [slots, KVH, D]
     v_cache.view(-1, num_kv_heads, head_dim).index_copy_(
-        0, slot_mapping, v.to(v_cache.dtype))  # [slots, KVH, D]
+        0, slot_mapping, v.to(v_cache.dtype)
+    )  # [slots, KVH, D]
 
 
 def attention_dtype(cache: torch.Tensor) -> torch.dtype:

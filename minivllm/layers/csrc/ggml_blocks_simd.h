@@ -217,31 +217,41 @@ void dot_row(const uint8_t* w, int64_t blocks, const QuantizedRows& xq, int64_t 
   }
 }
 
-// Output columns [begin, end) for every row of xq, blocked for the caches as the K kinds'
-// matmul_columns_k_of: rows 64 at a time, weight rows 8 at a time, 4 activation rows each.
-template <int QT>
-void matmul_columns_of(const uint8_t* weights, int64_t row_bytes, const QuantizedRows& xq,
-                       int64_t rows, int64_t k, float* y, int64_t n_out, int64_t begin,
-                       int64_t end) {
-  const int64_t blocks = k / geometry(QT).elems;
+// Calls tile(n, r0, Rows) for every weight row n in [begin, end) and activation rows [r0, r0 +
+// Rows) of `rows`, Rows a std::integral_constant of 1..4, blocked for the caches: activation
+// rows 64 at a time (their codes stay in L2 while the weight rows stream past), weight rows 8
+// at a time (they stay in L1 while each 4 activation rows meet them; a weight row's codes are
+// unpacked once for 4 rows). Both kernels' (32-input and K kinds) loop.
+template <typename Tile>
+inline void for_each_tile(int64_t rows, int64_t begin, int64_t end, Tile tile) {
   for (int64_t c0 = 0; c0 < rows; c0 += 64) {
     const int64_t c1 = std::min(rows, c0 + 64);
     for (int64_t n0 = begin; n0 < end; n0 += 8) {
       const int64_t n1 = std::min(end, n0 + 8);
       for (int64_t r0 = c0; r0 < c1; r0 += 4) {
         for (int64_t n = n0; n < n1; ++n) {
-          const uint8_t* w = weights + n * row_bytes;
-          float* out = y + r0 * n_out + n;
           switch (std::min<int64_t>(4, c1 - r0)) {
-            case 4: dot_row<QT, 4>(w, blocks, xq, r0, k, out, n_out); break;
-            case 3: dot_row<QT, 3>(w, blocks, xq, r0, k, out, n_out); break;
-            case 2: dot_row<QT, 2>(w, blocks, xq, r0, k, out, n_out); break;
-            default: dot_row<QT, 1>(w, blocks, xq, r0, k, out, n_out); break;
+            case 4: tile(n, r0, std::integral_constant<int, 4>{}); break;
+            case 3: tile(n, r0, std::integral_constant<int, 3>{}); break;
+            case 2: tile(n, r0, std::integral_constant<int, 2>{}); break;
+            default: tile(n, r0, std::integral_constant<int, 1>{}); break;
           }
         }
       }
     }
   }
+}
+
+// Output columns [begin, end) for every row of xq.
+template <int QT>
+void matmul_columns_of(const uint8_t* weights, int64_t row_bytes, const QuantizedRows& xq,
+                       int64_t rows, int64_t k, float* y, int64_t n_out, int64_t begin,
+                       int64_t end) {
+  const int64_t blocks = k / geometry(QT).elems;
+  for_each_tile(rows, begin, end, [&](int64_t n, int64_t r0, auto tile_rows) {
+    dot_row<QT, decltype(tile_rows)::value>(weights + n * row_bytes, blocks, xq, r0, k,
+                                            y + r0 * n_out + n, n_out);
+  });
 }
 
 inline void matmul_columns(int qtype, const uint8_t* weights, int64_t row_bytes,

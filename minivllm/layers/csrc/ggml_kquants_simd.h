@@ -10,7 +10,7 @@
 // lane at most twice that times 128, a block eight groups.
 //
 // Needs from the including files: kQ4_K, kQ5_K, kQ6_K, geometry, fp16, QuantizedRows, kGroup,
-// load32, high_bits, hsum.
+// load32, high_bits, hsum, for_each_tile.
 
 // Activations quantized with one step per block of 256 inputs (the SIMD twin of
 // quantize_rows_scalar with block 256: the same codes).
@@ -151,32 +151,16 @@ void dot_row_k(const uint8_t* w, int64_t blocks, const QuantizedRows& xq, int64_
 }
 
 // Output columns [begin, end) of a K-kind weight for every row of xq (block 256): y[r * ldy +
-// n]. Blocked for the caches: rows 64 at a time (their codes stay in L2 while the weight rows
-// stream past), weight rows 8 at a time (they stay in L1 while 4 activation rows at a time,
-// also in L1, meet each of them: the codes of a weight row are unpacked once for 4 rows).
+// n], tile by tile (for_each_tile).
 template <int QT>
 void matmul_columns_k_of(const uint8_t* weights, int64_t row_bytes, const QuantizedRows& xq,
                          int64_t rows, int64_t k, float* y, int64_t ldy, int64_t begin,
                          int64_t end) {
   const int64_t blocks = k / 256;
-  for (int64_t c0 = 0; c0 < rows; c0 += 64) {
-    const int64_t c1 = std::min(rows, c0 + 64);
-    for (int64_t n0 = begin; n0 < end; n0 += 8) {
-      const int64_t n1 = std::min(end, n0 + 8);
-      for (int64_t r0 = c0; r0 < c1; r0 += 4) {
-        for (int64_t n = n0; n < n1; ++n) {
-          const uint8_t* w = weights + n * row_bytes;
-          float* out = y + r0 * ldy + n;
-          switch (std::min<int64_t>(4, c1 - r0)) {
-            case 4: dot_row_k<QT, 4>(w, blocks, xq, r0, k, out, ldy); break;
-            case 3: dot_row_k<QT, 3>(w, blocks, xq, r0, k, out, ldy); break;
-            case 2: dot_row_k<QT, 2>(w, blocks, xq, r0, k, out, ldy); break;
-            default: dot_row_k<QT, 1>(w, blocks, xq, r0, k, out, ldy); break;
-          }
-        }
-      }
-    }
-  }
+  for_each_tile(rows, begin, end, [&](int64_t n, int64_t r0, auto tile_rows) {
+    dot_row_k<QT, decltype(tile_rows)::value>(weights + n * row_bytes, blocks, xq, r0, k,
+                                              y + r0 * ldy + n, ldy);
+  });
 }
 
 inline void matmul_columns_k(int qtype, const uint8_t* weights, int64_t row_bytes,

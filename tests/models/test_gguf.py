@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as QT
-from support.gguf_files import gguf_writer
+from support.gguf_files import gguf_writer, tiny_vocab
 
 from minivllm.models import gguf as mgguf
 from minivllm.models import gguf_arch, paths
@@ -262,24 +262,13 @@ def _gguf_name(hf_name: str, arch: str = "llama") -> str:
     return f"{_HF_TO_GGUF_GLOBAL[stem]}.{suffix}"
 
 
-def _tiny_vocab() -> tuple[list[str], list[str]]:
-    """A byte-level BPE vocabulary: 3 specials, the 256 byte symbols, and a few merges."""
-    from transformers.convert_slow_tokenizer import bytes_to_unicode
-
-    byte_tokens = list(bytes_to_unicode().values())
-    merges = ["h e", "l l", "he ll", "Ġ w", "o r", "Ġw or"]
-    tokens = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", *byte_tokens]
-    tokens += [m.replace(" ", "") for m in merges]
-    return tokens, merges
-
-
 def _write_synthetic_gguf(
     path: Path, arch: str, *, tie: bool, add_bos: bool = False
 ) -> torch.nn.Module:
     """A random tiny HF model written as llama.cpp's converter would; returns the HF model."""
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-    tokens, merges = _tiny_vocab()
+    tokens, merges = tiny_vocab()
     common = dict(
         vocab_size=len(tokens),
         hidden_size=64,

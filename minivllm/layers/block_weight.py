@@ -7,7 +7,7 @@ on them (`minivllm.layers.ggml_blocks`):
 
 - the integer kernel: the activations rounded to 8 bits and integer dot products, each weight
   row unpacked once for 4 activation rows; every step size for the K kinds, up to
-  `INT_DOT_MAX_ROWS` rows for the 32-input ones;
+  `int_dot_max_rows` rows for the 32-input ones;
 - beyond (32-input kinds' prefills): the weight dequantized a tile at a time into one reused
   buffer, each tile multiplied by torch's matmul.
 
@@ -27,7 +27,7 @@ from gguf import GGMLQuantizationType
 
 from minivllm.layers.cpu_kernels import cpu_kernels_available
 from minivllm.layers.ggml_blocks import dequant_matmul, ggml_matmul_segments, row_bytes
-from minivllm.layers.kernel_rows import KERNEL_ROWS
+from minivllm.layers.kernel_rows import kernel_rows
 
 # The one table of which GGUF tensor types run as stored blocks.
 BLOCK_TYPES = frozenset(
@@ -40,20 +40,18 @@ BLOCK_TYPES = frozenset(
         GGMLQuantizationType.Q5_1,
     }
 )
-# The K kinds' integer kernel (activations rounded per block of 256) beats the dequantizing
-# path at every row count; the 32-input kinds' (a float multiply each group) only up to a
-# threshold: both from the row table (minivllm.layers.kernel_rows), the same on both CPU kinds.
-_ROWS = KERNEL_ROWS["AVX2"]
-INT_DOT_MAX_ROWS: dict[GGMLQuantizationType, float] = {
-    **dict.fromkeys(
-        (GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K, GGMLQuantizationType.Q6_K),
-        _ROWS.ggml_int_dot_k,
-    ),
-    **dict.fromkeys(
-        (GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q5_0, GGMLQuantizationType.Q5_1),
-        _ROWS.ggml_int_dot,
-    ),
-}
+_K_KINDS = (GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K, GGMLQuantizationType.Q6_K)
+
+
+def int_dot_max_rows(qtype: GGMLQuantizationType) -> float:
+    """Up to how many rows a step of `qtype` blocks takes the integer kernel on this CPU (the
+    row table, minivllm.layers.kernel_rows): the K kinds' (activations rounded per block of
+    256) beats the dequantizing path at every row count; the 32-input kinds' (a float multiply
+    each group) only up to a threshold."""
+    rows = kernel_rows()
+    return rows.ggml_int_dot_k if qtype in _K_KINDS else rows.ggml_int_dot
+
+
 # The token embedding and the LM head run as stored blocks in these types (what K-quant files
 # hold); a Q8_0 head keeps the 8-bit head path of minivllm.layers.linear_method.
 EMBEDDING_BLOCK_TYPES = frozenset(
@@ -103,7 +101,7 @@ class BlockWeight:
         self._blocks = [s.blocks.contiguous() for s in segments]
         self._qtypes = [int(s.qtype) for s in segments]
         self._kernels = cpu_kernels_available()
-        self._int_dot_rows = min(INT_DOT_MAX_ROWS.get(s.qtype, 32) for s in segments)
+        self._int_dot_rows = min(int_dot_max_rows(s.qtype) for s in segments)
 
     @property
     def shape(self) -> tuple[int, int]:

@@ -75,13 +75,13 @@ def test_each_kernel_reads_its_threshold_from_the_table() -> None:
     rows = kernel_rows()
     weight = quantize_int4(torch.randn(16, 64))
     assert QGemvWeight.from_int4(weight).max_rows == rows.qgemv
-    int_dot = block_weight.INT_DOT_MAX_ROWS
-    assert int_dot[GGMLQuantizationType.Q8_0] == rows.ggml_int_dot
-    assert int_dot[GGMLQuantizationType.Q4_K] == rows.ggml_int_dot_k
+    int_dot = block_weight.int_dot_max_rows
+    assert int_dot(GGMLQuantizationType.Q8_0) == rows.ggml_int_dot
+    assert int_dot(GGMLQuantizationType.Q4_K) == rows.ggml_int_dot_k
     assert all(
         (r.ggml_int_dot, r.ggml_int_dot_k) == (rows.ggml_int_dot, rows.ggml_int_dot_k)
         for r in KERNEL_ROWS.values()
-    )  # block_weight reads one kind's: the same
+    )  # the GGUF block kernels cross over at the same rows on both CPU kinds
     if hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"):
         assert PackedInt4(weight).max_rows == rows.int4
         codes = torch.randint(-128, 128, (16, 64), dtype=torch.int8)

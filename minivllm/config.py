@@ -26,15 +26,18 @@ def cli_flag(name: str, negated: bool = False) -> str:
     return "--" + name.replace("_", "-")
 
 
-SPECULATIVE_METHODS = ("ngram",)
+SPECULATIVE_METHODS = ("ngram", "draft_model")
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """Speculative decoding, vLLM's `speculative_config` shape: `method="ngram"` proposes up
-    to `num_speculative_tokens` tokens per decoding sequence by prompt lookup (the last n tokens,
-    n from `prompt_lookup_max` down to `prompt_lookup_min`, found earlier in the prompt or
-    output), and the target model verifies them all in one step.
+    """Speculative decoding, vLLM's `speculative_config` shape: up to `num_speculative_tokens`
+    draft tokens per decoding sequence, which the target model verifies all in one step.
+    `method="ngram"` proposes them by prompt lookup (the last n tokens, n from
+    `prompt_lookup_max` down to `prompt_lookup_min`, found earlier in the prompt or output);
+    `method="draft_model"` (vLLM infers it from a `model` key) runs the smaller model `model`
+    (an HF directory or .gguf with the target's vocabulary) greedily, with a KV cache of its
+    own (`engine/draft_model.py`).
 
     When it pays (`engine/spec_policy.py`): nobody speculates with `disable_by_batch_size` or
     more running sequences (None: at any batch size), and a sequence proposes only while its
@@ -43,6 +46,7 @@ class SpeculativeConfig:
     defaults are measured on the default model on the CPU (docs/benchmarks.md)."""
 
     method: str = "ngram"
+    model: str | None = None
     num_speculative_tokens: int = 4
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
@@ -54,6 +58,15 @@ class SpeculativeConfig:
             raise ValueError(
                 f"speculative_config method {self.method!r} is not supported; supported: "
                 f"{', '.join(SPECULATIVE_METHODS)}"
+            )
+        if self.method == "draft_model" and (not isinstance(self.model, str) or not self.model):
+            raise ValueError(
+                'speculative_config method "draft_model" needs "model": the draft\'s HF '
+                f"directory or .gguf file, got {self.model!r}"
+            )
+        if self.method != "draft_model" and self.model is not None:
+            raise ValueError(
+                f'speculative_config "model" is for method "draft_model", not {self.method!r}'
             )
         for name in ["num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"]:
             value = getattr(self, name)
@@ -95,13 +108,12 @@ class SpeculativeConfig:
                 f'"num_speculative_tokens": 4}}, got {value!r}'
             )
         options = dict(value)
-        if "model" in options and options.get("method") in (None, "draft_model"):
-            raise ValueError(
-                "speculative_config with a draft model is not supported yet; use "
-                '{"method": "ngram", ...}'
-            )
+        if "model" in options:  # vLLM infers the method from a draft model
+            options.setdefault("method", "draft_model")
         if "method" not in options:
-            raise ValueError('speculative_config needs a "method" (supported: "ngram")')
+            raise ValueError(
+                'speculative_config needs a "method" ("ngram") or a draft "model" (a path)'
+            )
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(options) - known)
         if unknown:
@@ -167,7 +179,8 @@ class EngineConfig:
         None,
         'speculative decoding, vLLM\'s shape as JSON: \'{"method": "ngram", '
         '"num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}\' '
-        "(prompt lookup; greedy and sampled requests)",
+        '(prompt lookup) or \'{"model": "draft.gguf", "num_speculative_tokens": 4}\' (a '
+        "draft model with the target's vocabulary); greedy and sampled requests",
     )
     # filled from the model when the engine is built
     eos_token_ids: tuple[int, ...] = _option((), "end-of-sequence token ids", cli=False)

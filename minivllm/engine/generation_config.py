@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import json
 import logging
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from minivllm.config import EngineConfig
 from minivllm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -73,3 +75,18 @@ def _read_sampling_fields(path: Path) -> dict[str, Any]:
     except ValueError as exc:
         raise ValueError(f"{path} has a sampling value SamplingParams refuses: {exc}") from None
     return defaults
+
+
+def with_eos_token_ids(config: EngineConfig, tokenizer: Any, model_dir: Any) -> EngineConfig:
+    """The model's EOS ids: generation_config.json's, plus the tokenizer's own."""
+    eos: set[int] = set(config.eos_token_ids)
+    gen = Path(model_dir) / "generation_config.json"
+    if gen.exists():
+        value = json.loads(gen.read_text()).get("eos_token_id")
+        if isinstance(value, int):
+            eos.add(value)
+        elif isinstance(value, list):
+            eos.update(v for v in value if isinstance(v, int))
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        eos.add(tokenizer.eos_token_id)
+    return replace(config, eos_token_ids=tuple(sorted(eos)))

@@ -8,18 +8,17 @@ The engine knows the model only through a runner with `num_kv_blocks`, `vocab_si
 
 from __future__ import annotations
 
-import json
 import logging
 import time
-from dataclasses import dataclass, replace
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from minivllm.config import EngineConfig
-from minivllm.engine.generation_config import default_sampling_params
+from minivllm.engine.generation_config import default_sampling_params, with_eos_token_ids
 from minivllm.engine.runner_output import RunnerOutput
 from minivllm.engine.scheduler import ScheduledBatch, Scheduler
 from minivllm.engine.sequence import FinishReason, Sequence
+from minivllm.engine.spec_decode import Proposer
 from minivllm.engine.tracing import NullTracer
 from minivllm.logprobs import TokenTexts
 from minivllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -70,6 +69,7 @@ class LLMEngine:
         tokenizer: Any | None = None,
         tracer: NullTracer | None = None,
         default_sampling_params: dict[str, Any] | None = None,
+        proposer: Proposer | None = None,
     ) -> None:
         self.config = config
         # The model's sampling defaults by SamplingParams' names (generation_config.py).
@@ -79,7 +79,7 @@ class LLMEngine:
         self.tracer = tracer or NullTracer()
         self.token_texts = TokenTexts(tokenizer)  # the decoded_token of Logprob entries
         self.scheduler = Scheduler(
-            config, model_runner.num_kv_blocks, draft_filter=self._grammar_drafts
+            config, model_runner.num_kv_blocks, draft_filter=self._grammar_drafts, proposer=proposer
         )
         self.structured = StructuredOutputs(
             tokenizer, model_runner.vocab_size, config.eos_token_ids
@@ -90,7 +90,8 @@ class LLMEngine:
     @classmethod
     def from_options(cls, tracer: NullTracer | None = None, **options: Any) -> LLMEngine:
         """Build an engine on a real model: `model` (HF dir, .gguf, or None for the default)
-        and any EngineConfig option."""
+        and any EngineConfig option (a draft model's speculative config loads the draft too)."""
+        from minivllm.engine.draft_model import load_draft_proposer, resolve_draft
         from minivllm.engine.memory import fit_max_model_len
         from minivllm.engine.model_runner import ModelRunner
         from minivllm.models.config import load_tokenizer, resolve_config
@@ -98,7 +99,8 @@ class LLMEngine:
         config = EngineConfig.from_options(**options)
         config, model_dir, hf_config = resolve_config(config)
         tokenizer = load_tokenizer(model_dir)
-        config = _with_eos(config, tokenizer, model_dir)
+        config = with_eos_token_ids(config, tokenizer, model_dir)
+        draft = resolve_draft(config, hf_config)  # a bad draft fails before any weight is read
         defaults = default_sampling_params(config.generation_config, model_dir)
         if config.tensor_parallel_size > 1:
             from minivllm.distributed.tp_runner import TPModelRunner
@@ -112,7 +114,8 @@ class LLMEngine:
             getattr(runner, "memory", None),
             max_model_len_given=options.get("max_model_len") is not None,
         )
-        return cls(config, runner, tokenizer, tracer, defaults)
+        proposer = load_draft_proposer(config, draft, runner.num_kv_blocks) if draft else None
+        return cls(config, runner, tokenizer, tracer, defaults, proposer)
 
     def close(self) -> None:
         """Release the runner's processes, if it has any (tensor parallelism); idempotent."""
@@ -380,19 +383,5 @@ class LLMEngine:
             "prefix_cache_hits": bm.prefix_hits,
             "num_preemptions": self.scheduler.num_preemptions,
             **self.scheduler.spec_stats.as_stats(),
+            **(self.scheduler.proposer.stats() if self.scheduler.proposer else {}),
         }
-
-
-def _with_eos(config: EngineConfig, tokenizer: Any, model_dir: Any) -> EngineConfig:
-    """The model's EOS ids: generation_config.json's, plus the tokenizer's own."""
-    eos: set[int] = set(config.eos_token_ids)
-    gen = Path(model_dir) / "generation_config.json"
-    if gen.exists():
-        value = json.loads(gen.read_text()).get("eos_token_id")
-        if isinstance(value, int):
-            eos.add(value)
-        elif isinstance(value, list):
-            eos.update(v for v in value if isinstance(v, int))
-    if tokenizer is not None and tokenizer.eos_token_id is not None:
-        eos.add(tokenizer.eos_token_id)
-    return replace(config, eos_token_ids=tuple(sorted(eos)))

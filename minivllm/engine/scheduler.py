@@ -10,9 +10,10 @@ prompt is prefilled in chunks and never stalls the decodes. When blocks run out,
 recently admitted running sequence is preempted by recompute.
 
 Speculative decoding (`config.speculative_config`): a decoding sequence may get draft tokens
-from the proposer (`spec_decode.py`) in its plan, `num_scheduled_tokens = 1 + drafts`, counted
-in the budget and given blocks like any token, but only where they fit without preempting
-anyone, and only where the cost model (`spec_policy.py`) says they pay at this batch size and
+in its plan, `num_scheduled_tokens = 1 + drafts`, from the proposer (`spec_decode.py`, or the
+engine's `draft_model.py`), asked once per step for all decoding sequences; counted in the
+budget and given blocks like any token, but only where they fit without preempting anyone,
+and only where the cost model (`spec_policy.py`) says they pay at this batch size and
 the sequence's acceptance so far. The commit appends the accepted drafts and the target's token
 and advances `num_cached_tokens` by accepted + 1; a rejected draft's slot is overwritten by a
 later step.
@@ -36,7 +37,7 @@ from minivllm.engine.sequence import (
     blocks_for,
     check_invariants,
 )
-from minivllm.engine.spec_decode import NgramProposer, SpecDecodeStats
+from minivllm.engine.spec_decode import NgramProposer, Proposer, SpecDecodeStats
 from minivllm.engine.spec_policy import SpeculationPolicy
 from minivllm.logprobs import Logprob
 
@@ -78,7 +79,8 @@ DraftFilter = Callable[[Sequence, list[int]], list[int]]
 
 class Scheduler:
     """Owns the waiting and running queues and the BlockManager. `draft_filter` (the engine's
-    grammar check) cuts a sequence's proposed drafts to those its constraint allows."""
+    grammar check) cuts a sequence's proposed drafts to those its constraint allows;
+    `proposer` is the draft source (default: n-gram lookup; a draft model's is the engine's)."""
 
     def __init__(
         self,
@@ -86,6 +88,7 @@ class Scheduler:
         num_blocks: int,
         hash_fn: HashFn = hash_block,
         draft_filter: DraftFilter | None = None,
+        proposer: Proposer | None = None,
     ):
         if config.max_model_len is None:
             raise ValueError("the scheduler needs a resolved max_model_len")
@@ -99,7 +102,14 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         spec = config.speculative_config
-        self.proposer = NgramProposer(spec) if spec is not None else None
+        if spec is not None and proposer is None:
+            if spec.method != "ngram":
+                raise ValueError(
+                    f"speculative method {spec.method!r} needs its proposer (the engine builds "
+                    "a draft model's in LLMEngine.from_options)"
+                )
+            proposer = NgramProposer(spec)
+        self.proposer = proposer if spec is not None else None
         self.spec_policy = SpeculationPolicy(spec) if spec is not None else None
         self.draft_filter = draft_filter
         self.spec_stats = SpecDecodeStats(spec.num_speculative_tokens if spec else 0)
@@ -142,11 +152,14 @@ class Scheduler:
         scheduled: list[Sequence] = []
         preempted: list[Sequence] = []
 
+        proposals = self._propose_all(budget)
+
         # 1. Running sequences: decodes and unfinished prefill chunks, oldest first.
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            drafts = self._propose(seq, budget)
+            # Proposed against the budget left after the certain tokens: cut to what is left.
+            drafts = proposals.get(seq.seq_id, [])[: budget - 1]
             if drafts and not self.block_manager.can_allocate(seq, 1 + len(drafts)):
                 drafts = []  # speculation never preempts anyone
             num_new = 1 + len(drafts) if drafts else min(seq.num_uncached_tokens, budget)
@@ -191,23 +204,38 @@ class Scheduler:
 
         return ScheduledBatch(scheduled, preempted)
 
-    def _propose(self, seq: Sequence, budget: int) -> list[int]:
-        """Draft tokens for a decoding sequence, as many as the budget, its max_tokens and
-        max_model_len leave room for after its one certain token; [] when not speculating."""
-        if self.proposer is None or seq.num_uncached_tokens != 1:
-            return []
+    def _propose_all(self, budget: int) -> dict[int, list[int]]:
+        """The pre-pass: drafts for every decoding sequence the cost model lets speculate, from
+        one proposer call, each as many as the room after its one certain token allows (its
+        max_tokens, max_model_len, and the budget the sequences before it leave at least)."""
+        if self.proposer is None:
+            return {}
         assert self.spec_policy is not None
-        if not self.spec_policy.should_propose(seq.seq_id, len(self.running)):
-            return []  # the cost model says drafts do not pay here
-        room = min(
-            budget - 1,
-            self.max_completion_tokens(seq) - seq.num_completion_tokens - 1,
-            self.max_model_len - seq.num_tokens - 1,
-        )
-        drafts = self.proposer.propose(seq.token_ids, room) if room > 0 else []
-        if drafts and self.draft_filter is not None:
-            drafts = self.draft_filter(seq, drafts)
-        return drafts
+        requests: list[tuple[Sequence, int]] = []
+        for seq in self.running:
+            if budget <= 0:
+                break
+            certain = min(seq.num_uncached_tokens, budget)
+            if seq.num_uncached_tokens == 1 and self.spec_policy.should_propose(
+                seq.seq_id, len(self.running)
+            ):
+                room = min(
+                    budget - 1,
+                    self.max_completion_tokens(seq) - seq.num_completion_tokens - 1,
+                    self.max_model_len - seq.num_tokens - 1,
+                )
+                if room > 0:
+                    requests.append((seq, room))
+            budget -= certain
+        if not requests:
+            return {}
+        proposals = {}
+        for (seq, _), drafts in zip(requests, self.proposer.propose_batch(requests), strict=True):
+            if drafts and self.draft_filter is not None:
+                drafts = self.draft_filter(seq, drafts)
+            if drafts:
+                proposals[seq.seq_id] = drafts
+        return proposals
 
     def _preempt(self, seq: Sequence) -> None:
         """RUNNING -> WAITING by recompute: blocks freed, progress forgotten."""
@@ -220,6 +248,8 @@ class Scheduler:
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
+        if self.proposer is not None:  # a draft model's KV of it goes too, like the target's
+            self.proposer.release(seq.seq_id)
 
     # ---- commit -----------------------------------------------------------------------
 
@@ -322,6 +352,8 @@ class Scheduler:
         seq.finish_reason = reason
         if self.spec_policy is not None:
             self.spec_policy.forget(seq.seq_id)
+        if self.proposer is not None:
+            self.proposer.release(seq.seq_id)
 
     # ---- checks -----------------------------------------------------------------------
 

@@ -1,7 +1,9 @@
-"""Speculative decoding's engine-side half: the n-gram (prompt lookup) proposer and the greedy
-acceptance rule.
+"""Speculative decoding's engine-side half: the proposer seam, the n-gram (prompt lookup)
+proposer and the greedy acceptance rule. (The draft-model proposer, which runs a model, lives
+in `draft_model.py`.)
 
-Each step the Scheduler asks the proposer for up to k draft tokens per decoding sequence and
+Each step the Scheduler asks the proposer, in one call, for up to k draft tokens per decoding
+sequence and
 plans 1 + k tokens for it (its last token and the drafts), so the ModelRunner runs all of them
 through the target model in one step and writes k + 1 KV slots. The runner returns the target's
 tokens; the commit (`Scheduler.postprocess`) appends the accepted drafts plus the target's own
@@ -15,11 +17,31 @@ Pure Python and numpy: no torch here.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
 from minivllm.config import SpeculativeConfig
+from minivllm.engine.sequence import Sequence
+
+
+class Proposer(Protocol):
+    """What the Scheduler asks of a proposer: `NgramProposer` here, `DraftModelProposer` in
+    `draft_model.py` (built by the engine, so the Scheduler imports no torch)."""
+
+    def propose_batch(self, requests: list[tuple[Sequence, int]]) -> list[list[int]]:
+        """Drafts for each (decoding sequence, most drafts it has room for), in order; [] for a
+        sequence that does not speculate this step. Reads the sequences, writes none."""
+        ...
+
+    def release(self, seq_id: int) -> None:
+        """The sequence finished, was aborted or preempted: drop what is kept for it."""
+        ...
+
+    def stats(self) -> dict[str, float]:
+        """The proposer's own counters for `engine.stats()` (none for a lookup)."""
+        ...
 
 
 class NgramProposer:
@@ -39,6 +61,16 @@ class NgramProposer:
         if k <= 0 or len(token_ids) <= self.min_n:
             return []
         return propose_ngram(np.asarray(token_ids, dtype=np.int64), self.min_n, self.max_n, k)
+
+    def propose_batch(self, requests: list[tuple[Sequence, int]]) -> list[list[int]]:
+        """`propose` for each sequence: a lookup has nothing to batch."""
+        return [self.propose(seq.token_ids, max_tokens) for seq, max_tokens in requests]
+
+    def release(self, seq_id: int) -> None:
+        """Nothing is kept per sequence."""
+
+    def stats(self) -> dict[str, float]:
+        return {}
 
 
 def propose_ngram(tokens: np.ndarray, min_n: int, max_n: int, k: int) -> list[int]:

@@ -91,8 +91,10 @@ def test_speculative_config_accepts_vllms_shapes():
 @pytest.mark.parametrize(
     "bad, message",
     [
-        ({"model": "draft.gguf", "num_speculative_tokens": 3}, "not supported yet"),
-        ({"method": "draft_model", "model": "d"}, "not supported yet"),
+        ({"method": "draft_model", "num_speculative_tokens": 3}, 'needs "model"'),
+        ({"model": "", "num_speculative_tokens": 3}, 'needs "model"'),
+        ({"method": "ngram", "model": "d.gguf"}, 'is for method "draft_model"'),
+        ({"model": "d.gguf", "draft_kv_blocks": 8}, "unknown speculative_config key"),
         ({"method": "eagle", "num_speculative_tokens": 3}, "'eagle' is not supported"),
         ({"num_speculative_tokens": 3}, 'needs a "method"'),
         ({"method": "ngram", "num_speculative_tokens": 0}, "positive integer"),

@@ -13,7 +13,9 @@ One `propose_batch` call per step, for all proposing sequences:
    only overwritten later), and at least the last token is fed again, since its logits give
    the first draft;
 2. one batched catch-up step over the uncached tails (the whole prompt the first time, then
-   usually the 1-2 tokens the target committed since), which samples the first draft;
+   usually the 1-2 tokens the target committed since), which samples the first draft; the
+   tails share the target's token budget per step, so a long prompt's is fed in chunks over
+   several steps and the sequence drafts once it has caught up;
 3. k - 1 batched one-token steps, each feeding the previous draft, greedy.
 
 Its KV for the drafts the target accepts is reused next step. A sequence whose shadow needs
@@ -64,9 +66,12 @@ def common_prefix_len(a: list[int], b: list[int]) -> int:
 class DraftModelProposer:
     """Greedy drafts from a draft model over its own paged KV cache (the module docstring)."""
 
-    def __init__(self, runner: DraftRunner, num_speculative_tokens: int, block_size: int) -> None:
+    def __init__(
+        self, runner: DraftRunner, num_speculative_tokens: int, block_size: int, token_budget: int
+    ) -> None:
         self.runner = runner
         self.num_speculative_tokens = num_speculative_tokens
+        self.token_budget = token_budget  # most tokens one catch-up step feeds, all sequences
         self.block_manager = BlockManager(
             runner.num_kv_blocks, block_size, enable_prefix_caching=False
         )
@@ -78,20 +83,22 @@ class DraftModelProposer:
         """Up to `min(num_speculative_tokens, room)` greedy drafts per (sequence, room)."""
         start = time.perf_counter()
         drafts: list[list[int]] = [[] for _ in requests]
-        active: list[tuple[int, Sequence, int]] = []  # (request index, shadow, drafts wanted)
-        for i, (seq, room) in enumerate(requests):
-            n = min(self.num_speculative_tokens, room)
-            shadow = self._sync(seq)
-            # KV for the uncached tail and the first n - 1 drafts (the last one is never fed).
-            need = shadow.num_uncached_tokens + n - 1
-            if n > 0 and self.block_manager.can_allocate(shadow, need):
-                self.block_manager.allocate(shadow, need)
-                active.append((i, shadow, n))
+        plan = self._plan(requests)
+        if not plan:
+            return drafts
         try:
+            first = self._step([shadow for _, shadow, _ in plan], [c for _, _, c in plan])
+            # (request index, shadow, drafts wanted): those caught up, wanting more drafts
+            active: list[tuple[int, Sequence, int]] = []
+            for i, shadow, _ in plan:
+                if shadow.seq_id in first:
+                    drafts[i].append(first[shadow.seq_id])
+                    active.append((i, shadow, min(self.num_speculative_tokens, requests[i][1])))
+            active = [a for a in active if len(drafts[a[0]]) < a[2]]
             while active:
                 tokens = self._step([shadow for _, shadow, _ in active])
-                for (i, _, _), token in zip(active, tokens):
-                    drafts[i].append(token)
+                for i, shadow, _ in active:
+                    drafts[i].append(tokens[shadow.seq_id])
                 active = [a for a in active if len(drafts[a[0]]) < a[2]]
         except Exception:  # the target step does not need drafts: speculate less, not fail
             logger.exception("the draft model's step failed; no drafts this step")
@@ -100,6 +107,27 @@ class DraftModelProposer:
             drafts = [[] for _ in requests]
         self.seconds += time.perf_counter() - start
         return drafts
+
+    def _plan(self, requests: list[tuple[Sequence, int]]) -> list[tuple[int, Sequence, int]]:
+        """(request index, shadow, tokens to feed) of the catch-up step: each synced shadow's
+        uncached tail within the token budget (a longer one is fed in chunks, over steps, and
+        drafts once caught up) and the draft blocks it needs; a sequence whose blocks are not
+        free is left out."""
+        budget = self.token_budget
+        plan = []
+        for i, (seq, room) in enumerate(requests):
+            shadow = self._sync(seq)
+            chunk = min(shadow.num_uncached_tokens, budget)
+            if room < 1 or chunk < 1:
+                continue
+            # KV for the chunk and, once caught up, the first drafts (the last is never fed).
+            n = min(self.num_speculative_tokens, room)
+            need = chunk + (n - 1 if chunk == shadow.num_uncached_tokens else 0)
+            if self.block_manager.can_allocate(shadow, need):
+                self.block_manager.allocate(shadow, need)
+                plan.append((i, shadow, chunk))
+                budget -= chunk
+        return plan
 
     def _sync(self, seq: Sequence) -> Sequence:
         """The shadow of `seq` with the target's tokens, its cached count cut to what still
@@ -116,19 +144,21 @@ class DraftModelProposer:
         shadow.num_cached_tokens = min(shadow.num_cached_tokens, shadow.num_tokens - 1)
         return shadow
 
-    def _step(self, shadows: list[Sequence]) -> list[int]:
-        """One draft-model run feeding each shadow's uncached tokens; the greedy next token of
-        each, appended to it."""
-        for shadow in shadows:
-            shadow.num_scheduled_tokens = shadow.num_uncached_tokens
-        output = self.runner.run(ScheduledBatch(shadows))
+    def _step(self, shadows: list[Sequence], chunks: list[int] | None = None) -> dict[int, int]:
+        """One draft-model run feeding `chunks` tokens of each shadow (default: one); the greedy
+        next token of each shadow fed to its end, appended to it, by seq_id."""
+        for shadow, chunk in zip(shadows, chunks or [1] * len(shadows), strict=True):
+            shadow.num_scheduled_tokens = chunk
+        batch = ScheduledBatch(shadows)
+        output = self.runner.run(batch)
         self.num_steps += 1
-        tokens = output.sampled_token_ids
-        assert len(tokens) == len(shadows), (len(tokens), len(shadows))
-        for shadow, token in zip(shadows, tokens):
+        tokens = dict(zip([s.seq_id for s in batch.sample_seqs], output.sampled_token_ids))
+        assert len(tokens) == len(batch.sample_seqs) == len(output.samples)
+        for shadow in shadows:
             shadow.num_cached_tokens += shadow.num_scheduled_tokens
             shadow.num_scheduled_tokens = 0
-            shadow.append_token(token)
+            if shadow.seq_id in tokens:
+                shadow.append_token(tokens[shadow.seq_id])
         return tokens
 
     def release(self, seq_id: int) -> None:
@@ -203,6 +233,5 @@ def load_draft_proposer(
     )
     runner = ModelRunner(draft_config, draft.model_dir, draft.hf_config)
     logger.info("draft model %s: %d KV blocks", draft_config.model, num_blocks)
-    return DraftModelProposer(
-        runner, config.speculative_config.num_speculative_tokens, config.block_size
-    )
+    k = config.speculative_config.num_speculative_tokens
+    return DraftModelProposer(runner, k, config.block_size, config.max_num_batched_tokens)

@@ -10,9 +10,9 @@ seed), which fails when acceptance is made wrong (every draft accepted).
 from __future__ import annotations
 
 import functools
-from collections import Counter
 
 import pytest
+from support.spec_checks import second_tokens, total_variation
 
 from minivllm import LLM, SamplingParams
 from minivllm.layers import rejection_sampler
@@ -86,20 +86,6 @@ def test_greedy_with_speculation_is_token_identical_in_every_family(
     # Drafts were verified; whether a random model repeats itself enough to accept some
     # depends on the family (the Llama test above requires accepted ones).
     assert llm.llm_engine.stats()["spec_decode_num_drafts"] > 0
-
-
-def second_tokens(llm: LLM, prompt: list[int], n: int) -> Counter:
-    """How often each (first, second) token pair comes out; a third token leaves room for a
-    draft of the second."""
-    params = SamplingParams(temperature=1.0, top_k=3, max_tokens=3, ignore_eos=True)
-    llm.generate([prompt], params, use_tqdm=False)  # the others then hit the prefix cache
-    outputs = llm.generate([prompt] * n, params, use_tqdm=False)
-    return Counter(tuple(o.outputs[0].token_ids[:2]) for o in outputs)
-
-
-def total_variation(a: Counter, b: Counter) -> float:
-    na, nb = sum(a.values()), sum(b.values())
-    return 0.5 * sum(abs(a[k] / na - b[k] / nb) for k in set(a) | set(b))
 
 
 def test_sampled_speculation_keeps_the_targets_distribution(tiny_llama_dir, monkeypatch):

@@ -56,7 +56,7 @@ def draft_engine(
         FakeModelRunner(draft_blocks, config.block_size, VOCAB, draft_order),
         fail_on_calls=draft_fails_on,
     )
-    proposer = DraftModelProposer(draft_runner, K, config.block_size)
+    proposer = DraftModelProposer(draft_runner, K, config.block_size, config.max_num_batched_tokens)
     target = FakeModelRunner(num_blocks, config.block_size, VOCAB)
     return LLMEngine(config, target, proposer=proposer), proposer
 
@@ -147,7 +147,7 @@ def test_the_shadow_resyncs_to_the_committed_tokens():
     """After a rejection the draft's cached count falls to the common prefix, and the last
     token is always fed again."""
     runner = FakeModelRunner(16, 4, VOCAB, order=1)
-    proposer = DraftModelProposer(runner, K, 4)
+    proposer = DraftModelProposer(runner, K, 4, token_budget=64)
     seq = Sequence(0, [1, 2, 3, 4, 5])
     [drafts] = proposer.propose_batch([(seq, 10)])
     shadow = proposer.shadows[0]
@@ -176,3 +176,15 @@ def test_a_draft_method_without_its_proposer_is_refused():
     config = EngineConfig(max_model_len=64, speculative_config=DRAFT)
     with pytest.raises(ValueError, match="needs its proposer"):
         LLMEngine(config, FakeModelRunner(8, 16, VOCAB))
+
+
+def test_a_long_catch_up_is_fed_in_chunks_of_the_token_budget():
+    """A 10-token prompt at a budget of 4: two steps feed it without drafting, the third
+    finishes it and drafts."""
+    proposer = DraftModelProposer(FakeModelRunner(16, 4, VOCAB), K, 4, token_budget=4)
+    seq = Sequence(0, list(range(10)))
+    assert proposer.propose_batch([(seq, 5)]) == [[]]
+    assert proposer.propose_batch([(seq, 5)]) == [[]]
+    assert proposer.shadows[0].num_cached_tokens == 8
+    [drafts] = proposer.propose_batch([(seq, 5)])
+    assert drafts == reference(list(range(10)), K)

@@ -57,7 +57,7 @@ def chapters() -> list[dict[str, object]]:
         "06": _runner_code(),
         "07": [
             source_of(NgramProposer.propose),
-            source_of(Scheduler._propose),
+            source_of(Scheduler._propose_all),
             source_of(Scheduler.postprocess),
         ],
     }

@@ -88,7 +88,7 @@ def test_scenarios_carry_their_chapter_and_code_links(lab_client: TestClient) ->
         "prepare_inputs",
         "ModelRunner.run",
         "NgramProposer.propose",
-        "Scheduler._propose",
+        "Scheduler._propose_all",
     } <= names
 
 

@@ -18,6 +18,7 @@ from support.spec_checks import second_tokens, total_variation
 
 from minivllm import LLM, SamplingParams
 from minivllm.cli import main
+from minivllm.sampling_params import StructuredOutputsParams
 
 PROMPTS = [
     [5, 17, 42, 99, 3] * 4,
@@ -147,3 +148,32 @@ def test_the_cli_refuses_a_bad_draft_in_one_line(tiny_llama_dir, tmp_path, capsy
         err = capsys.readouterr().err.strip()
         assert err.startswith("minivllm: error: ") and "\n" not in err, err
         assert "speculative_config" in err
+
+
+def test_structured_outputs_and_logprobs_with_a_draft_model_are_the_same(tiny_llama_dir):
+    """Logprobs come from the verifying rows; the grammar cuts the draft model's drafts as it
+    cuts n-gram ones (the draft proposes unconstrained, so a constrained request keeps few)."""
+    target = str(tiny_llama_dir)
+    tokenizer = cached_llm(target, None).get_tokenizer()
+    prompts = [PROMPTS[0]] + [
+        tokenizer.encode(t, add_special_tokens=False) for t in ["ab ab ab", "x <1><2>"]
+    ]
+    grammars = [None, r"(ab ){2,20}", r"(<[0-9]+>)+"]
+    params = [
+        SamplingParams(
+            temperature=0.0,
+            max_tokens=24,
+            logprobs=2,
+            structured_outputs=None if g is None else StructuredOutputsParams(regex=g),
+        )
+        for g in grammars
+    ]
+    plain = cached_llm(target, None).generate(prompts, params, use_tqdm=False)
+    llm = cached_llm(target, target)
+    spec_out, delta = spec_delta(llm, lambda: llm.generate(prompts, params, use_tqdm=False))
+    assert delta["spec_decode_num_accepted_tokens"] > 0, delta
+    for p, s in zip(plain, spec_out):
+        p, s = p.outputs[0], s.outputs[0]
+        assert (s.token_ids, s.text, s.finish_reason) == (p.token_ids, p.text, p.finish_reason)
+        assert [sorted(e) for e in s.logprobs] == [sorted(e) for e in p.logprobs]
+    assert_draft_pool_free(llm)

@@ -84,10 +84,12 @@ class DraftModelProposer:
         start = time.perf_counter()
         drafts: list[list[int]] = [[] for _ in requests]
         plan = self._plan(requests)
-        if not plan:
-            return drafts
         try:
-            first = self._step([shadow for _, shadow, _ in plan], [c for _, _, c in plan])
+            first = (
+                self._step([shadow for _, shadow, _ in plan], [c for _, _, c in plan])
+                if plan
+                else {}
+            )
             # (request index, shadow, drafts wanted): those caught up, wanting more drafts
             active: list[tuple[int, Sequence, int]] = []
             for i, shadow, _ in plan:
@@ -133,12 +135,14 @@ class DraftModelProposer:
         """The shadow of `seq` with the target's tokens, its cached count cut to what still
         matches them and leaving at least the last token to feed."""
         shadow = self.shadows.get(seq.seq_id)
-        if shadow is None:
+        common = 0 if shadow is None else common_prefix_len(shadow.token_ids, seq.token_ids)
+        if shadow is None or common < shadow.num_prompt_tokens:  # new, or nothing to keep
+            self.release(seq.seq_id)
             shadow = Sequence(seq.seq_id, seq.token_ids, GREEDY)
             shadow.status = SequenceStatus.RUNNING
             self.shadows[seq.seq_id] = shadow
             return shadow
-        shadow.truncate(common_prefix_len(shadow.token_ids, seq.token_ids))  # cached <= common
+        shadow.truncate(common)  # cached <= common
         for token in seq.token_ids[shadow.num_tokens :]:
             shadow.append_token(token)
         shadow.num_cached_tokens = min(shadow.num_cached_tokens, shadow.num_tokens - 1)

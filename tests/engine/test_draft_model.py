@@ -188,3 +188,13 @@ def test_a_long_catch_up_is_fed_in_chunks_of_the_token_budget():
     assert proposer.shadows[0].num_cached_tokens == 8
     [drafts] = proposer.propose_batch([(seq, 5)])
     assert drafts == reference(list(range(10)), K)
+
+
+def test_a_shadow_whose_prompt_no_longer_matches_starts_over():
+    """Defensive: target tokens that diverge inside the shadow's prompt (never expected: a
+    running sequence only grows) drop the shadow's KV instead of trusting it."""
+    proposer = DraftModelProposer(FakeModelRunner(16, 4, VOCAB), K, 4, token_budget=64)
+    proposer.propose_batch([(Sequence(0, [1, 2, 3, 4]), 5)])
+    [drafts] = proposer.propose_batch([(Sequence(0, [1, 2, 9, 4, 5]), 5)])
+    assert drafts == reference([1, 2, 9, 4, 5], K)
+    assert proposer.shadows[0].num_prompt_tokens == 5

@@ -2,9 +2,11 @@
 
 Random arrivals, aborts, token budgets, pool sizes, block sizes, shared prefixes and
 speculative decoding (n-gram drafts, on a fake model that repeats itself so drafts are
-accepted). After every step: the sequence invariants hold and each block's ref_count equals
-the number of block tables holding it. In the end every request ends exactly once, each
-non-aborted one with exactly the tokens the fake model gives it alone, and no block leaks.
+accepted, or a fake draft model, the target's own or another, with a small pool of its own).
+After every step: the sequence invariants hold and each block's ref_count equals the number
+of block tables holding it. In the end every request ends exactly once, each non-aborted one
+with exactly the tokens the fake model gives it alone, and no block leaks, the draft's
+included.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from support.engine_checks import assert_no_leaks
 from support.fake_runner import FakeModelRunner, reference_completion
 
 from minivllm.config import EngineConfig
+from minivllm.engine.draft_model import DraftModelProposer
 from minivllm.engine.llm_engine import LLMEngine
 from minivllm.sampling_params import SamplingParams
 
@@ -44,10 +47,20 @@ ops = st.lists(
     max_num_seqs=st.integers(1, 6),
     prefix_caching=st.booleans(),
     speculative_tokens=st.sampled_from([0, 1, 3]),
+    draft=st.sampled_from([None, "self", "other"]),
+    draft_pool_tokens=st.integers(8, 96),
     script=ops,
 )
 def test_random_workloads_keep_the_invariants(
-    block_size, pool_tokens, budget, max_num_seqs, prefix_caching, speculative_tokens, script
+    block_size,
+    pool_tokens,
+    budget,
+    max_num_seqs,
+    prefix_caching,
+    speculative_tokens,
+    draft,
+    draft_pool_tokens,
+    script,
 ):
     num_blocks = max(2, pool_tokens // block_size)  # small pools, to force preemption
     config = EngineConfig(
@@ -56,17 +69,29 @@ def test_random_workloads_keep_the_invariants(
         max_num_seqs=max_num_seqs,
         max_model_len=48,
         enable_prefix_caching=prefix_caching,
-        speculative_config={
-            "method": "ngram",
-            "num_speculative_tokens": speculative_tokens,
-            "prompt_lookup_min": 1,
-        }
+        speculative_config=(
+            {"model": "fake", "num_speculative_tokens": speculative_tokens}
+            if draft
+            else {"method": "ngram", "num_speculative_tokens": speculative_tokens}
+        )
+        | {"prompt_lookup_min": 1}
         if speculative_tokens
         else None,
     )
     # With speculation, a model of the last token over 12 ids: outputs cycle, drafts hit.
     vocab, order = (12, 1) if speculative_tokens else (1000, None)
-    engine = LLMEngine(config, FakeModelRunner(num_blocks, block_size, vocab, order))
+    proposer = None
+    if speculative_tokens and draft:
+        draft_runner = FakeModelRunner(
+            max(2, draft_pool_tokens // block_size),
+            block_size,
+            vocab,
+            order if draft == "self" else 2,
+        )
+        proposer = DraftModelProposer(draft_runner, speculative_tokens, block_size, budget)
+    engine = LLMEngine(
+        config, FakeModelRunner(num_blocks, block_size, vocab, order), proposer=proposer
+    )
     added: dict[str, tuple[list[int], int]] = {}
     aborted: set[str] = set()
     finished: dict[str, object] = {}
@@ -112,3 +137,6 @@ def test_random_workloads_keep_the_invariants(
         prompt, max_tokens = added[request_id]
         assert out.outputs[0].token_ids == reference_completion(prompt, max_tokens, vocab, order)
     assert_no_leaks(engine)
+    if proposer is not None:
+        assert proposer.shadows == {}
+        assert proposer.block_manager.num_free_blocks == proposer.block_manager.num_blocks

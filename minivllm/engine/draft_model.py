@@ -227,7 +227,11 @@ def draft_pool_blocks(target_blocks: int, max_model_len: int, block_size: int) -
 def load_draft_proposer(
     config: EngineConfig, draft: DraftModel, target_blocks: int
 ) -> DraftModelProposer:
-    """Load the draft model on the target's device and dtype policy, with its own pool."""
+    """Load the draft model on the target's device and dtype policy, with its own pool. The
+    target's pool was sized first: on a GPU the draft fits in what `gpu_memory_utilization`
+    left, else a ValueError says what to lower."""
+    import torch
+
     from minivllm.engine.model_runner import ModelRunner
 
     assert config.speculative_config is not None and config.max_model_len is not None
@@ -235,7 +239,13 @@ def load_draft_proposer(
     draft_config = replace(
         draft.config, max_model_len=config.max_model_len, num_kv_blocks=num_blocks
     )
-    runner = ModelRunner(draft_config, draft.model_dir, draft.hf_config)
+    try:
+        runner = ModelRunner(draft_config, draft.model_dir, draft.hf_config)
+    except torch.OutOfMemoryError:
+        raise ValueError(
+            f"the draft model {draft_config.model!r} and its {num_blocks} KV blocks do not fit "
+            "beside the target's KV pool: lower gpu_memory_utilization or set num_kv_blocks"
+        ) from None
     logger.info("draft model %s: %d KV blocks", draft_config.model, num_blocks)
     k = config.speculative_config.num_speculative_tokens
     return DraftModelProposer(runner, k, config.block_size, config.max_num_batched_tokens)

@@ -134,6 +134,9 @@ void dot_row_k(const uint8_t* w, int64_t blocks, const QuantizedRows& xq, int64_
       for (int r = 0; r < Rows; ++r) {
         const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + r * k + blk * 256 + 32 * j));
         isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(_mm256_maddubs_epi16(q, x), scale));
+        // Keeps each row's sum in a register, added in order: left free, GCC regroups the
+        // integer adds into a tree and spills every product to the stack (benchmarks/int8_peak.py).
+        asm("" : "+x"(isum[r]));
       }
     }
     for (int r = 0; r < Rows; ++r) {

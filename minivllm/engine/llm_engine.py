@@ -112,6 +112,9 @@ class LLMEngine:
             getattr(runner, "memory", None),
             max_model_len_given=options.get("max_model_len") is not None,
         )
+        from minivllm.engine.spec_cost import with_measured_draft_cost
+
+        config = with_measured_draft_cost(config, runner)
         return cls(config, runner, tokenizer, tracer, defaults)
 
     def close(self) -> None:

@@ -42,8 +42,8 @@ class SpeculativeConfig:
     When it pays (`engine/spec_policy.py`): nobody speculates with `disable_by_batch_size` or
     more running sequences (None: at any batch size), and a sequence proposes only while its
     acceptance so far beats the break-even of the cost model, whose one figure is
-    `draft_token_cost`, a token's share of a one-token step's time (0: always propose). The
-    defaults are measured on the default model on the CPU (docs/benchmarks.md)."""
+    `draft_token_cost`, a token's share of a one-token step's time (0: always propose; None,
+    the default: measured on the loaded model at start-up, `engine/spec_cost.py`)."""
 
     method: str = "ngram"
     model: str | None = None
@@ -51,7 +51,7 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
     disable_by_batch_size: int | None = 256
-    draft_token_cost: float = 0.05
+    draft_token_cost: float | None = None
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
@@ -81,9 +81,11 @@ class SpeculativeConfig:
                 f"got {size!r}"
             )
         cost = self.draft_token_cost
-        if not isinstance(cost, (int, float)) or isinstance(cost, bool) or not cost >= 0:
+        if cost is not None and (
+            not isinstance(cost, (int, float)) or isinstance(cost, bool) or not cost >= 0
+        ):
             raise ValueError(
-                f"speculative_config draft_token_cost must be a number >= 0, got {cost!r}"
+                f"speculative_config draft_token_cost must be a number >= 0 or null, got {cost!r}"
             )
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(

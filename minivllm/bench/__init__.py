@@ -19,6 +19,7 @@ from minivllm.bench.peer import cmd_compare_llama_cpp
 from minivllm.bench.prefix import cmd_prefix
 from minivllm.bench.quality import cmd_quality
 from minivllm.bench.serve import cmd_serve_bench
+from minivllm.bench.text_workloads import WORKLOADS
 from minivllm.bench.throughput import cmd_throughput
 
 
@@ -45,6 +46,13 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=1,
         help="quality: tokens per step of the decode-sized scoring",
+    )
+    parser.add_argument(
+        "--workload",
+        choices=WORKLOADS,
+        default="random",
+        help="serve: random token ids, or chat requests through the model's template whose "
+        "answers reuse their prompts (grounded) or do not (chat)",
     )
     parser.add_argument("--output", type=Path, default=None, help="write the JSON here")
     parser.add_argument("--chart", type=Path, default=None, help="draw a PNG chart here")
@@ -75,7 +83,7 @@ def run_bench(args: argparse.Namespace, options: dict[str, Any]) -> int:
     elif "llama.cpp" in args.compare:
         report = cmd_compare_llama_cpp(args, options)
     else:
-        report = cmd_serve_bench(args)
+        report = cmd_serve_bench(args, options)
     if args.output is not None:
         args.output.parent.mkdir(parents=True, exist_ok=True)
         args.output.write_text(json.dumps(report, indent=2))

@@ -21,7 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from minivllm.bench.common import machine
-from minivllm.bench.serve import SERVE_VOCAB_SIZE, run_level
+from minivllm.bench.serve import SERVE_VOCAB_SIZE, acceptance, read_spec_counters, run_level
+from minivllm.bench.text_workloads import text_prompts
 from minivllm.bench.workloads import Workload
 from minivllm.config import cli_flag
 from minivllm.distributed.parallel_state import free_loopback_port
@@ -82,16 +83,33 @@ def running(command: list[str], url: str, ready_path: str, timeout: float = 600)
         log.close()
 
 
-def load_levels(url: str, seed: int) -> list[dict[str, Any]]:
-    """Run every level of LEVELS against the server at `url`."""
+def level_prompts(workload: str, tokenizer: Any, seed: int) -> list[list[int]]:
+    """Each level's prompts: random ids of the level's lengths, or `workload`'s chat requests
+    through the model's chat template (text_workloads.py)."""
+    prompts = []
+    for _, concurrency, count, lengths in LEVELS:
+        if workload == "random":
+            ids, _ = Workload(count, lengths, (1, 1), seed + concurrency).make(SERVE_VOCAB_SIZE)
+        else:
+            ids = text_prompts(tokenizer, workload, count, seed + concurrency)
+        prompts.append(ids)
+    return prompts
+
+
+def load_levels(url: str, prompts: list[list[list[int]]]) -> list[dict[str, Any]]:
+    """Run every level of LEVELS, with its prompts, against the server at `url`; a level on a
+    server that speculates also carries the drafts' acceptance."""
     import httpx
 
     model = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
     results = []
-    for name, concurrency, count, lengths in LEVELS:
-        prompts, _ = Workload(count, lengths, (1, 1), seed + concurrency).make(SERVE_VOCAB_SIZE)
-        asyncio.run(run_level(url, model, prompts[:1], 4, 1))  # warm-up: one short request
-        level = asyncio.run(run_level(url, model, prompts, OUTPUT_TOKENS, concurrency))
+    for (name, concurrency, _, _), level_prompts in zip(LEVELS, prompts, strict=True):
+        asyncio.run(run_level(url, model, level_prompts[:1], 4, 1))  # warm-up: one short request
+        before = read_spec_counters(url)
+        level = asyncio.run(run_level(url, model, level_prompts, OUTPUT_TOKENS, concurrency))
+        spec = acceptance(before, read_spec_counters(url))
+        if spec is not None:
+            level["spec_decode"] = spec
         results.append(dict(level, name=name, tok_per_s=level["output_tok_per_s"]))
     return results
 
@@ -103,7 +121,7 @@ def peer_commands(
     16 slots of 512 tokens and one thread per core."""
     ours = [sys.executable, "-m", "minivllm.cli", "serve", str(gguf), "--port", str(ports[0])]
     for key, value in options.items():
-        if key == "model":
+        if key == "model" or value is None:
             continue
         if value is True or value is False:
             ours.append(cli_flag(key, negated=not value))
@@ -130,38 +148,59 @@ def peer_commands(
     return {"minivllm": ours, "llama.cpp": theirs}
 
 
+def _describe(run: dict[str, Any]) -> str:
+    spec = run.get("spec_decode")
+    return (
+        f"{run['tok_per_s']:6.1f} tok/s (TTFT p50 {run['ttft_p50_s'] * 1e3:5.0f} ms, ITL p50 "
+        f"{run['itl_p50_s'] * 1e3:4.1f} p99 {run['itl_p99_s'] * 1e3:5.1f} ms"
+        + (f", acceptance {spec['acceptance_rate']:.0%}" if spec else "")
+        + ")"
+    )
+
+
 def cmd_compare_llama_cpp(args: argparse.Namespace, options: dict[str, Any]) -> dict[str, Any]:
+    from minivllm.models.gguf import build_tokenizer
     from minivllm.models.paths import default_model_path
 
     gguf = Path(options.get("model") or default_model_path()).expanduser()
     if gguf.suffix.lower() != ".gguf":
         raise SystemExit(f"--compare llama.cpp needs a .gguf model, got {gguf}")
-    ports = (free_loopback_port(), free_loopback_port())
-    commands = peer_commands(gguf, find_llama_server(args.llama_server), options, ports)
+    tokenizer = build_tokenizer(gguf) if args.workload != "random" else None
+    prompts = level_prompts(args.workload, tokenizer, args.seed)
+    llama_server = find_llama_server(args.llama_server)
+    # With speculation the same engine also runs without it, so one run gives both ratios.
+    configs = {"minivllm": options}
+    if options.get("speculative_config") is not None:
+        configs["minivllm, no speculation"] = dict(options, speculative_config=None)
+    commands: dict[str, list[str]] = {}
     runs = {}
-    for (name, command), port in zip(commands.items(), ports, strict=True):
-        url = f"http://127.0.0.1:{port}"
-        print(f"{name}: {' '.join(command)}", flush=True)
-        ready = "/v1/models" if name == "minivllm" else "/health"
-        with running(command, url, ready):
-            runs[name] = load_levels(url, args.seed)
+    for name in [*configs, "llama.cpp"]:
+        port = free_loopback_port()
+        pair = peer_commands(gguf, llama_server, configs.get(name, options), (port, port))
+        commands[name] = pair["llama.cpp" if name == "llama.cpp" else "minivllm"]
+        print(f"{name}: {' '.join(commands[name])}", flush=True)
+        ready = "/health" if name == "llama.cpp" else "/v1/models"
+        with running(commands[name], f"http://127.0.0.1:{port}", ready):
+            runs[name] = load_levels(f"http://127.0.0.1:{port}", prompts)
     rows = []
-    for ours, theirs in zip(runs["minivllm"], runs["llama.cpp"], strict=True):
-        ratio = ours["tok_per_s"] / theirs["tok_per_s"]
-        print(
-            f"{ours['name']:>5}: minivllm {ours['tok_per_s']:6.1f} tok/s "
-            f"(TTFT p50 {ours['ttft_p50_s'] * 1e3:5.0f} ms, ITL p50 "
-            f"{ours['itl_p50_s'] * 1e3:4.1f} p99 {ours['itl_p99_s'] * 1e3:5.1f} ms) | "
-            f"llama.cpp {theirs['tok_per_s']:6.1f} tok/s (TTFT p50 "
-            f"{theirs['ttft_p50_s'] * 1e3:5.0f} ms, ITL p50 {theirs['itl_p50_s'] * 1e3:4.1f} "
-            f"p99 {theirs['itl_p99_s'] * 1e3:5.1f} ms) | {ratio:.2f}x",
-            flush=True,
-        )
-        rows.append({"level": ours["name"], "ratio": ratio})
+    for i, theirs in enumerate(runs["llama.cpp"]):
+        print(f"{theirs['name']:>5}: llama.cpp {_describe(theirs)}", flush=True)
+        base = runs.get("minivllm, no speculation")
+        for name in configs:
+            ours = runs[name][i]
+            row = {"level": ours["name"], "server": name}
+            row["ratio"] = ours["tok_per_s"] / theirs["tok_per_s"]
+            text = f"{'':>5}  {name} {_describe(ours)} | {row['ratio']:.2f}x llama.cpp"
+            if base is not None and name == "minivllm":
+                row["ratio_vs_no_speculation"] = ours["tok_per_s"] / base[i]["tok_per_s"]
+                text += f", {row['ratio_vs_no_speculation']:.2f}x no speculation"
+            print(text, flush=True)
+            rows.append(row)
     results = [dict(r, name=f"{peer} {r['name']}") for peer in runs for r in runs[peer]]
     return {
         "benchmark": "serve vs llama.cpp",
         "gguf": str(gguf),
+        "workload": args.workload,
         "machine": machine(),
         "commands": commands,
         "ratios": rows,

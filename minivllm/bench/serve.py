@@ -16,6 +16,7 @@ import statistics
 import time
 from typing import Any
 
+from minivllm.bench.text_workloads import bench_tokenizer, text_prompts
 from minivllm.bench.workloads import Workload
 from minivllm.engine.spec_decode import mean_acceptance_length
 
@@ -155,18 +156,24 @@ async def run_level(
     }
 
 
-def cmd_serve_bench(args: argparse.Namespace) -> dict[str, Any]:
+def cmd_serve_bench(args: argparse.Namespace, options: dict[str, Any]) -> dict[str, Any]:
     import httpx
 
     url = args.url.rstrip("/")
     model = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
+    # A text workload is tokenized with the `--model` given here (default: the default
+    # model), which must be the one the server runs.
+    tokenizer = bench_tokenizer(options.get("model")) if args.workload != "random" else None
     levels = []
     for concurrency in (1, 8, 32):
         count = max(concurrency, args.num_requests if concurrency > 1 else 4)
-        workload = Workload(
-            count, (args.input_min, args.input_max), (1, 1), args.seed + concurrency
-        )
-        prompts, _ = workload.make(SERVE_VOCAB_SIZE)
+        if tokenizer is None:
+            workload = Workload(
+                count, (args.input_min, args.input_max), (1, 1), args.seed + concurrency
+            )
+            prompts, _ = workload.make(SERVE_VOCAB_SIZE)
+        else:
+            prompts = text_prompts(tokenizer, args.workload, count, args.seed + concurrency)
         before = read_spec_counters(url)
         level = asyncio.run(run_level(url, model, prompts, args.output_len, concurrency))
         spec = acceptance(before, read_spec_counters(url))
@@ -191,6 +198,7 @@ def cmd_serve_bench(args: argparse.Namespace) -> dict[str, Any]:
         "benchmark": "serve",
         "url": url,
         "model": model,
+        "workload": args.workload,
         "output_len": args.output_len,
         "results": [
             dict(level, name=f"c={level['concurrency']}", tok_per_s=level["output_tok_per_s"])

@@ -94,6 +94,7 @@ class LLMEngine:
         from minivllm.engine.draft_model import load_draft_proposer, resolve_draft
         from minivllm.engine.memory import fit_max_model_len
         from minivllm.engine.model_runner import ModelRunner
+        from minivllm.engine.spec_cost import with_measured_draft_cost
         from minivllm.models.config import load_tokenizer, resolve_config
 
         config = EngineConfig.from_options(**options)
@@ -115,6 +116,7 @@ class LLMEngine:
             max_model_len_given=options.get("max_model_len") is not None,
         )
         proposer = load_draft_proposer(config, draft, runner.num_kv_blocks) if draft else None
+        config = with_measured_draft_cost(config, runner, proposer.runner if proposer else None)
         return cls(config, runner, tokenizer, tracer, defaults, proposer)
 
     def close(self) -> None:

@@ -1,10 +1,10 @@
 """When speculation pays: the cost model the Scheduler asks before it proposes drafts.
 
 A step's time is a fixed part (reading the weights, launching the step) plus a part per token
-it runs: t(N) = t0 * (1 + c * N), with c = `draft_token_cost` (measured per machine; see
-docs/benchmarks.md). A decode batch of B sequences yields B tokens in t(B). Giving one of them
-k drafts, accepted at rate a, yields a * k more tokens for c * k * t0 more time, which raises
-the step's tokens per second exactly when
+it runs: t(N) = t0 * (1 + c * N), with c = `draft_token_cost` (measured on the loaded model
+at start-up: `spec_cost.py`). A decode batch of B sequences yields B tokens in t(B). Giving
+one of them k drafts, accepted at rate a, yields a * k more tokens for c * k * t0 more time,
+which raises the step's tokens per second exactly when
 
     a > B * c / (1 + B * c)        (the "break-even acceptance" at batch size B)
 
@@ -27,6 +27,9 @@ from collections import deque
 
 from minivllm.config import SpeculativeConfig
 
+# The cost when nobody measured it (an engine built on a runner by hand): the default
+# model's, the smallest c measured (docs/benchmarks.md).
+DEFAULT_DRAFT_TOKEN_COST = 0.05
 WINDOW = 8  # verified steps a sequence's acceptance estimate looks back over
 PRIOR_DRAFTED, PRIOR_ACCEPTED = 2, 1  # an even prior: a new sequence starts at 1/2
 PROBE_INTERVAL = 8  # decode steps a sequence below break-even waits before trying again
@@ -43,7 +46,8 @@ class SpeculationPolicy:
 
     def __init__(self, config: SpeculativeConfig) -> None:
         self.disable_by_batch_size = config.disable_by_batch_size
-        self.token_cost = config.draft_token_cost
+        cost = config.draft_token_cost
+        self.token_cost = DEFAULT_DRAFT_TOKEN_COST if cost is None else cost
         self._history: dict[int, deque[tuple[int, int]]] = {}  # (drafted, accepted) per step
         self._waited: dict[int, int] = {}  # decode steps skipped since the last proposal
 

@@ -102,15 +102,17 @@ def causal_attention_sdpa(
 
     `q` `[T, H, D]`, `k`/`v` `[T, KVH, D]` -> `[T, H, D]`; no gather, no mask tensor.
     """
+    # Batched (4-d) inputs: torch's CPU flash kernel takes only those; 3-d ones fall back to
+    # the math path, which spells out the [H, T, T] scores and runs at a third of the speed.
     out = F.scaled_dot_product_attention(
-        q.transpose(0, 1),  # [H, T, D]
-        k.transpose(0, 1),  # [KVH, T, D]
-        v.transpose(0, 1),  # [KVH, T, D]
+        q.transpose(0, 1).unsqueeze(0),  # [1, H, T, D]
+        k.transpose(0, 1).unsqueeze(0),  # [1, KVH, T, D]
+        v.transpose(0, 1).unsqueeze(0),  # [1, KVH, T, D]
         is_causal=True,
         scale=scale,
         enable_gqa=q.shape[1] != k.shape[1],
-    )  # [H, T, D]
-    return out.transpose(0, 1)  # [T, H, D]
+    )  # [1, H, T, D]
+    return out[0].transpose(0, 1)  # [T, H, D]
 
 
 def attend(

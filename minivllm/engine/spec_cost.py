@@ -1,0 +1,103 @@
+"""The cost model's one figure, `draft_token_cost`, measured on the loaded model at start-up.
+
+The policy (`spec_policy.py`) models a step's time as t(N) = t0 * (1 + c * N) for N tokens.
+What c is depends on the model and the machine far more than on anything else: a small model
+is bound by per-step overheads, so a 5-token verification step costs little more than a
+1-token one (c near 0.05), while a 1B-class model on a CPU computes every token's products
+and a 5-token step costs several 1-token steps (c above 1). A constant fits one of them only.
+
+So the engine times the two steps the policy weighs, on the real runner, before it serves:
+a 1-token decode step and a verification step of 1 + k tokens, each for one sequence after
+`CONTEXT` tokens, best of `ROUNDS`; with a draft model, its one-token step too, which each
+draft token costs on top. With r = t(1 + k) / t(1), the model gives
+
+    r = (1 + c * (1 + k)) / (1 + c)   =>   c = (r - 1) / (1 + k - r)
+
+Their KV goes to the pool's first blocks, which no request holds yet. Torch-free: it only
+calls the runner and reads the clock.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import replace
+from typing import Any
+
+from minivllm.config import EngineConfig
+from minivllm.engine.scheduler import ScheduledBatch
+from minivllm.engine.sequence import Sequence, SequenceStatus, blocks_for
+from minivllm.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+CONTEXT = 32  # tokens already cached before the timed steps
+ROUNDS = 5
+MAX_COST = 100.0  # r at or past 1 + k: a token costs a step, so drafts never pay
+
+
+def draft_token_cost(ratio: float, num_speculative_tokens: int) -> float:
+    """c from r = t(1 + k) / t(1) (the module's formula), clamped to [0, MAX_COST]."""
+    k = num_speculative_tokens
+    if ratio <= 1.0:
+        return 0.0
+    if ratio >= 1 + k:
+        return MAX_COST
+    return min(MAX_COST, (ratio - 1.0) / (1 + k - ratio))
+
+
+def _plan(num_drafts: int, block_size: int) -> ScheduledBatch:
+    """One sequence with CONTEXT cached tokens running its last token and `num_drafts`
+    drafts (0: a plain decode step)."""
+    seq = Sequence(-1, [0] * (CONTEXT + 1), SamplingParams(temperature=0.0, max_tokens=1 + 8))
+    seq.status = SequenceStatus.RUNNING
+    seq.num_cached_tokens = CONTEXT
+    seq.spec_token_ids = [0] * num_drafts
+    seq.num_scheduled_tokens = 1 + num_drafts
+    seq.block_table = list(range(blocks_for(CONTEXT + 1 + num_drafts, block_size)))
+    return ScheduledBatch([seq])
+
+
+def _step_seconds(runner: Any, num_drafts: int, block_size: int) -> float:
+    best = float("inf")
+    for _ in range(ROUNDS + 1):  # the first run warms up this step's shape
+        plan = _plan(num_drafts, block_size)
+        start = time.perf_counter()
+        runner.run(plan)
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def measure_draft_token_cost(
+    runner: Any, num_speculative_tokens: int, block_size: int, draft_runner: Any = None
+) -> float | None:
+    """c for this runner's model (the module's recipe), plus, with a draft model, what the
+    draft's own one-token step costs per draft token as a share of the target's; None if a
+    KV pool is too small to time the steps in."""
+    k = num_speculative_tokens
+    runners = [runner] if draft_runner is None else [runner, draft_runner]
+    if any(blocks_for(CONTEXT + 1 + k, block_size) > r.num_kv_blocks for r in runners):
+        return None
+    plain = _step_seconds(runner, 0, block_size)
+    verify = _step_seconds(runner, k, block_size)
+    cost = draft_token_cost(verify / plain, k)
+    if draft_runner is not None:
+        cost += _step_seconds(draft_runner, 0, block_size) / plain
+    return min(MAX_COST, cost)
+
+
+def with_measured_draft_cost(
+    config: EngineConfig, runner: Any, draft_runner: Any = None
+) -> EngineConfig:
+    """The config with speculation's `draft_token_cost` measured on this runner (and draft
+    model's runner, if any) when the user left it unset."""
+    spec = config.speculative_config
+    if spec is None or spec.draft_token_cost is not None:
+        return config
+    cost = measure_draft_token_cost(
+        runner, spec.num_speculative_tokens, config.block_size, draft_runner
+    )
+    if cost is None:
+        return config
+    logger.info("speculative decoding: draft_token_cost %.3f, measured on this model", cost)
+    return replace(config, speculative_config=replace(spec, draft_token_cost=cost))

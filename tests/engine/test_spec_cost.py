@@ -1,0 +1,84 @@
+"""The cost model's figure measured at start-up: the formula, and the timing recipe on a fake
+runner whose steps advance a fake clock (no real time is measured)."""
+
+from __future__ import annotations
+
+import pytest
+
+from minivllm.config import EngineConfig
+from minivllm.engine import spec_cost
+from minivllm.engine.runner_output import RunnerOutput, SampledToken
+from minivllm.engine.spec_cost import (
+    MAX_COST,
+    draft_token_cost,
+    measure_draft_token_cost,
+    with_measured_draft_cost,
+)
+
+
+@pytest.mark.parametrize("c", [0.0, 0.05, 0.6, 2.0])
+def test_the_formula_inverts_the_linear_step_model(c: float):
+    k = 4
+    ratio = (1 + c * (1 + k)) / (1 + c)
+    assert draft_token_cost(ratio, k) == pytest.approx(c)
+
+
+def test_the_formula_clamps_at_both_ends():
+    assert draft_token_cost(0.9, 4) == 0.0  # a verification step faster than a plain one
+    assert draft_token_cost(5.0, 4) == MAX_COST  # a token costs a whole step
+    assert draft_token_cost(7.0, 4) == MAX_COST
+
+
+class FakeRunner:
+    """Each step takes `fixed + per_token * N` seconds on the fake clock; records its plans."""
+
+    def __init__(self, clock: list[float], fixed: float, per_token: float, blocks: int = 64):
+        self.clock, self.fixed, self.per_token = clock, fixed, per_token
+        self.num_kv_blocks = blocks
+        self.plans: list[tuple[int, int, list[int]]] = []
+
+    def run(self, batch, token_bitmask=None) -> RunnerOutput:
+        (seq,) = batch.seqs
+        self.plans.append((seq.num_cached_tokens, seq.num_scheduled_tokens, seq.block_table))
+        self.clock[0] += self.fixed + self.per_token * seq.num_scheduled_tokens
+        return RunnerOutput(samples=[SampledToken(0, None, 0, None)])
+
+
+@pytest.fixture
+def clock(monkeypatch) -> list[float]:
+    now = [0.0]
+    monkeypatch.setattr(spec_cost.time, "perf_counter", lambda: now[0])
+    return now
+
+
+def test_measuring_a_runner_recovers_its_per_token_cost(clock):
+    runner = FakeRunner(clock, fixed=0.010, per_token=0.006)  # c = 0.6
+    assert measure_draft_token_cost(runner, 4, 16) == pytest.approx(0.6)
+    # plain steps run 1 token, verification steps 1 + k, after CONTEXT cached tokens, in the
+    # pool's first blocks
+    sizes = {n for _, n, _ in runner.plans}
+    assert sizes == {1, 5}
+    assert all(cached == spec_cost.CONTEXT for cached, _, _ in runner.plans)
+    assert all(table == list(range(len(table))) for _, _, table in runner.plans)
+
+
+def test_a_draft_model_adds_its_own_step_per_draft_token(clock):
+    target = FakeRunner(clock, fixed=0.010, per_token=0.0)  # c = 0 on its own
+    draft = FakeRunner(clock, fixed=0.002, per_token=0.0)
+    assert measure_draft_token_cost(target, 4, 16, draft) == pytest.approx(0.2)
+
+
+def test_too_small_a_pool_is_not_measured(clock):
+    assert measure_draft_token_cost(FakeRunner(clock, 0.01, 0.0, blocks=2), 4, 16) is None
+
+
+def test_the_config_keeps_a_cost_the_user_gave_and_fills_an_unset_one(clock):
+    runner = FakeRunner(clock, fixed=0.010, per_token=0.006)
+    given = EngineConfig(speculative_config={"method": "ngram", "draft_token_cost": 0.3})
+    assert with_measured_draft_cost(given, runner) is given
+    assert runner.plans == []
+    unset = EngineConfig(speculative_config={"method": "ngram"})
+    measured = with_measured_draft_cost(unset, runner)
+    assert measured.speculative_config.draft_token_cost == pytest.approx(0.6)
+    plain = EngineConfig()
+    assert with_measured_draft_cost(plain, runner) is plain

@@ -15,7 +15,8 @@ the step approaches 1 and nothing does. Two rules follow:
   model leaves out, outweigh what the drafts can still win);
 - the request rule: a sequence proposes only while its acceptance so far (its last verified
   steps, from an even prior) beats the break-even at the current batch size. A sequence below
-  it still probes once every `PROBE_INTERVAL` decode steps, so an answer that starts quoting
+  it still probes: first after `PROBE_INTERVAL` decode steps, then as often as keeps failed
+  probes under `PROBE_BUDGET` of the time (`probe_interval`), so an answer that starts quoting
   its prompt later is noticed.
 
 Pure Python: the decisions are a function of counts, tested without a clock.
@@ -23,6 +24,7 @@ Pure Python: the decisions are a function of counts, tested without a clock.
 
 from __future__ import annotations
 
+import math
 from collections import deque
 
 from minivllm.config import SpeculativeConfig
@@ -33,6 +35,17 @@ DEFAULT_DRAFT_TOKEN_COST = 0.05
 WINDOW = 8  # verified steps a sequence's acceptance estimate looks back over
 PRIOR_DRAFTED, PRIOR_ACCEPTED = 2, 1  # an even prior: a new sequence starts at 1/2
 PROBE_INTERVAL = 8  # decode steps a sequence below break-even waits before trying again
+# ... at least; a failed probe costs k * c / (1 + c) one-token steps, so where verifying is
+# dear the interval grows until failed probes cost at most this share of the steps.
+PROBE_BUDGET = 0.02
+
+
+def probe_interval(token_cost: float, num_speculative_tokens: int) -> int:
+    """Decode steps between probes of a sequence that has verified drafts and fell below
+    break-even: PROBE_INTERVAL, or more where a probe's k drafts cost more than PROBE_BUDGET
+    of that many steps."""
+    probe = num_speculative_tokens * token_cost / (1.0 + token_cost)
+    return max(PROBE_INTERVAL, math.ceil(probe / PROBE_BUDGET))
 
 
 def break_even_acceptance(batch_size: int, token_cost: float) -> float:
@@ -48,6 +61,7 @@ class SpeculationPolicy:
         self.disable_by_batch_size = config.disable_by_batch_size
         cost = config.draft_token_cost
         self.token_cost = DEFAULT_DRAFT_TOKEN_COST if cost is None else cost
+        self.probe_interval = probe_interval(self.token_cost, config.num_speculative_tokens)
         self._history: dict[int, deque[tuple[int, int]]] = {}  # (drafted, accepted) per step
         self._waited: dict[int, int] = {}  # decode steps skipped since the last proposal
 
@@ -69,7 +83,9 @@ class SpeculationPolicy:
         if self.acceptance(seq_id) > break_even_acceptance(batch_size, self.token_cost):
             return True
         waited = self._waited.get(seq_id, 0) + 1
-        if waited >= PROBE_INTERVAL:
+        # A sequence that never verified a draft probes soon: its answer may be a quote.
+        interval = self.probe_interval if seq_id in self._history else PROBE_INTERVAL
+        if waited >= interval:
             self._waited[seq_id] = 0
             return True
         self._waited[seq_id] = waited

@@ -9,10 +9,12 @@ from support.fake_runner import reference_completion
 
 from minivllm.config import SpeculativeConfig
 from minivllm.engine.spec_policy import (
+    PROBE_BUDGET,
     PROBE_INTERVAL,
     WINDOW,
     SpeculationPolicy,
     break_even_acceptance,
+    probe_interval,
 )
 from minivllm.sampling_params import SamplingParams
 
@@ -40,12 +42,10 @@ def test_a_request_below_break_even_stops_and_probes_again():
     assert p.should_propose(7, 1)  # a new request starts at 1/2: above 0.09
     for _ in range(WINDOW):
         p.observe(7, 4, 0)
-    decisions = [p.should_propose(7, 1) for _ in range(2 * PROBE_INTERVAL)]
-    # One probe every PROBE_INTERVAL decode steps, no proposal between.
-    assert [i for i, yes in enumerate(decisions) if yes] == [
-        PROBE_INTERVAL - 1,
-        2 * PROBE_INTERVAL - 1,
-    ]
+    interval = p.probe_interval
+    decisions = [p.should_propose(7, 1) for _ in range(2 * interval)]
+    # One probe every `probe_interval` decode steps, no proposal between.
+    assert [i for i, yes in enumerate(decisions) if yes] == [interval - 1, 2 * interval - 1]
     for _ in range(WINDOW // 2):  # the probes hit: the text started quoting its prompt
         p.observe(7, 4, 4)
     assert p.should_propose(7, 1)
@@ -85,3 +85,23 @@ def test_the_engine_turns_speculation_off_at_large_batches(make_engine):
         want = reference_completion(prompt, seq.sampling_params.max_tokens, VOCAB, ORDER)
         assert finals[str(seq.seq_id)].outputs[0].token_ids == want
     assert run_to_completion(engine) == {}
+
+
+def test_probes_grow_rare_where_verifying_is_dear():
+    """A failed probe of k drafts costs k * c / (1 + c) one-token steps: the interval keeps
+    that under PROBE_BUDGET of the steps between probes, and never drops below PROBE_INTERVAL."""
+    assert probe_interval(0.0, 4) == PROBE_INTERVAL
+    assert probe_interval(0.05, 4) == PROBE_INTERVAL + 2  # 0.19 steps / 0.02
+    for cost in (0.05, 0.6, 4.7):
+        interval = probe_interval(cost, 4)
+        assert 4 * cost / (1 + cost) <= PROBE_BUDGET * interval
+    assert probe_interval(4.7, 4) > 100
+
+
+def test_a_new_request_probes_early_even_when_verifying_is_dear():
+    p = policy(disable_by_batch_size=None, draft_token_cost=4.7)  # break-even 0.82 > 1/2
+    decisions = [p.should_propose(3, 1) for _ in range(PROBE_INTERVAL)]
+    assert decisions == [False] * (PROBE_INTERVAL - 1) + [True]
+    p.observe(3, 4, 1)  # the probe mostly failed: the next one waits the long interval
+    assert not any(p.should_propose(3, 1) for _ in range(p.probe_interval - 1))
+    assert p.should_propose(3, 1)

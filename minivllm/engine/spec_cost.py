@@ -34,6 +34,16 @@ logger = logging.getLogger(__name__)
 CONTEXT = 32  # tokens already cached before the timed steps
 ROUNDS = 5
 MAX_COST = 100.0  # r at or past 1 + k: a token costs a step, so drafts never pay
+# Below this best case (every draft accepted) speculation is left off: what it could win is
+# within what the cost model misses (probes, partial acceptance, larger batches).
+MIN_BEST_SPEEDUP = 1.25
+
+
+def best_speedup(token_cost: float, num_speculative_tokens: int) -> float:
+    """Tokens per second of a sequence whose k drafts are all accepted, over plain decoding:
+    1 + k tokens in a step that costs (1 + c (1 + k)) / (1 + c) one-token steps."""
+    k, c = num_speculative_tokens, token_cost
+    return (1 + k) * (1 + c) / (1 + c * (1 + k))
 
 
 def draft_token_cost(ratio: float, num_speculative_tokens: int) -> float:
@@ -99,5 +109,19 @@ def with_measured_draft_cost(
     )
     if cost is None:
         return config
-    logger.info("speculative decoding: draft_token_cost %.3f, measured on this model", cost)
+    best = best_speedup(cost, spec.num_speculative_tokens)
+    if best < MIN_BEST_SPEEDUP:
+        # The batch rule at 1 turns it off for every step; the counters stay at zero.
+        logger.warning(
+            "speculative decoding off: a verifying step of %d tokens costs %.1f one-token "
+            "steps on this model here (draft_token_cost %.2f), so even fully accepted drafts "
+            'would win only %.2fx; set "draft_token_cost": 0 to speculate anyway',
+            1 + spec.num_speculative_tokens,
+            (1 + cost * (1 + spec.num_speculative_tokens)) / (1 + cost),
+            cost,
+            best,
+        )
+        spec = replace(spec, disable_by_batch_size=1)
+    else:
+        logger.info("speculative decoding: draft_token_cost %.3f, measured on this model", cost)
     return replace(config, speculative_config=replace(spec, draft_token_cost=cost))

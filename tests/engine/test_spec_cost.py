@@ -10,6 +10,8 @@ from minivllm.engine import spec_cost
 from minivllm.engine.runner_output import RunnerOutput, SampledToken
 from minivllm.engine.spec_cost import (
     MAX_COST,
+    MIN_BEST_SPEEDUP,
+    best_speedup,
     draft_token_cost,
     measure_draft_token_cost,
     with_measured_draft_cost,
@@ -82,3 +84,21 @@ def test_the_config_keeps_a_cost_the_user_gave_and_fills_an_unset_one(clock):
     assert measured.speculative_config.draft_token_cost == pytest.approx(0.6)
     plain = EngineConfig()
     assert with_measured_draft_cost(plain, runner) is plain
+
+
+def test_best_speedup_is_all_drafts_accepted_under_the_step_model():
+    assert best_speedup(0.0, 4) == pytest.approx(5.0)
+    assert best_speedup(1.4, 4) == pytest.approx(5 * 2.4 / 8.0)
+    assert best_speedup(MAX_COST, 4) < 1.05
+
+
+def test_speculation_is_left_off_where_even_full_acceptance_cannot_pay(clock, caplog):
+    dear = FakeRunner(clock, fixed=0.010, per_token=0.040)  # a 5-token step: 4.2 steps
+    config = with_measured_draft_cost(EngineConfig(speculative_config={"method": "ngram"}), dear)
+    spec = config.speculative_config
+    assert best_speedup(spec.draft_token_cost, 4) < MIN_BEST_SPEEDUP
+    assert spec.disable_by_batch_size == 1  # the batch rule: nobody speculates
+    assert "speculative decoding off" in caplog.text
+    cheap = FakeRunner(clock, fixed=0.010, per_token=0.001)
+    config = with_measured_draft_cost(EngineConfig(speculative_config={"method": "ngram"}), cheap)
+    assert config.speculative_config.disable_by_batch_size == 256

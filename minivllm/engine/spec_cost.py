@@ -61,7 +61,7 @@ def draft_token_cost(ratio: float, num_speculative_tokens: int) -> float:
 def _plan(num_drafts: int, block_size: int) -> ScheduledBatch:
     """One sequence with CONTEXT cached tokens running its last token and `num_drafts`
     drafts (0: a plain decode step)."""
-    seq = Sequence(-1, [0] * (CONTEXT + 1), SamplingParams(temperature=0.0, max_tokens=1 + 8))
+    seq = Sequence(-1, [0] * (CONTEXT + 1), SamplingParams(temperature=0.0, max_tokens=16))
     seq.status = SequenceStatus.RUNNING
     seq.num_cached_tokens = CONTEXT
     seq.spec_token_ids = [0] * num_drafts

@@ -37,14 +37,22 @@ FMA_BODY = "".join(f"vfmadd231ps {32 * j}(%[p]), %%ymm1, %%ymm{6 + j}\n" for j i
 CLOBBERS = ", ".join(f'"xmm{i}"' for i in range(16))
 
 
-def _asm(body: str) -> str:
+def _timed_loop(name: str, body: str, macs_per_pass: int) -> str:
+    """A C++ function `double name(long iters)`: `body` (assembly) `iters` times, returning
+    multiply-adds per second."""
     zero = "".join(f"vpxor %%ymm{6 + j}, %%ymm{6 + j}, %%ymm{6 + j}\\n" for j in range(10))
     lines = "".join(f'"{line}\\n"' for line in body.splitlines())
-    return (
-        f'asm volatile("vmovdqu (%[c]), %%ymm0\\n" "vmovdqu 32(%[c]), %%ymm1\\n" "{zero}"\n'
-        f'  "1:\\n" {lines} "dec %[n]\\n" "jnz 1b\\n"\n'
-        f'  : [n] "+r"(n) : [p] "r"(data), [c] "r"(consts) : {CLOBBERS}, "memory", "cc");'
-    )
+    return f"""
+double {name}(long iters) {{
+  long n = iters;
+  auto start = std::chrono::steady_clock::now();
+  asm volatile("vmovdqu (%[c]), %%ymm0\\n" "vmovdqu 32(%[c]), %%ymm1\\n" "{zero}"
+    "1:\\n" {lines} "dec %[n]\\n" "jnz 1b\\n"
+    : [n] "+r"(n) : [p] "r"(data), [c] "r"(consts) : {CLOBBERS}, "memory", "cc");
+  double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  return {macs_per_pass}.0 * iters / s;
+}}
+"""
 
 
 SOURCE = (
@@ -55,27 +63,10 @@ SOURCE = (
 
 alignas(64) static unsigned char data[10 * 32];
 alignas(64) static short consts[32];
-
-double int8_loop(long iters) {
-  long n = iters;
-  auto start = std::chrono::steady_clock::now();
-  """
-    + _asm(INT8_BODY)
+"""
+    + _timed_loop("int8_loop", INT8_BODY, 32 * 10)  # one maddubs = 32 multiply-adds
+    + _timed_loop("fma_loop", FMA_BODY, 8 * 10)  # one FMA = 8
     + r"""
-  double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  return 32.0 * 10 * iters / s;  // one maddubs = 32 multiply-adds
-}
-
-double fma_loop(long iters) {
-  long n = iters;
-  auto start = std::chrono::steady_clock::now();
-  """
-    + _asm(FMA_BODY)
-    + r"""
-  double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  return 8.0 * 10 * iters / s;  // one FMA = 8 multiply-adds
-}
-
 int main(int argc, char** argv) {
   for (int i = 0; i < 10 * 32; ++i) data[i] = static_cast<unsigned char>(i % 16);
   for (int i = 0; i < 32; ++i) consts[i] = 3;

@@ -6,26 +6,12 @@ decode-sized paths alike."""
 from __future__ import annotations
 
 import pytest
+from support.prompts import MIXED_PROMPTS
 
 from minivllm import SamplingParams
 from minivllm.bench.quality import measure_quality
 
 pytestmark = pytest.mark.default_model
-
-PROMPTS = [
-    "The history of the Roman Empire",
-    "def fibonacci(n):",
-    "Water boils at",
-    "Once upon a time, in a small village,",
-    "The three primary colors are",
-    "import numpy as np\n",
-    "My favourite food is",
-    "The capital of Germany is",
-    "Explain photosynthesis:",
-    "1, 2, 3, 4, 5,",
-    "Dear Sir or Madam,",
-    "The quick brown fox",
-]
 
 
 def test_defaults_stay_within_half_a_percent_perplexity_and_97_percent_top1(default_llm):
@@ -42,8 +28,8 @@ def test_defaults_keep_greedy_within_the_top5_rule(default_llm, default_llm_fp32
     """At the first token where the defaults and fp32 greedy differ, each one's token is in
     the other's top-5 (vLLM's rule for lower-precision kernels)."""
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=5)
-    exact = default_llm_fp32.generate(PROMPTS, params, use_tqdm=False)
-    fast = default_llm.generate(PROMPTS, params, use_tqdm=False)
+    exact = default_llm_fp32.generate(MIXED_PROMPTS, params, use_tqdm=False)
+    fast = default_llm.generate(MIXED_PROMPTS, params, use_tqdm=False)
     for a, b in zip(exact, fast, strict=True):
         ta, tb = a.outputs[0].token_ids, b.outputs[0].token_ids
         i = next((i for i, (x, y) in enumerate(zip(ta, tb)) if x != y), None)

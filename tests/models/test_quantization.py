@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from support.prompts import MIXED_PROMPTS
 
 from minivllm import LLM, SamplingParams
 from minivllm.config import EngineConfig
@@ -36,20 +37,7 @@ def test_int8_keeps_the_default_model_within_the_top5_rule(default_llm_fp32):
     chat = [{"role": "user", "content": "Which city is the capital of France?"}]
     answer = int8.chat(chat, SamplingParams(temperature=0, max_tokens=20), use_tqdm=False)[0]
     assert "Paris" in answer.outputs[0].text
-    prompts = [
-        "The history of the Roman Empire",
-        "def fibonacci(n):",
-        "Water boils at",
-        "Once upon a time, in a small village,",
-        "The three primary colors are",
-        "import numpy as np\n",
-        "My favourite food is",
-        "The capital of Germany is",
-        "Explain photosynthesis:",
-        "1, 2, 3, 4, 5,",
-        "Dear Sir or Madam,",
-        "The quick brown fox",
-    ]
+    prompts = MIXED_PROMPTS
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=5)
     fp32_out = default_llm_fp32.generate(prompts, params, use_tqdm=False)
     int8_out = int8.generate(prompts, params, use_tqdm=False)

@@ -6,16 +6,16 @@ of the memory map, or for llama's permuted q/k rows a reordered copy), and every
 on them (`minivllm.layers.ggml_blocks`):
 
 - the integer kernel: the activations rounded to 8 bits and integer dot products, each weight
-  row unpacked once for 4 activation rows; every step size for the K kinds, up to
-  `int_dot_max_rows` rows for the 32-input ones;
-- beyond (32-input kinds' prefills): the weight dequantized a tile at a time into one reused
+  row unpacked once for 4 activation rows; every step size for the K kinds and for Q4_0/Q4_1
+  (repacked at load 8 rows at a time, the "x8" layout of `csrc/ggml_q4x8_simd.h`: the same
+  bytes, moved, so that one vector instruction serves 8 output columns), up to
+  `int_dot_max_rows` rows for the other 32-input ones;
+- beyond (those kinds' prefills): the weight dequantized a tile at a time into one reused
   buffer, each tile multiplied by torch's matmul.
 
 A fused layer (qkv_proj, gate_up_proj) holds one segment per checkpoint tensor, each in its own
 type (Q4_K_M stores some `attn_v` in Q6_K): one kernel call computes them side by side.
 
-Q4_0 and Q4_1 tensors are not in `BLOCK_TYPES`: they keep the 4-bit kernels of
-`minivllm.layers.linear_method`, faster at one row on those types (docs/ggml-kernels.md).
 """
 
 from __future__ import annotations
@@ -26,7 +26,14 @@ import torch
 from gguf import GGMLQuantizationType
 
 from minivllm.layers.cpu_kernels import cpu_kernels_available
-from minivllm.layers.ggml_blocks import dequant_matmul, ggml_matmul_segments, row_bytes
+from minivllm.layers.ggml_blocks import (
+    DEQUANT_TILE_BYTES,
+    X8_FLAG,
+    dequant_matmul,
+    ggml_matmul_segments,
+    repack_q4x8,
+    row_bytes,
+)
 from minivllm.layers.kernel_rows import kernel_rows
 
 # The one table of which GGUF tensor types run as stored blocks.
@@ -38,17 +45,24 @@ BLOCK_TYPES = frozenset(
         GGMLQuantizationType.Q8_0,
         GGMLQuantizationType.Q5_0,
         GGMLQuantizationType.Q5_1,
+        GGMLQuantizationType.Q4_0,
+        GGMLQuantizationType.Q4_1,
     }
 )
 _K_KINDS = (GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K, GGMLQuantizationType.Q6_K)
+# The kinds repacked 8 rows at a time where the kernels run (a tensor of 8k rows).
+X8_TYPES = (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1)
 
 
-def int_dot_max_rows(qtype: GGMLQuantizationType) -> float:
+def int_dot_max_rows(qtype: GGMLQuantizationType, x8: bool = False) -> float:
     """Up to how many rows a step of `qtype` blocks takes the integer kernel on this CPU (the
     row table, minivllm.layers.kernel_rows): the K kinds' (activations rounded per block of
-    256) beats the dequantizing path at every row count; the 32-input kinds' (a float multiply
-    each group) only up to a threshold."""
+    256) and the x8 layout's (a group's float work shared by 8 columns) beat the dequantizing
+    path at every row count; the other 32-input kinds' (a float multiply each group and
+    column) only up to a threshold."""
     rows = kernel_rows()
+    if x8:
+        return rows.ggml_q4x8
     return rows.ggml_int_dot_k if qtype in _K_KINDS else rows.ggml_int_dot
 
 
@@ -65,14 +79,23 @@ EMBEDDING_BLOCK_TYPES = frozenset(
 
 @dataclass(frozen=True)
 class BlockSegment:
-    """Rows `[N, row_bytes]` (uint8) of one checkpoint tensor `[N, cols]` of type `qtype`."""
+    """Rows `[N, row_bytes]` (uint8) of one checkpoint tensor `[N, cols]` of type `qtype`; or
+    with `x8`, the same bytes repacked 8 rows at a time, `[N / 8, 8 * row_bytes]`."""
 
     blocks: torch.Tensor
     qtype: GGMLQuantizationType
+    x8: bool = False
 
     @property
     def rows(self) -> int:
-        return int(self.blocks.shape[0])
+        return int(self.blocks.shape[0]) * (8 if self.x8 else 1)
+
+    def for_kernels(self) -> BlockSegment:
+        """The segment in the layout the integer kernel reads fastest: Q4_0/Q4_1 of 8k rows
+        repacked (a new tensor; the file's pages are then never read again), others as is."""
+        if self.x8 or self.qtype not in X8_TYPES or self.rows % 8:
+            return self
+        return BlockSegment(repack_q4x8(self.blocks, self.qtype), self.qtype, x8=True)
 
     @property
     def nbytes(self) -> int:
@@ -86,7 +109,7 @@ class BlockWeight:
         if not segments:
             raise ValueError("a BlockWeight needs at least one segment")
         for segment in segments:
-            expected = row_bytes(segment.qtype, cols)
+            expected = row_bytes(segment.qtype, cols) * (8 if segment.x8 else 1)
             if segment.blocks.dtype != torch.uint8 or tuple(segment.blocks.shape[1:]) != (
                 expected,
             ):
@@ -94,14 +117,17 @@ class BlockWeight:
                     f"{segment.qtype.name} rows of {cols} inputs are {expected} "
                     f"bytes; got blocks {tuple(segment.blocks.shape)}"
                 )
+        self._kernels = cpu_kernels_available()
+        if self._kernels:
+            segments = [s.for_kernels() for s in segments]
         self.segments = segments
         self.cols = cols
         # What the one-call kernel takes, prepared once: a compiled decode step then calls the
         # operator with no Python checks in between (each would break its graph).
         self._blocks = [s.blocks.contiguous() for s in segments]
-        self._qtypes = [int(s.qtype) for s in segments]
-        self._kernels = cpu_kernels_available()
-        self._int_dot_rows = min(int_dot_max_rows(s.qtype) for s in segments)
+        self._qtypes = [int(s.qtype) + (X8_FLAG if s.x8 else 0) for s in segments]
+        self._limits = [int_dot_max_rows(s.qtype, s.x8) for s in segments]
+        self._int_dot_rows = min(self._limits)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -113,12 +139,29 @@ class BlockWeight:
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """`x @ W.T`: `[..., in]` -> `[..., out]` in x's dtype (fp32 or bf16)."""
-        if x.numel() // x.shape[-1] <= self._int_dot_rows:  # one call: x rounded once
+        rows = x.numel() // x.shape[-1]
+        if rows <= self._int_dot_rows:  # one call: x rounded once
             if self._kernels:
-                rows = x.reshape(-1, self.cols)  # [M, in]
-                out = torch.ops.minivllm.ggml_matmul_segments(rows, self._blocks, self._qtypes, 0)
+                flat = x.reshape(-1, self.cols)  # [M, in]
+                out = torch.ops.minivllm.ggml_matmul_segments(flat, self._blocks, self._qtypes, 0)
                 return out.view(*x.shape[:-1], out.shape[-1]).to(x.dtype)
             pairs = [(s.blocks, s.qtype) for s in self.segments]
             return ggml_matmul_segments(x, pairs).to(x.dtype)
-        outs = [dequant_matmul(x, s.blocks, s.qtype) for s in self.segments]
+        outs = [self._segment_matmul(x, i, rows) for i in range(len(self.segments))]
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
+
+    def _segment_matmul(self, x: torch.Tensor, i: int, rows: int) -> torch.Tensor:
+        """Segment i's columns on the path for `rows` rows."""
+        segment = self.segments[i]
+        if not segment.x8:
+            if rows > self._limits[i]:
+                return dequant_matmul(x, segment.blocks, segment.qtype)
+            return ggml_matmul_segments(x, [(segment.blocks, segment.qtype)]).to(x.dtype)
+        flat = x.reshape(-1, self.cols)
+        ops = torch.ops.minivllm
+        if rows > self._limits[i]:
+            tile_rows = max(16, DEQUANT_TILE_BYTES // (self.cols * x.element_size()))
+            out = ops.ggml_dequant_matmul(flat, self._blocks[i], self._qtypes[i], tile_rows)
+        else:
+            out = ops.ggml_matmul_segments(flat, [self._blocks[i]], [self._qtypes[i]], 0)
+        return out.view(*x.shape[:-1], out.shape[-1]).to(x.dtype)

@@ -214,15 +214,17 @@ def _register_fakes() -> None:
 
     @torch.library.register_fake("minivllm::ggml_matmul_segments")
     def _(x, blocks, qtypes, isa):  # noqa: ANN001, ANN202
-        return x.new_empty(x.shape[0], sum(b.shape[0] for b in blocks), dtype=torch.float32)
+        # a qtype of 256 or more: x8 tiles, 8 weight rows each (minivllm.layers.ggml_blocks)
+        columns = sum(b.shape[0] * (8 if q >= 256 else 1) for b, q in zip(blocks, qtypes))
+        return x.new_empty(x.shape[0], columns, dtype=torch.float32)
 
     @torch.library.register_fake("minivllm::ggml_dequantize")
     def _(blocks, qtype, cols, dtype, isa):  # noqa: ANN001, ANN202
-        return blocks.new_empty(blocks.shape[0], cols, dtype=dtype)
+        return blocks.new_empty(blocks.shape[0] * (8 if qtype >= 256 else 1), cols, dtype=dtype)
 
     @torch.library.register_fake("minivllm::ggml_dequant_matmul")
     def _(x, blocks, qtype, tile_rows):  # noqa: ANN001, ANN202
-        return x.new_empty(x.shape[0], blocks.shape[0])
+        return x.new_empty(x.shape[0], blocks.shape[0] * (8 if qtype >= 256 else 1))
 
     @torch.library.register_fake("minivllm::paged_decode")
     def _(q, k_cache, v_cache, block_tables, seq_lens, scale, window, softcap):  # noqa: ANN001, ANN202

@@ -35,6 +35,9 @@ class KernelRows:
     # over tile-by-tile dequantization; the K kinds' (Q4_K, Q5_K, Q6_K) wins at every count
     ggml_int_dot: int
     ggml_int_dot_k: float
+    # the integer kernel on Q4_0/Q4_1 repacked 8 rows at a time (two int8 codes an
+    # activation) over tile-by-tile dequantization
+    ggml_q4x8: int
 
 
 KERNEL_ROWS = {
@@ -46,6 +49,7 @@ KERNEL_ROWS = {
         qgemv_vnni_bf16=1,
         ggml_int_dot=32,
         ggml_int_dot_k=float("inf"),
+        ggml_q4x8=32,
     ),
     "AVX2": KernelRows(
         int4=4,
@@ -55,6 +59,7 @@ KERNEL_ROWS = {
         qgemv_vnni_bf16=1,
         ggml_int_dot=32,
         ggml_int_dot_k=float("inf"),
+        ggml_q4x8=32,
     ),
 }
 

@@ -163,16 +163,24 @@ inline void group_codes_scalar(int qtype, const uint8_t* b, int j, int8_t* q) {
 // 16-bit integers, before one float multiply a block). Codes [rows, k]; steps [rows,
 // k / block]; exact fp32 sums per group of 32 [rows, k / 32] (the min terms); for block 256
 // also the codes' integer sums per 16 inputs [rows, k / 16] (Q6_K's offset of 32).
+//
+// With `fine` (block 32, for the x8 kernel), each input also gets a second int8 code for what
+// the first leaves: x = step * (q + f / 254), f = round((x - step * q) * 254 / step), so the
+// activations keep about 15 bits (one rounding to 8 bits a group moves a small model's top-1
+// token too often against fp32); `fine_sums` are the groups' sums of 254 q + f (Q4_0's offset).
 struct QuantizedRows {
   int64_t block;
   std::vector<int8_t> codes;
   std::vector<float> steps;
   std::vector<float> sums;
   std::vector<int16_t> bsums;
+  std::vector<int8_t> fine;
+  std::vector<int32_t> fine_sums;
 
-  QuantizedRows(int64_t rows, int64_t k, int64_t block_)
+  QuantizedRows(int64_t rows, int64_t k, int64_t block_, bool with_fine = false)
       : block(block_), codes(rows * k), steps(rows * k / block_), sums(rows * k / kGroup),
-        bsums(block_ == kGroup ? 0 : rows * k / 16) {}
+        bsums(block_ == kGroup ? 0 : rows * k / 16), fine(with_fine ? rows * k : 0),
+        fine_sums(with_fine ? rows * k / kGroup : 0) {}
 };
 
 // Rows of a QuantizedRows from one row on, where a quantizer writes.
@@ -182,12 +190,16 @@ struct QuantizedView {
   float* steps;
   float* sums;
   int16_t* bsums;
+  int8_t* fine;  // null: no fine codes
+  int32_t* fine_sums;
 };
 
 QuantizedView rows_from(QuantizedRows& all, int64_t row, int64_t k) {
   return {all.block, all.codes.data() + row * k, all.steps.data() + row * k / all.block,
           all.sums.data() + row * k / kGroup,
-          all.bsums.empty() ? nullptr : all.bsums.data() + row * k / 16};
+          all.bsums.empty() ? nullptr : all.bsums.data() + row * k / 16,
+          all.fine.empty() ? nullptr : all.fine.data() + row * k,
+          all.fine.empty() ? nullptr : all.fine_sums.data() + row * k / kGroup};
 }
 
 bool is_k_kind(int qtype) { return qtype == kQ4_K || qtype == kQ5_K || qtype == kQ6_K; }
@@ -207,6 +219,16 @@ void quantize_rows_scalar(const float* x, int64_t rows, int64_t k, QuantizedView
       float sum = 0.0f;
       for (int l = 0; l < kGroup; ++l) sum += v[g * kGroup + l];
       out.sums[i * (block / kGroup) + g] = sum;
+    }
+    if (out.fine != nullptr) {  // block 32
+      const float step = out.steps[i], fine_inverse = step > 0.0f ? 254.0f / step : 0.0f;
+      int sum = 0;
+      for (int l = 0; l < kGroup; ++l) {
+        const float left = std::fma(-static_cast<float>(out.codes[i * block + l]), step, v[l]);
+        out.fine[i * block + l] = static_cast<int8_t>(std::nearbyint(left * fine_inverse));
+        sum += 254 * out.codes[i * block + l] + out.fine[i * block + l];
+      }
+      out.fine_sums[i] = sum;
     }
     for (int64_t h = 0; block != kGroup && h < block / 16; ++h) {
       int sum = 0;
@@ -271,9 +293,52 @@ void dequantize_rows_scalar(int qtype, const uint8_t* weights, int64_t row_bytes
   }
 }
 
+// Q4_0 / Q4_1 weights repacked 8 rows at a time (ggml_q4x8_simd.h has the layout and why):
+// a segment whose qtype is the kind plus kX8 holds [N / 8, groups * x8 group bytes] tiles.
+constexpr int kX8 = 256;
+
+constexpr int64_t x8_group_bytes(int qtype) { return qtype == kQ4_1 ? 160 : 144; }
+
+// The scalar twin of the x8 matmul (the reference for the vector paths): the same integers,
+// from the x8 layout, with the activations' two codes (QuantizedRows' fine ones).
+void matmul_columns_q4x8_scalar(int qtype, const uint8_t* tiles, int64_t tile_bytes,
+                                const QuantizedRows& xq, int64_t rows, int64_t k, float* y,
+                                int64_t ldy, int64_t begin, int64_t end) {
+  const int64_t groups = k / kGroup, gbytes = x8_group_bytes(qtype);
+  for (int64_t n = begin; n < end; ++n) {
+    const int c = static_cast<int>(n % 8);
+    for (int64_t r = 0; r < rows; ++r) {
+      const int8_t* x = xq.codes.data() + r * k;
+      float acc = 0.0f;
+      const int8_t* f = xq.fine.data() + r * k;
+      for (int64_t g = 0; g < groups; ++g) {
+        const uint8_t* b = tiles + (n / 8) * tile_bytes + g * gbytes;
+        int32_t dot = 0;  // sum(q * (254 x + f))
+        for (int u = 0; u < 4; ++u) {
+          for (int i = 0; i < 4; ++i) {
+            const uint8_t byte = b[32 * u + 4 * c + i];
+            const int64_t lo = g * kGroup + 4 * u + i, hi = lo + 16;
+            dot += (byte & 15) * (254 * x[lo] + f[lo]) + (byte >> 4) * (254 * x[hi] + f[hi]);
+          }
+        }
+        const float d = fp16(b + 128 + 2 * c) * (1.0f / 254.0f);  // as the vector paths round it
+        const float step = xq.steps[r * groups + g];
+        if (qtype == kQ4_1) {
+          acc += static_cast<float>(dot) * (d * step) + fp16(b + 144 + 2 * c) * xq.sums[r * groups + g];
+        } else {  // the codes centred, as ggml's Q4_0: exact integers
+          dot -= 8 * xq.fine_sums[r * groups + g];
+          acc += static_cast<float>(dot) * (d * step);
+        }
+      }
+      y[r * ldy + n] = acc;
+    }
+  }
+}
+
 namespace avx2 {
 #include "ggml_blocks_simd.h"
 #include "ggml_kquants_simd.h"
+#include "ggml_q4x8_simd.h"
 }  // namespace avx2
 
 #pragma GCC push_options
@@ -282,6 +347,7 @@ namespace vnni {
 #define MINIVLLM_GGML_VNNI
 #include "ggml_blocks_simd.h"
 #include "ggml_kquants_simd.h"
+#include "ggml_q4x8_simd.h"
 #undef MINIVLLM_GGML_VNNI
 }  // namespace vnni
 #pragma GCC pop_options
@@ -313,6 +379,74 @@ Geometry check_blocks(const at::Tensor& blocks, int64_t qtype, int64_t k, const 
   return geo;
 }
 
+// Checks x8 tiles (ggml_q4x8_repack's output) against `k` inputs a row.
+void check_x8(const at::Tensor& tiles, int qtype, int64_t k, const char* op) {
+  TORCH_CHECK(qtype == kQ4_0 || qtype == kQ4_1, op, ": only Q4_0 and Q4_1 repack 8 rows at a "
+              "time, got GGML type ", qtype);
+  TORCH_CHECK(k > 0 && k % kGroup == 0, op, ": the row size (", k, ") must be a multiple of 32");
+  TORCH_CHECK(tiles.dim() == 2 && tiles.scalar_type() == at::kByte && tiles.is_contiguous(), op,
+              ": x8 tiles must be [N / 8, tile_bytes] uint8, contiguous");
+  TORCH_CHECK(tiles.size(1) == k / kGroup * x8_group_bytes(qtype), op, ": tiles of ",
+              tiles.size(1), " bytes, expected ", k / kGroup * x8_group_bytes(qtype), " for ", k,
+              " inputs");
+}
+
+// Row c of an x8 tile (`groups` groups) back in ggml's layout: one block a group.
+void x8_row(int qtype, const uint8_t* tile, int c, int64_t groups, uint8_t* row) {
+  const Geometry geo = geometry(qtype);
+  const int qs = geo.has_min ? 4 : 2, gbytes = static_cast<int>(x8_group_bytes(qtype));
+  for (int64_t g = 0; g < groups; ++g) {
+    const uint8_t* src = tile + g * gbytes;
+    uint8_t* blk = row + g * geo.bytes;
+    for (int u = 0; u < 4; ++u) std::memcpy(blk + qs + 4 * u, src + 32 * u + 4 * c, 4);
+    std::memcpy(blk, src + 128 + 2 * c, 2);
+    if (geo.has_min) std::memcpy(blk + 2, src + 144 + 2 * c, 2);
+  }
+}
+
+// Checks blocks, or x8 tiles for `qtype` plus kX8; returns the weight's rows.
+int64_t check_any(const at::Tensor& blocks, int64_t qtype, int64_t k, const char* op) {
+  if (qtype >= kX8) {
+    check_x8(blocks, static_cast<int>(qtype - kX8), k, op);
+    return blocks.size(0) * 8;
+  }
+  check_blocks(blocks, qtype, k, op);
+  return blocks.size(0);
+}
+
+// Q4_0 / Q4_1 blocks [N, row_bytes] (N a multiple of 8) as x8 tiles [N / 8, tile_bytes]: the
+// same bytes, moved (ggml_q4x8_simd.h). Tiles split over the thread pool.
+at::Tensor ggml_q4x8_repack(const at::Tensor& blocks, int64_t qtype) {
+  TORCH_CHECK(qtype == kQ4_0 || qtype == kQ4_1, "ggml_q4x8_repack: only Q4_0 and Q4_1, got "
+              "GGML type ", qtype);
+  const Geometry geo = geometry(static_cast<int>(qtype));
+  TORCH_CHECK(blocks.dim() == 2 && blocks.size(1) % geo.bytes == 0,
+              "ggml_q4x8_repack: blocks must be [N, row_bytes], whole blocks a row");
+  TORCH_CHECK(blocks.size(0) % 8 == 0, "ggml_q4x8_repack: the rows (", blocks.size(0),
+              ") must be a multiple of 8");
+  check_blocks(blocks, qtype, blocks.size(1) / geo.bytes * geo.elems, "ggml_q4x8_repack");
+  const int64_t groups = blocks.size(1) / geo.bytes, gbytes = x8_group_bytes(static_cast<int>(qtype));
+  const int qs = geo.has_min ? 4 : 2;  // where the nibbles start in a block
+  at::Tensor out = at::empty({blocks.size(0) / 8, groups * gbytes}, blocks.options());
+  const uint8_t* in = blocks.data_ptr<uint8_t>();
+  uint8_t* o = out.data_ptr<uint8_t>();
+  const int64_t in_row = blocks.size(1), out_row = out.size(1);
+  at::parallel_for(0, out.size(0), 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      for (int64_t g = 0; g < groups; ++g) {
+        uint8_t* dst = o + t * out_row + g * gbytes;
+        for (int c = 0; c < 8; ++c) {
+          const uint8_t* blk = in + (8 * t + c) * in_row + g * geo.bytes;
+          for (int u = 0; u < 4; ++u) std::memcpy(dst + 32 * u + 4 * c, blk + qs + 4 * u, 4);
+          std::memcpy(dst + 128 + 2 * c, blk, 2);                     // d
+          if (geo.has_min) std::memcpy(dst + 144 + 2 * c, blk + 2, 2);  // m
+        }
+      }
+    }
+  });
+  return out;
+}
+
 // The activation rows quantized into each of x32 / x256 given (rows split over the thread
 // pool: a prefill's rows are many).
 void quantize_activations(const float* x, int64_t rows, int64_t k, Isa isa, QuantizedRows* x32,
@@ -336,8 +470,9 @@ void quantize_activations(const float* x, int64_t rows, int64_t k, Isa isa, Quan
 // One weight of a fused layer's segments, as the matmul reads it.
 struct Segment {
   const uint8_t* weights;
-  int64_t row_bytes, rows, column;  // its first output column in y
-  int qtype;
+  int64_t row_bytes, rows, column;  // its first output column in y; x8: bytes a tile, rows
+  int qtype;                        // the block kind (without kX8)
+  bool x8;
 };
 
 // Columns [begin, end) of one segment, on the chosen instruction set.
@@ -347,6 +482,18 @@ void segment_columns(const Segment& seg, Isa isa, const QuantizedRows& x32,
   const bool k_kind = is_k_kind(seg.qtype);
   const QuantizedRows& xq = k_kind ? x256 : x32;
   float* ys = y + seg.column;
+  if (seg.x8) {  // the tiles whose first column is in [begin, end): each computed once
+    const int64_t b = (begin + 7) / 8 * 8, e = std::min(seg.rows, (end + 7) / 8 * 8);
+    if (b >= e) return;
+    if (isa == kScalar) {
+      matmul_columns_q4x8_scalar(seg.qtype, seg.weights, seg.row_bytes, xq, rows, k, ys, ldy, b, e);
+    } else if (isa == kVnni) {
+      vnni::matmul_columns_q4x8(seg.qtype, seg.weights, seg.row_bytes, xq, rows, k, ys, ldy, b, e);
+    } else {
+      avx2::matmul_columns_q4x8(seg.qtype, seg.weights, seg.row_bytes, xq, rows, k, ys, ldy, b, e);
+    }
+    return;
+  }
   if (isa == kScalar) {
     matmul_columns_scalar(seg.qtype, seg.weights, seg.row_bytes, xq, rows, k, ys, ldy, begin, end);
   } else if (k_kind) {  // the same integer kernel on both instruction sets
@@ -370,26 +517,33 @@ at::Tensor ggml_matmul_segments(const at::Tensor& x, at::TensorList blocks,
   const int64_t rows = x.size(0), k = x.size(1);
   std::vector<Segment> segments;
   int64_t n_out = 0, widest = 1;
-  bool any32 = false, any256 = false;
+  bool any32 = false, any256 = false, any_x8 = false;
   for (size_t i = 0; i < blocks.size(); ++i) {
-    check_blocks(blocks[i], qtypes[i], k, "ggml_matmul");
-    const int qt = static_cast<int>(qtypes[i]);
-    segments.push_back({blocks[i].data_ptr<uint8_t>(), blocks[i].size(1), blocks[i].size(0),
-                        n_out, qt});
-    n_out += blocks[i].size(0);
-    widest = std::max(widest, blocks[i].size(1));
+    const bool x8 = qtypes[i] >= kX8;
+    const int qt = static_cast<int>(x8 ? qtypes[i] - kX8 : qtypes[i]);
+    if (x8) {
+      check_x8(blocks[i], qt, k, "ggml_matmul");
+    } else {
+      check_blocks(blocks[i], qt, k, "ggml_matmul");
+    }
+    const int64_t n = blocks[i].size(0) * (x8 ? 8 : 1);
+    segments.push_back({blocks[i].data_ptr<uint8_t>(), blocks[i].size(1), n, n_out, qt, x8});
+    n_out += n;
+    widest = std::max(widest, blocks[i].size(1) / (x8 ? 8 : 1));  // bytes an output column
     (is_k_kind(qt) ? any256 : any32) = true;
+    any_x8 = any_x8 || x8;
   }
   const Isa isa = resolve(isa_arg);
   const at::Tensor xf = x.to(at::kFloat).contiguous();
   at::Tensor y = at::empty({rows, n_out}, xf.options());
   if (rows == 0 || n_out == 0) return y;
-  QuantizedRows x32(any32 ? rows : 0, k, kGroup), x256(any256 ? rows : 0, k, 256);
+  QuantizedRows x32(any32 ? rows : 0, k, kGroup, any_x8), x256(any256 ? rows : 0, k, 256);
   quantize_activations(xf.data_ptr<float>(), rows, k, isa, any32 ? &x32 : nullptr,
                        any256 ? &x256 : nullptr);
   float* yp = y.data_ptr<float>();
   // enough weight rows a task that it streams tens of kilobytes
-  const int64_t grain = std::max<int64_t>(1, 32768 / widest);
+  // (a multiple of 8, so that an x8 tile is rarely split between two tasks' ranges)
+  const int64_t grain = (std::max<int64_t>(1, 32768 / widest) + 7) / 8 * 8;
   at::parallel_for(0, n_out, grain, [&](int64_t begin, int64_t end) {
     for (const Segment& seg : segments) {
       const int64_t b = std::max(begin, seg.column), e = std::min(end, seg.column + seg.rows);
@@ -406,31 +560,44 @@ at::Tensor ggml_matmul(const at::Tensor& x, const at::Tensor& blocks, int64_t qt
   return ggml_matmul_segments(x, {blocks}, {qtype}, isa_arg);
 }
 
-// Rows [begin, end) of `blocks` into `out` (fp32 or bf16), split over the thread pool.
+// Rows [begin, end) of `blocks` into `out` (fp32 or bf16), split over the thread pool. With
+// `qtype` plus kX8 the blocks are x8 tiles: each row is moved back to ggml's layout first.
 void dequantize_into(const at::Tensor& blocks, int qtype, int64_t k, int64_t begin, int64_t end,
                      void* out, bool bf16, Isa isa) {
   const auto* w = blocks.data_ptr<uint8_t>();
-  const int64_t row_bytes = blocks.size(1);
+  const bool x8 = qtype >= kX8;
+  const int kind = qtype % kX8;
+  const int64_t row_bytes = x8 ? blocks.size(1) / 8 : blocks.size(1);
   const int64_t grain = std::max<int64_t>(1, 16384 / k);
   at::parallel_for(begin, end, grain, [&](int64_t b, int64_t e) {
-    const int64_t offset = (b - begin) * k * (bf16 ? 2 : 4);
-    void* at_row = static_cast<char*>(out) + offset;
-    if (isa == kScalar) {
-      dequantize_rows_scalar(qtype, w, row_bytes, k, b, e, at_row, bf16);
-    } else {
-      avx2::dequantize_rows(qtype, w, row_bytes, k, b, e, at_row, bf16);
+    const int64_t row_out = k * (bf16 ? 2 : 4);
+    std::vector<uint8_t> row(x8 ? row_bytes : 0);
+    for (int64_t n = b; n < e; ++n) {
+      void* at_row = static_cast<char*>(out) + (n - begin) * row_out;
+      const uint8_t* from = w + n * row_bytes;
+      int64_t first = n;
+      if (x8) {  // row n % 8 of tile n / 8, one block a group
+        from = row.data();
+        first = 0;
+        x8_row(kind, w + (n / 8) * blocks.size(1), static_cast<int>(n % 8), k / kGroup, row.data());
+      }
+      if (isa == kScalar) {
+        dequantize_rows_scalar(kind, from - first * row_bytes, row_bytes, k, first, first + 1, at_row, bf16);
+      } else {
+        avx2::dequantize_rows(kind, from - first * row_bytes, row_bytes, k, first, first + 1, at_row, bf16);
+      }
     }
   });
 }
 
 at::Tensor ggml_dequantize(const at::Tensor& blocks, int64_t qtype, int64_t cols,
                            at::ScalarType dtype, int64_t isa_arg) {
-  check_blocks(blocks, qtype, cols, "ggml_dequantize");
+  const int64_t rows = check_any(blocks, qtype, cols, "ggml_dequantize");
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16,
               "ggml_dequantize: dtype must be float32 or bfloat16");
   const Isa isa = resolve(isa_arg);
-  at::Tensor out = at::empty({blocks.size(0), cols}, blocks.options().dtype(dtype));
-  dequantize_into(blocks, static_cast<int>(qtype), cols, 0, blocks.size(0), out.data_ptr(),
+  at::Tensor out = at::empty({rows, cols}, blocks.options().dtype(dtype));
+  dequantize_into(blocks, static_cast<int>(qtype), cols, 0, rows, out.data_ptr(),
                   dtype == at::kBFloat16, isa);
   return out;
 }
@@ -449,8 +616,7 @@ at::Tensor ggml_dequant_matmul(const at::Tensor& x, const at::Tensor& blocks, in
   TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
               "ggml_dequant_matmul: x must be [M, K] float32 or bfloat16");
   TORCH_CHECK(tile_rows > 0, "ggml_dequant_matmul: tile_rows must be positive");
-  const int64_t k = x.size(1), n_out = blocks.size(0);
-  check_blocks(blocks, qtype, k, "ggml_dequant_matmul");
+  const int64_t k = x.size(1), n_out = check_any(blocks, qtype, k, "ggml_dequant_matmul");
   const bool bf16 = x.scalar_type() == at::kBFloat16;
   const at::Tensor xc = x.contiguous();
   at::Tensor y = at::empty({x.size(0), n_out}, x.options());
@@ -477,6 +643,7 @@ TORCH_LIBRARY_FRAGMENT(minivllm, m) {
   m.def("ggml_matmul_segments(Tensor x, Tensor[] blocks, int[] qtypes, int isa) -> Tensor");
   m.def("ggml_dequantize(Tensor blocks, int qtype, int cols, ScalarType dtype, int isa) -> Tensor");
   m.def("ggml_dequant_matmul(Tensor x, Tensor blocks, int qtype, int tile_rows) -> Tensor");
+  m.def("ggml_q4x8_repack(Tensor blocks, int qtype) -> Tensor");
   m.def("ggml_vnni() -> bool", [] { return vnni_available(); });
   m.def("ggml_scratch_bytes() -> int", [] {
     const at::Tensor& scratch = dequant_scratch();
@@ -488,5 +655,6 @@ TORCH_LIBRARY_IMPL(minivllm, CPU, m) {
   m.impl("ggml_matmul", &ggml_matmul);
   m.impl("ggml_matmul_segments", &ggml_matmul_segments);
   m.impl("ggml_dequantize", &ggml_dequantize);
+  m.impl("ggml_q4x8_repack", &ggml_q4x8_repack);
   m.impl("ggml_dequant_matmul", &ggml_dequant_matmul);
 }

@@ -85,8 +85,31 @@ inline __m256i dot_u8s8(__m256i w, __m256i x) {
 #endif
 }
 
+// A group's fine codes (QuantizedRows in ggml_blocks.cpp): f = round((x - step q) * 254 /
+// step), the difference by one fused multiply-add as the scalar path computes it; and the
+// group's sum of 254 q + f.
+inline void fine_codes(const __m256 v[4], const __m256i q[4], float step, int8_t* fine,
+                       int32_t* fine_sum) {
+  const __m256 neg_step = _mm256_set1_ps(-step), inverse = _mm256_set1_ps(step > 0.0f ? 254.0f / step : 0.0f);
+  __m256i f[4], total = _mm256_setzero_si256();
+  for (int j = 0; j < 4; ++j) {
+    const __m256 left = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q[j]), neg_step, v[j]);
+    f[j] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(left, inverse),
+                                              _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    total = _mm256_add_epi32(total, _mm256_add_epi32(_mm256_mullo_epi32(q[j], _mm256_set1_epi32(254)), f[j]));
+  }
+  const __m256i bytes = _mm256_permutevar8x32_epi32(
+      _mm256_packs_epi16(_mm256_packs_epi32(f[0], f[1]), _mm256_packs_epi32(f[2], f[3])),
+      _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(fine), bytes);
+  __m128i h = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
+  h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0x4E));
+  *fine_sum = _mm_cvtsi128_si32(_mm_add_epi32(h, _mm_shuffle_epi32(h, 0xB1)));
+}
+
 // Activations quantized per row and group of 32 (the SIMD twin of quantize_rows_scalar, same
-// rounding, so the same codes): codes [rows, k] int8, steps and exact fp32 sums [rows, k/32].
+// rounding, so the same codes): codes [rows, k] int8, steps and exact fp32 sums [rows, k/32];
+// and the fine codes where asked for.
 inline void quantize_rows(const float* x, int64_t rows, int64_t k, QuantizedView out) {
   const int64_t groups = rows * (k / kGroup);
   const __m256 sign = _mm256_set1_ps(-0.0f);
@@ -111,6 +134,7 @@ inline void quantize_rows(const float* x, int64_t rows, int64_t k, QuantizedView
                                                       _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(out.codes + i * kGroup), bytes);
     out.steps[i] = amax / 127.0f;
+    if (out.fine != nullptr) fine_codes(v, q, out.steps[i], out.fine + i * kGroup, out.fine_sums + i);
     const __m256 s = _mm256_add_ps(_mm256_add_ps(v[0], v[1]), _mm256_add_ps(v[2], v[3]));
     __m128 h = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
     h = _mm_add_ps(h, _mm_movehl_ps(h, h));

@@ -11,6 +11,9 @@ call's time):
   int8-quantized inside), the path for decode-sized steps;
 - `dequant Q4_K fp32` / `bf16`: `dequant_matmul` (tile-by-tile dequantization into a scratch
   buffer in x's dtype, then torch's matmul), the path for prefill-sized steps;
+- `ggml Q4_1`: `ggml_matmul` on Q4_1 blocks as the file stores them; `ggml Q4_1 x8`: the
+  same bytes in tiles of 8 rows (`repack_q4x8`, two int8 codes an activation), the path
+  Q4_0/Q4_1 weights take;
 - `qgemv 4-bit`: our earlier kernel on repacked Q4_1-like groups of 32 (fp32 activations);
 - `int4 bf16`: torch's packed int4 kernel (bf16 activations).
 
@@ -34,7 +37,13 @@ import torch.nn.functional as F
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from minivllm.layers.cpu_kernels import cpu_kernels_available
-from minivllm.layers.ggml_blocks import available_isas, dequant_matmul, ggml_matmul
+from minivllm.layers.ggml_blocks import (
+    X8_FLAG,
+    available_isas,
+    dequant_matmul,
+    ggml_matmul,
+    repack_q4x8,
+)
 from minivllm.layers.int4 import PackedInt4, quantize_int4
 from minivllm.layers.qgemv import QGemvWeight
 
@@ -50,7 +59,7 @@ def random_blocks(qtype: T, n: int, k: int, rng: np.random.Generator) -> torch.T
     scales = (rng.random((n, k // elems, 2)) * 1e-3 + 1e-4).astype(np.float16).view(np.uint8)
     at = {T.Q6_K: 208}.get(qtype, 0)
     blocks[..., at : at + 2] = scales[..., :2]
-    if qtype == T.Q4_K:
+    if qtype in (T.Q4_K, T.Q4_1):
         blocks[..., 2:4] = scales[..., 2:]
     return torch.from_numpy(blocks.reshape(n, -1))
 
@@ -89,6 +98,13 @@ def kernels(k: int, n: int, rows: int) -> dict[str, tuple[Callable[[], object], 
         if qtype == T.Q4_K:
             add("dequant Q4_K fp32", blocks, nbytes, lambda w: dequant_matmul(x32, w, T.Q4_K))
             add("dequant Q4_K bf16", blocks, nbytes, lambda w: dequant_matmul(x16, w, T.Q4_K))
+    nbytes = n * k // 32 * 20
+    q4_1 = copies_of(lambda: random_blocks(T.Q4_1, n, k, rng), nbytes)
+    add("ggml Q4_1", q4_1, nbytes, lambda w: ggml_matmul(x32, w, T.Q4_1))
+    x8 = [repack_q4x8(w, T.Q4_1) for w in q4_1]
+    x8_type = int(T.Q4_1) + X8_FLAG
+    segments = torch.ops.minivllm.ggml_matmul_segments
+    add("ggml Q4_1 x8", x8, nbytes, lambda w: segments(x32, [w], [x8_type], 0))
     int4 = quantize_int4(dense)
     add(
         "qgemv 4-bit",
@@ -127,6 +143,12 @@ def main() -> None:
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16, 128])
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--budget", type=float, default=0.3, help="seconds per measurement")
+    parser.add_argument(
+        "--shapes",
+        nargs="+",
+        default=[f"{k}x{n}" for k, n in SHAPES],
+        help="KxN weight shapes (default: Llama-3.2-1B's; SmolLM2-135M's: 576x3072 1536x576)",
+    )
     args = parser.parse_args()
     if not cpu_kernels_available():
         raise SystemExit("the block kernels do not run here (they need x86 with AVX2)")
@@ -136,7 +158,7 @@ def main() -> None:
     )
     for threads in args.threads:
         torch.set_num_threads(threads)
-        for k, n in SHAPES:
+        for k, n in (tuple(int(v) for v in shape.split("x")) for shape in args.shapes):
             for rows in args.rows:
                 print(f"\n{threads} thread(s), K {k} -> N {n}, M {rows}")
                 for name, (fn, nbytes) in kernels(k, n, rows).items():

@@ -4,10 +4,11 @@
 processes, whether the checkpoint is a GGUF, and the CPU's capabilities (`cpu_caps()`), and
 answers three questions, before any weight is loaded:
 
-- `keep_blocks`: do a GGUF's K-quant and 8-bit tensors stay as stored blocks
-  (`GgmlBlockMethod`, attached while loading by `minivllm.models.gguf_blocks`)?
-- `stored_kernel`: which kernel runs 4-bit weights as stored (`Int4Method`): "int4" (torch's
-  int4, bf16 on the CPU), "qgemv" (ours, fp32 on x86 with AVX2) or None (dense)?
+- `keep_blocks`: do a GGUF's quantized tensors (`BLOCK_TYPES`: Q4_0 ... Q6_K) stay as stored
+  blocks (`GgmlBlockMethod`, attached while loading by `minivllm.models.gguf_blocks`)?
+- `stored_kernel`: which kernel runs the 4-bit weights not kept as blocks, and a Q8_0 LM
+  head (`Int4Method`, the 8-bit head): "int4" (torch's int4, bf16 on the CPU), "qgemv" (ours,
+  fp32 on x86 with AVX2) or None (dense)?
 - `int8`: `quantization="int8"` (`Int8Method` on `INT8_LAYERS`)?
 
 `token_exact` is the fp32 path held token-exact to HF transformers: float32 asked for

@@ -1,6 +1,7 @@
-"""A GGUF's K-quant and 8-bit linear weights kept as stored blocks (what a Q4_K_M file holds):
-no dense copy of them is made, and the model computes what the dequantized weights compute, up
-to the 8-bit rounding of the activations, in prefill-sized and decode-sized steps alike."""
+"""A GGUF's quantized linear weights kept as stored blocks (what a Q4_K_M file holds, and Q4_0 /
+Q4_1 moved into tiles of 8 rows): no dense copy of them is made, and the model computes what
+the dequantized weights compute, up to the 8-bit rounding of the activations, in
+prefill-sized and decode-sized steps alike."""
 
 from __future__ import annotations
 
@@ -25,8 +26,9 @@ pytestmark = pytest.mark.skipif(
 )
 
 HIDDEN, INTER, LAYERS, HEADS, KV_HEADS, HEAD_DIM = 256, 512, 2, 4, 2, 64
-# One Q4_K_M-like mix: 4-bit K-quants, a 6-bit v and down, an 8-bit o, and one Q4_0 tensor
-# that stays with the 4-bit kernels (its fused gate_up stays dense: one shard is not blocks).
+# One Q4_K_M-like mix: 4-bit K-quants, a 6-bit v and down, an 8-bit o; layer 0's up in Q4_1
+# (beside a Q4_K gate: x8 tiles and K blocks in one fused call), and layer 1's up in F16 (its
+# fused gate_up stays dense: one shard is not blocks).
 TYPES = {
     "attn_q": QT.Q4_K,
     "attn_k": QT.Q4_K,
@@ -52,12 +54,19 @@ def _blocks(qtype: QT, rows: int, cols: int, rng: np.random.Generator) -> np.nda
         blocks[:, 0:2], blocks[:, 2:4] = _fp16(rng, n, 2e-4), _fp16(rng, n, 2e-4)
     elif qtype == QT.Q6_K:
         blocks[:, 208:210] = _fp16(rng, n, 3e-5)
-    elif qtype in (QT.Q8_0, QT.Q4_0):
+    elif qtype in (QT.Q8_0, QT.Q4_0, QT.Q4_1):
         blocks[:, 0:2] = _fp16(rng, n, 1e-3 if qtype == QT.Q8_0 else 1e-2)
+    if qtype == QT.Q4_1:  # m = -7.5 d: codes 0..15 centred
+        d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)
+        blocks[:, 2:4] = (-7.5 * d).astype(np.float16).view(np.uint8).reshape(n, 2)
     return blocks.reshape(rows, -1)
 
 
-def _write(path: Path, layer1_up: QT) -> None:
+# (layer, part): its type where it differs from TYPES
+OVERRIDES = {(0, "ffn_up"): QT.Q4_1, (1, "ffn_up"): QT.F16}
+
+
+def _write(path: Path) -> None:
     from transformers import LlamaConfig
     from transformers.convert_slow_tokenizer import bytes_to_unicode
 
@@ -103,10 +112,14 @@ def _write(path: Path, layer1_up: QT) -> None:
         writer.add_tensor(f"blk.{layer}.attn_norm.weight", np.ones(HIDDEN, np.float32))
         writer.add_tensor(f"blk.{layer}.ffn_norm.weight", np.ones(HIDDEN, np.float32))
         for part, (rows, cols) in shapes.items():
-            qtype = layer1_up if (layer, part) == (1, "ffn_up") else TYPES[part]
-            writer.add_tensor(
-                f"blk.{layer}.{part}.weight", _blocks(qtype, rows, cols, rng), raw_dtype=qtype
-            )
+            qtype = OVERRIDES.get((layer, part), TYPES[part])
+            name = f"blk.{layer}.{part}.weight"
+            if qtype == QT.F16:
+                writer.add_tensor(
+                    name, (rng.standard_normal((rows, cols)) * 0.05).astype(np.float16)
+                )
+            else:
+                writer.add_tensor(name, _blocks(qtype, rows, cols, rng), raw_dtype=qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -117,7 +130,7 @@ def _write(path: Path, layer1_up: QT) -> None:
 def model_files(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """(the GGUF, its float32 HF conversion for the reference)."""
     root = tmp_path_factory.mktemp("blocks")
-    _write(root / "m.gguf", layer1_up=QT.Q4_0)
+    _write(root / "m.gguf")
     return root / "m.gguf", convert_gguf(root / "m.gguf", root / "hf")
 
 
@@ -130,7 +143,8 @@ def llm(model_files: tuple[Path, Path]) -> LLM:
 
 def test_block_typed_layers_hold_no_dense_weight(llm: LLM) -> None:
     """qkv, o and down (all shards block-typed) keep the file's blocks and an empty dense
-    weight; layer 1's gate_up, one shard Q4_0, stays off the block path; the Q6_K embedding
+    weight; layer 0's gate_up keeps its Q4_1 up in tiles of 8 rows; layer 1's, one shard F16,
+    stays off the block path; the Q6_K embedding
     and the LM head tied to it keep the file's rows."""
     runner = llm.llm_engine.model_runner
     layers = runner.model.model.layers
@@ -140,7 +154,9 @@ def test_block_typed_layers_hold_no_dense_weight(llm: LLM) -> None:
             assert isinstance(module, LinearBase)
             assert isinstance(module.method, GgmlBlockMethod), (i, name)
             assert module.weight.numel() == 0, (i, name)
-    assert isinstance(layers[0].mlp.gate_up_proj.method, GgmlBlockMethod)
+    gate_up = layers[0].mlp.gate_up_proj.method
+    assert isinstance(gate_up, GgmlBlockMethod)
+    assert [(s.qtype, s.x8) for s in gate_up.weight.segments] == [(QT.Q4_K, False), (QT.Q4_1, True)]
     assert not isinstance(layers[1].mlp.gate_up_proj.method, GgmlBlockMethod)
     assert layers[1].mlp.gate_up_proj.weight.numel() == INTER * 2 * HIDDEN
     assert len(runner.block_weights) == LAYERS * 7 - 2 + 2  # + the embedding and tied head

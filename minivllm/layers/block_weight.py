@@ -5,7 +5,8 @@ Q8_0 files hold) keeps no dense weight: its `BlockWeight` is the file's rows of 
 of the memory map, or for llama's permuted q/k rows a reordered copy), and every step size runs
 on them (`minivllm.layers.ggml_blocks`):
 
-- the integer kernel: the activations rounded to 8 bits and integer dot products, each weight
+- the integer kernel: the activations rounded to 8 bits (for Q4_0/Q4_1 two 8-bit codes each,
+  about 15 bits) and integer dot products, each weight
   row unpacked once for 4 activation rows; every step size for the K kinds and for Q4_0/Q4_1
   (repacked at load 8 rows at a time, the "x8" layout of `csrc/ggml_q4x8_simd.h`: the same
   bytes, moved, so that one vector instruction serves 8 output columns), up to

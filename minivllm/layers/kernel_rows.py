@@ -36,8 +36,8 @@ class KernelRows:
     ggml_int_dot: int
     ggml_int_dot_k: float
     # the integer kernel on Q4_0/Q4_1 repacked 8 rows at a time (two int8 codes an
-    # activation) over tile-by-tile dequantization
-    ggml_q4x8: int
+    # activation) over tile-by-tile dequantization: it wins at every count
+    ggml_q4x8: float
 
 
 KERNEL_ROWS = {
@@ -49,7 +49,7 @@ KERNEL_ROWS = {
         qgemv_vnni_bf16=1,
         ggml_int_dot=32,
         ggml_int_dot_k=float("inf"),
-        ggml_q4x8=32,
+        ggml_q4x8=float("inf"),
     ),
     "AVX2": KernelRows(
         int4=4,
@@ -59,7 +59,7 @@ KERNEL_ROWS = {
         qgemv_vnni_bf16=1,
         ggml_int_dot=32,
         ggml_int_dot_k=float("inf"),
-        ggml_q4x8=32,
+        ggml_q4x8=float("inf"),
     ),
 }
 

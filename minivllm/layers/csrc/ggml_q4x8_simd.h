@@ -66,6 +66,9 @@ void dot_tile_q4x8(const uint8_t* tile, int64_t groups, const QuantizedRows& xq,
         coarse[r] = u == 0 ? c : _mm256_add_epi16(coarse[r], c);
         rest[r] = u == 0 ? f : _mm256_add_epi16(rest[r], f);
 #endif
+        // keeps each sum in a register, added in order: left free, GCC computes every product
+        // first and spills them all to the stack
+        asm("" : "+x"(coarse[r]), "+x"(rest[r]));
       }
     }
     const __m256 d = _mm256_mul_ps(

@@ -195,7 +195,7 @@ class ModelRunner:
         # allocate it, choose the attention backends, warm up the compiled decode step,
         # measure the memory it all holds.
         self.model, self.hf_config = self._load_model(model_dir, tp_rank, tp_size)
-        # the kernel of the weights kept as stored: "int4", "qgemv" or None (dense)
+        # the kernel of the weights kept as stored: "int4", "qgemv", "blocks" or None (dense)
         self.weight_kernel = self._quantize()
         self._read_model_shape(tp_rank, tp_size)
         self.num_kv_blocks = self._size_kv_cache(tp_size)

@@ -8,9 +8,10 @@ on them (`minivllm.layers.ggml_blocks`):
 - the integer kernel: the activations rounded to 8 bits (for Q4_0/Q4_1 two 8-bit codes each,
   about 15 bits) and integer dot products, each weight
   row unpacked once for 4 activation rows; every step size for the K kinds and for Q4_0/Q4_1
-  (repacked at load 8 rows at a time, the "x8" layout of `csrc/ggml_q4x8_simd.h`: the same
-  bytes, moved, so that one vector instruction serves 8 output columns), up to
-  `int_dot_max_rows` rows for the other 32-input ones;
+  (Q4_0/Q4_1/Q4_K repacked at load 8 rows at a time, the "x8" layout of
+  `csrc/ggml_q4x8_simd.h` and `csrc/ggml_q4kx8_simd.h`: the same values, moved, so that one
+  vector instruction serves 8 output columns), up to `int_dot_max_rows` rows for the other
+  32-input ones;
 - beyond (those kinds' prefills): the weight dequantized a tile at a time into one reused
   buffer, each tile multiplied by torch's matmul.
 
@@ -30,6 +31,7 @@ from minivllm.layers.cpu_kernels import cpu_kernels_available
 from minivllm.layers.ggml_blocks import (
     DEQUANT_TILE_BYTES,
     X8_FLAG,
+    X8_KINDS,
     dequant_matmul,
     ggml_matmul_segments,
     repack_q4x8,
@@ -51,8 +53,6 @@ BLOCK_TYPES = frozenset(
     }
 )
 _K_KINDS = (GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K, GGMLQuantizationType.Q6_K)
-# The kinds repacked 8 rows at a time where the kernels run (a tensor of 8k rows).
-X8_TYPES = (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1)
 
 
 def int_dot_max_rows(qtype: GGMLQuantizationType, x8: bool = False) -> float:
@@ -92,9 +92,10 @@ class BlockSegment:
         return int(self.blocks.shape[0]) * (8 if self.x8 else 1)
 
     def for_kernels(self) -> BlockSegment:
-        """The segment in the layout the integer kernel reads fastest: Q4_0/Q4_1 of 8k rows
-        repacked (a new tensor; the file's pages are then never read again), others as is."""
-        if self.x8 or self.qtype not in X8_TYPES or self.rows % 8:
+        """The segment in the layout the integer kernel reads fastest: Q4_0/Q4_1/Q4_K of 8k
+        rows repacked (a new tensor; the file's pages are then never read again), others as
+        is."""
+        if self.x8 or self.qtype not in X8_KINDS or self.rows % 8:
             return self
         return BlockSegment(repack_q4x8(self.blocks, self.qtype), self.qtype, x8=True)
 

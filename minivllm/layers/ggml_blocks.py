@@ -44,8 +44,9 @@ GGML_KERNEL_TYPES = frozenset(
 # The matmul's instruction sets, as the operator numbers them; "auto" is the fastest one that
 # runs here (AVX-512 VNNI where torch runs its AVX-512 kernels, else AVX2).
 ISAS = {"auto": 0, "scalar": 1, "avx2": 2, "avx512_vnni": 3}
-# Added to a Q4_0/Q4_1 qtype for the operator: the blocks are `repack_q4x8`'s tiles.
+# Added to a Q4_0/Q4_1/Q4_K qtype for the operator: the blocks are `repack_q4x8`'s tiles.
 X8_FLAG = 256
+X8_KINDS = (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q4_K)
 # Bytes of dense weight rows `dequant_matmul` dequantizes at a time: a tile stays in L2/L3
 # between its dequantization and its matmul, and the scratch buffer stays small.
 DEQUANT_TILE_BYTES = 4 << 20
@@ -195,13 +196,14 @@ def ggml_matmul_segments(
 
 
 def repack_q4x8(blocks: torch.Tensor, qtype: GGMLQuantizationType | int | str) -> torch.Tensor:
-    """Q4_0 or Q4_1 blocks `[N, row_bytes]` (N a multiple of 8) as x8 tiles `[N / 8, 8 *
-    row_bytes]`: the same bytes, moved so that one vector instruction multiplies 8 weight rows
-    (`csrc/ggml_q4x8_simd.h`). `ggml_matmul_segments`' operator takes them with the qtype plus
-    `X8_FLAG`. Needs the kernels."""
+    """Q4_0, Q4_1 or Q4_K blocks `[N, row_bytes]` (N a multiple of 8) as x8 tiles: the same
+    values, moved so that one vector instruction multiplies 8 weight rows
+    (`csrc/ggml_q4x8_simd.h`, `csrc/ggml_q4kx8_simd.h`), `[N / 8, 8 * row_bytes]` (Q4_K: 4
+    bytes more a block and row, its 6-bit scales and mins unpacked). `ggml_matmul_segments`'
+    operator takes them with the qtype plus `X8_FLAG`. Needs the kernels."""
     kind = ggml_type(qtype)
-    if kind not in (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1):
-        raise ValueError(f"only Q4_0 and Q4_1 repack 8 rows at a time, got {kind.name}")
+    if kind not in X8_KINDS:
+        raise ValueError(f"only Q4_0, Q4_1 and Q4_K repack 8 rows at a time, got {kind.name}")
     if blocks.dim() != 2 or blocks.shape[0] % 8:
         raise ValueError(f"x8 repacking needs [8k, row_bytes] blocks, got {tuple(blocks.shape)}")
     return torch.ops.minivllm.ggml_q4x8_repack(blocks.contiguous(), int(kind))

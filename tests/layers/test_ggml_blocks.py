@@ -189,11 +189,32 @@ def test_x8_layout_matches_the_float_product(qtype: T, isa: str) -> None:
     torch.testing.assert_close(tiled, ops.ggml_dequant_matmul(x, raw, int(qtype), 16))
 
 
+@pytest.mark.parametrize("isa", ISAS)
+def test_q4k_x8_layout_computes_the_stored_blocks_integers(isa: str) -> None:
+    """Q4_K in tiles of 8 rows (its scales unpacked) gives the stored layout's results (the
+    same activations and integers; only the order of fp32 sums differs) for decode rows, each
+    remainder of 4 and a prefill of more than 64 rows; moved back, gguf-py's values."""
+    k, n = 512, 24
+    blocks = random_blocks(T.Q4_K, n, k, seed=5)
+    raw = torch.from_numpy(blocks)
+    tiles = repack_q4x8(raw, T.Q4_K)
+    assert tiles.shape == (n // 8, 8 * (raw.shape[1] + 4 * k // 256))  # scales, mins as bytes
+    ops, x8 = torch.ops.minivllm, int(T.Q4_K) + X8_FLAG
+    torch.manual_seed(0)
+    for m in (1, 2, 3, 4, 5, 9, 70):
+        x = torch.randn(m, k)
+        y = ops.ggml_matmul_segments(x, [tiles], [x8], ISAS.index(isa) + 1)
+        stored = ggml_matmul(x, raw, T.Q4_K, isa=isa)
+        torch.testing.assert_close(y, stored, rtol=1e-5, atol=1e-5 * stored.abs().max())
+    expected = torch.from_numpy(dequantize(blocks, T.Q4_K).reshape(n, k))
+    assert torch.equal(ops.ggml_dequantize(tiles, x8, k, torch.float32, 0), expected)
+
+
 def test_x8_bad_input_is_a_clear_error() -> None:
     raw = torch.from_numpy(random_blocks(T.Q4_0, 12, 64))
     with pytest.raises(ValueError, match="multiple of 8|8k"):
         repack_q4x8(raw, T.Q4_0)
-    with pytest.raises(ValueError, match="only Q4_0 and Q4_1"):
+    with pytest.raises(ValueError, match="only Q4_0, Q4_1 and Q4_K"):
         repack_q4x8(torch.from_numpy(random_blocks(T.Q8_0, 8, 64)), T.Q8_0)
     tiles = repack_q4x8(raw[:8], T.Q4_0)
     with pytest.raises(RuntimeError, match="tiles of .* bytes, expected"):

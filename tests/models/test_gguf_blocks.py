@@ -143,9 +143,9 @@ def llm(model_files: tuple[Path, Path]) -> LLM:
 
 def test_block_typed_layers_hold_no_dense_weight(llm: LLM) -> None:
     """qkv, o and down (all shards block-typed) keep the file's blocks and an empty dense
-    weight; layer 0's gate_up keeps its Q4_1 up in tiles of 8 rows; layer 1's, one shard F16,
-    stays off the block path; the Q6_K embedding
-    and the LM head tied to it keep the file's rows."""
+    weight; layer 0's gate_up keeps its Q4_K gate and Q4_1 up in tiles of 8 rows; layer 1's,
+    one shard F16, stays off the block path; the Q6_K embedding and the LM head tied to it
+    keep the file's rows."""
     runner = llm.llm_engine.model_runner
     layers = runner.model.model.layers
     for i, layer in enumerate(layers):
@@ -156,7 +156,7 @@ def test_block_typed_layers_hold_no_dense_weight(llm: LLM) -> None:
             assert module.weight.numel() == 0, (i, name)
     gate_up = layers[0].mlp.gate_up_proj.method
     assert isinstance(gate_up, GgmlBlockMethod)
-    assert [(s.qtype, s.x8) for s in gate_up.weight.segments] == [(QT.Q4_K, False), (QT.Q4_1, True)]
+    assert [(s.qtype, s.x8) for s in gate_up.weight.segments] == [(QT.Q4_K, True), (QT.Q4_1, True)]
     assert not isinstance(layers[1].mlp.gate_up_proj.method, GgmlBlockMethod)
     assert layers[1].mlp.gate_up_proj.weight.numel() == INTER * 2 * HIDDEN
     assert len(runner.block_weights) == LAYERS * 7 - 2 + 2  # + the embedding and tied head

@@ -297,7 +297,12 @@ void dequantize_rows_scalar(int qtype, const uint8_t* weights, int64_t row_bytes
 // a segment whose qtype is the kind plus kX8 holds [N / 8, groups * x8 group bytes] tiles.
 constexpr int kX8 = 256;
 
-constexpr int64_t x8_group_bytes(int qtype) { return qtype == kQ4_1 ? 160 : 144; }
+// Bytes of one x8 block (8 rows of one ggml block: 32 inputs, or 256 for Q4_K).
+constexpr int64_t x8_group_bytes(int qtype) {
+  return qtype == kQ4_K ? 1184 : qtype == kQ4_1 ? 160 : 144;
+}
+
+bool x8_kind(int64_t qtype) { return qtype == kQ4_0 || qtype == kQ4_1 || qtype == kQ4_K; }
 
 // The scalar twin of the x8 matmul (the reference for the vector paths): the same integers,
 // from the x8 layout, with the activations' two codes (QuantizedRows' fine ones).
@@ -339,6 +344,7 @@ namespace avx2 {
 #include "ggml_blocks_simd.h"
 #include "ggml_kquants_simd.h"
 #include "ggml_q4x8_simd.h"
+#include "ggml_q4kx8_simd.h"
 }  // namespace avx2
 
 #pragma GCC push_options
@@ -348,6 +354,7 @@ namespace vnni {
 #include "ggml_blocks_simd.h"
 #include "ggml_kquants_simd.h"
 #include "ggml_q4x8_simd.h"
+#include "ggml_q4kx8_simd.h"
 #undef MINIVLLM_GGML_VNNI
 }  // namespace vnni
 #pragma GCC pop_options
@@ -381,14 +388,49 @@ Geometry check_blocks(const at::Tensor& blocks, int64_t qtype, int64_t k, const 
 
 // Checks x8 tiles (ggml_q4x8_repack's output) against `k` inputs a row.
 void check_x8(const at::Tensor& tiles, int qtype, int64_t k, const char* op) {
-  TORCH_CHECK(qtype == kQ4_0 || qtype == kQ4_1, op, ": only Q4_0 and Q4_1 repack 8 rows at a "
-              "time, got GGML type ", qtype);
-  TORCH_CHECK(k > 0 && k % kGroup == 0, op, ": the row size (", k, ") must be a multiple of 32");
+  TORCH_CHECK(x8_kind(qtype), op, ": only Q4_0, Q4_1 and Q4_K repack 8 rows at a time, got "
+              "GGML type ", qtype);
+  const int64_t elems = geometry(qtype).elems;
+  TORCH_CHECK(k > 0 && k % elems == 0, op, ": the row size (", k, ") must be a multiple of ",
+              elems);
   TORCH_CHECK(tiles.dim() == 2 && tiles.scalar_type() == at::kByte && tiles.is_contiguous(), op,
               ": x8 tiles must be [N / 8, tile_bytes] uint8, contiguous");
-  TORCH_CHECK(tiles.size(1) == k / kGroup * x8_group_bytes(qtype), op, ": tiles of ",
-              tiles.size(1), " bytes, expected ", k / kGroup * x8_group_bytes(qtype), " for ", k,
+  TORCH_CHECK(tiles.size(1) == k / elems * x8_group_bytes(qtype), op, ": tiles of ",
+              tiles.size(1), " bytes, expected ", k / elems * x8_group_bytes(qtype), " for ", k,
               " inputs");
+}
+
+// Q4_K: 8 rows' blocks (in[c] each) as one x8 block (ggml_q4kx8_simd.h), and back.
+void q4k_to_x8(const uint8_t* const in[8], uint8_t* dst) {
+  for (int c = 0; c < 8; ++c) {
+    for (int i = 0; i < 4; ++i) {
+      for (int u = 0; u < 8; ++u) std::memcpy(dst + 256 * i + 32 * u + 4 * c, in[c] + 16 + 32 * i + 4 * u, 4);
+    }
+    for (int j = 0; j < 8; ++j) {
+      int sc, m;
+      k_scale_min(j, in[c] + 4, sc, m);
+      dst[1024 + 8 * j + c] = static_cast<uint8_t>(sc);
+      dst[1088 + 8 * j + c] = static_cast<uint8_t>(m);
+    }
+    std::memcpy(dst + 1152 + 2 * c, in[c], 2);      // d
+    std::memcpy(dst + 1168 + 2 * c, in[c] + 2, 2);  // dmin
+  }
+}
+
+void q4k_from_x8(const uint8_t* src, int c, uint8_t* blk) {
+  std::memcpy(blk, src + 1152 + 2 * c, 2);
+  std::memcpy(blk + 2, src + 1168 + 2 * c, 2);
+  uint8_t sc[8], m[8];
+  for (int j = 0; j < 8; ++j) sc[j] = src[1024 + 8 * j + c], m[j] = src[1088 + 8 * j + c];
+  uint8_t* q = blk + 4;  // the inverse of k_scale_min's packing
+  for (int j = 0; j < 4; ++j) {
+    q[j] = static_cast<uint8_t>(sc[j] | ((sc[j + 4] >> 4) << 6));
+    q[j + 4] = static_cast<uint8_t>(m[j] | ((m[j + 4] >> 4) << 6));
+    q[j + 8] = static_cast<uint8_t>((sc[j + 4] & 0x0F) | ((m[j + 4] & 0x0F) << 4));
+  }
+  for (int i = 0; i < 4; ++i) {
+    for (int u = 0; u < 8; ++u) std::memcpy(blk + 16 + 32 * i + 4 * u, src + 256 * i + 32 * u + 4 * c, 4);
+  }
 }
 
 // Row c of an x8 tile (`groups` groups) back in ggml's layout: one block a group.
@@ -398,6 +440,10 @@ void x8_row(int qtype, const uint8_t* tile, int c, int64_t groups, uint8_t* row)
   for (int64_t g = 0; g < groups; ++g) {
     const uint8_t* src = tile + g * gbytes;
     uint8_t* blk = row + g * geo.bytes;
+    if (qtype == kQ4_K) {
+      q4k_from_x8(src, c, blk);
+      continue;
+    }
     for (int u = 0; u < 4; ++u) std::memcpy(blk + qs + 4 * u, src + 32 * u + 4 * c, 4);
     std::memcpy(blk, src + 128 + 2 * c, 2);
     if (geo.has_min) std::memcpy(blk + 2, src + 144 + 2 * c, 2);
@@ -414,11 +460,12 @@ int64_t check_any(const at::Tensor& blocks, int64_t qtype, int64_t k, const char
   return blocks.size(0);
 }
 
-// Q4_0 / Q4_1 blocks [N, row_bytes] (N a multiple of 8) as x8 tiles [N / 8, tile_bytes]: the
-// same bytes, moved (ggml_q4x8_simd.h). Tiles split over the thread pool.
+// Q4_0 / Q4_1 / Q4_K blocks [N, row_bytes] (N a multiple of 8) as x8 tiles [N / 8,
+// tile_bytes]: the same values, moved (ggml_q4x8_simd.h, ggml_q4kx8_simd.h; Q4_K's packed
+// 6-bit scales and mins unpacked to bytes). Tiles split over the thread pool.
 at::Tensor ggml_q4x8_repack(const at::Tensor& blocks, int64_t qtype) {
-  TORCH_CHECK(qtype == kQ4_0 || qtype == kQ4_1, "ggml_q4x8_repack: only Q4_0 and Q4_1, got "
-              "GGML type ", qtype);
+  TORCH_CHECK(x8_kind(qtype), "ggml_q4x8_repack: only Q4_0, Q4_1 and Q4_K, got GGML type ",
+              qtype);
   const Geometry geo = geometry(static_cast<int>(qtype));
   TORCH_CHECK(blocks.dim() == 2 && blocks.size(1) % geo.bytes == 0,
               "ggml_q4x8_repack: blocks must be [N, row_bytes], whole blocks a row");
@@ -435,6 +482,12 @@ at::Tensor ggml_q4x8_repack(const at::Tensor& blocks, int64_t qtype) {
     for (int64_t t = begin; t < end; ++t) {
       for (int64_t g = 0; g < groups; ++g) {
         uint8_t* dst = o + t * out_row + g * gbytes;
+        if (qtype == kQ4_K) {
+          const uint8_t* rows8[8];
+          for (int c = 0; c < 8; ++c) rows8[c] = in + (8 * t + c) * in_row + g * geo.bytes;
+          q4k_to_x8(rows8, dst);
+          continue;
+        }
         for (int c = 0; c < 8; ++c) {
           const uint8_t* blk = in + (8 * t + c) * in_row + g * geo.bytes;
           for (int u = 0; u < 4; ++u) std::memcpy(dst + 32 * u + 4 * c, blk + qs + 4 * u, 4);
@@ -485,7 +538,17 @@ void segment_columns(const Segment& seg, Isa isa, const QuantizedRows& x32,
   if (seg.x8) {  // the tiles whose first column is in [begin, end): each computed once
     const int64_t b = (begin + 7) / 8 * 8, e = std::min(seg.rows, (end + 7) / 8 * 8);
     if (b >= e) return;
-    if (isa == kScalar) {
+    if (k_kind && isa == kScalar) {  // each row moved back: the stored layout's scalar loop
+      std::vector<uint8_t> row(k / 256 * geometry(kQ4_K).bytes);
+      for (int64_t n = b; n < e; ++n) {
+        x8_row(kQ4_K, seg.weights + (n / 8) * seg.row_bytes, static_cast<int>(n % 8), k / 256, row.data());
+        matmul_columns_scalar(kQ4_K, row.data(), 0, xq, rows, k, ys + n, ldy, 0, 1);
+      }
+    } else if (k_kind && isa == kVnni) {
+      vnni::matmul_columns_q4kx8(seg.weights, seg.row_bytes, xq, rows, k, ys, ldy, b, e);
+    } else if (k_kind) {
+      avx2::matmul_columns_q4kx8(seg.weights, seg.row_bytes, xq, rows, k, ys, ldy, b, e);
+    } else if (isa == kScalar) {
       matmul_columns_q4x8_scalar(seg.qtype, seg.weights, seg.row_bytes, xq, rows, k, ys, ldy, b, e);
     } else if (isa == kVnni) {
       vnni::matmul_columns_q4x8(seg.qtype, seg.weights, seg.row_bytes, xq, rows, k, ys, ldy, b, e);
@@ -531,7 +594,7 @@ at::Tensor ggml_matmul_segments(const at::Tensor& x, at::TensorList blocks,
     n_out += n;
     widest = std::max(widest, blocks[i].size(1) / (x8 ? 8 : 1));  // bytes an output column
     (is_k_kind(qt) ? any256 : any32) = true;
-    any_x8 = any_x8 || x8;
+    any_x8 = any_x8 || (x8 && !is_k_kind(qt));  // the Q4_0/Q4_1 x8 kernel reads fine codes
   }
   const Isa isa = resolve(isa_arg);
   const at::Tensor xf = x.to(at::kFloat).contiguous();
@@ -579,7 +642,8 @@ void dequantize_into(const at::Tensor& blocks, int qtype, int64_t k, int64_t beg
       if (x8) {  // row n % 8 of tile n / 8, one block a group
         from = row.data();
         first = 0;
-        x8_row(kind, w + (n / 8) * blocks.size(1), static_cast<int>(n % 8), k / kGroup, row.data());
+        x8_row(kind, w + (n / 8) * blocks.size(1), static_cast<int>(n % 8), k / geometry(kind).elems,
+               row.data());
       }
       if (isa == kScalar) {
         dequantize_rows_scalar(kind, from - first * row_bytes, row_bytes, k, first, first + 1, at_row, bf16);

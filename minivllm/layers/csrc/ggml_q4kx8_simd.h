@@ -1,0 +1,107 @@
+// Q4_K weights in tiles of 8 rows ("x8"), and their matmul: ggml_q4x8_simd.h's idea for the K
+// kind. Included by ggml_blocks.cpp in namespaces avx2 and vnni (the same code in both: its
+// group scales are applied by `vpmaddwd`, which VNNI's `vpdpbusd` would not save).
+//
+// The per-lane columns make the K kind's integer scales cheap: a group's 32 products of 8
+// columns end as int16 pairs in 8 lanes, and one `vpmaddwd` by the 8 columns' 6-bit scales (each
+// lane's scale twice) weights and joins them, exactly, into the block's int32 sums. A block's
+// float work (one conversion, one multiply-add, the min term) is then shared by 8 columns and
+// 256 inputs. The activations are those of the stored layout's K kernel (int8, one step per 256
+// inputs), so the integers are the same.
+//
+// One x8 block (256 inputs of 8 rows), kQ4KX8Bytes: 1024 B of codes, vector (4 i + ... ) as
+// below; the 8 groups' scales [j][c] and mins [j][c] (64 B each, the 6-bit values unpacked);
+// the 8 rows' fp16 d and fp16 dmin. Codes: chunk i (inputs 64 i .. 64 i + 63) has 8 vectors u,
+// lane c holding row c's stored bytes qs[32 i + 4 u .. + 3] (low nibbles: group 2 i's inputs
+// 4 u .. 4 u + 3, high: group 2 i + 1's).
+
+constexpr int kQ4KX8Bytes = 1184;
+
+// Row scales of 8 columns (8 bytes at p) as int16 pairs: lane c = (s_c, s_c).
+inline __m256i column_scales(const uint8_t* p) {
+  const __m256i s = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_or_si256(s, _mm256_slli_epi32(s, 16));
+}
+
+// Output columns [n0, n0 + 8) for the `Rows` activation rows [row0, row0 + Rows).
+template <int Rows>
+void dot_tile_q4kx8(const uint8_t* tile, int64_t blocks, const QuantizedRows& xq, int64_t row0,
+                    int64_t k, float* y, int64_t ldy) {
+  const int64_t row_groups = k / kGroup;
+  const int8_t* codes = xq.codes.data() + row0 * k;
+  const float* steps = xq.steps.data() + row0 * blocks;
+  const float* sums = xq.sums.data() + row0 * row_groups;
+  const __m256i nibble = _mm256_set1_epi8(0x0F);
+  __m256 acc[Rows];
+  for (int r = 0; r < Rows; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t blk = 0; blk < blocks; ++blk) {
+    const uint8_t* b = tile + blk * kQ4KX8Bytes;
+    __m256i isum[Rows];
+    for (int r = 0; r < Rows; ++r) isum[r] = _mm256_setzero_si256();
+    for (int j = 0; j < 8; ++j) {  // group j: chunk j / 2, its low (even j) or high nibbles
+      const uint8_t* chunk = b + 256 * (j / 2);
+      const int8_t* xj = codes + blk * 256 + 32 * j;
+      __m256i dot[Rows];
+#pragma GCC unroll 8
+      for (int u = 0; u < 8; ++u) {
+        const __m256i w = load32(chunk + 32 * u);
+        const __m256i q = _mm256_and_si256(j & 1 ? _mm256_srli_epi16(w, 4) : w, nibble);
+        for (int r = 0; r < Rows; ++r) {
+          int32_t x4;
+          std::memcpy(&x4, xj + r * k + 4 * u, 4);
+          // int16 sums of at most 16 products of 15 * 127: exact, below 2^15
+          const __m256i p = _mm256_maddubs_epi16(q, _mm256_set1_epi32(x4));
+          dot[r] = u == 0 ? p : _mm256_add_epi16(dot[r], p);
+          asm("" : "+x"(dot[r]));  // in a register, in order (GCC otherwise spills each product)
+        }
+      }
+      const __m256i scale = column_scales(b + 1024 + 8 * j);
+      for (int r = 0; r < Rows; ++r) {
+        isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(dot[r], scale));
+      }
+    }
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 1152)));
+    const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 1168)));
+    __m256 mins[Rows];
+    for (int r = 0; r < Rows; ++r) mins[r] = _mm256_setzero_ps();
+    for (int j = 0; j < 8; ++j) {  // sum_j m_j * (the exact sum of group j's inputs)
+      const __m256 m = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
+          _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 1088 + 8 * j))));
+      for (int r = 0; r < Rows; ++r) {
+        mins[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(sums[r * row_groups + blk * 8 + j]), mins[r]);
+      }
+    }
+    for (int r = 0; r < Rows; ++r) {
+      const __m256 scale = _mm256_mul_ps(d, _mm256_set1_ps(steps[r * blocks + blk]));
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), scale, acc[r]);
+      acc[r] = _mm256_fnmadd_ps(mins[r], dmin, acc[r]);
+    }
+  }
+  for (int r = 0; r < Rows; ++r) _mm256_storeu_ps(y + r * ldy, acc[r]);
+}
+
+// Output columns [begin, end) (multiples of 8) of every row of xq, blocked as the Q4_0/Q4_1 x8
+// kernel's loop.
+inline void matmul_columns_q4kx8(const uint8_t* tiles, int64_t tile_bytes,
+                                 const QuantizedRows& xq, int64_t rows, int64_t k, float* y,
+                                 int64_t ldy, int64_t begin, int64_t end) {
+  const int64_t blocks = k / 256;
+  for (int64_t c0 = 0; c0 < rows; c0 += 64) {
+    const int64_t c1 = std::min(rows, c0 + 64);
+    for (int64_t t0 = begin / 8; t0 < end / 8; t0 += 4) {
+      const int64_t t1 = std::min(end / 8, t0 + 4);
+      for (int64_t r0 = c0; r0 < c1; r0 += 4) {
+        for (int64_t t = t0; t < t1; ++t) {
+          const uint8_t* tile = tiles + t * tile_bytes;
+          float* out = y + r0 * ldy + 8 * t;
+          switch (std::min<int64_t>(4, c1 - r0)) {
+            case 4: dot_tile_q4kx8<4>(tile, blocks, xq, r0, k, out, ldy); break;
+            case 3: dot_tile_q4kx8<3>(tile, blocks, xq, r0, k, out, ldy); break;
+            case 2: dot_tile_q4kx8<2>(tile, blocks, xq, r0, k, out, ldy); break;
+            default: dot_tile_q4kx8<1>(tile, blocks, xq, r0, k, out, ldy); break;
+          }
+        }
+      }
+    }
+  }
+}

@@ -13,7 +13,7 @@ call's time):
   buffer in x's dtype, then torch's matmul), the path for prefill-sized steps;
 - `ggml Q4_1`: `ggml_matmul` on Q4_1 blocks as the file stores them; `ggml Q4_1 x8`: the
   same bytes in tiles of 8 rows (`repack_q4x8`, two int8 codes an activation), the path
-  Q4_0/Q4_1 weights take;
+  Q4_0/Q4_1 weights take; `ggml Q4_K x8`: Q4_K in tiles of 8 rows, the path Q4_K takes;
 - `qgemv 4-bit`: our earlier kernel on repacked Q4_1-like groups of 32 (fp32 activations);
 - `int4 bf16`: torch's packed int4 kernel (bf16 activations).
 
@@ -64,6 +64,11 @@ def random_blocks(qtype: T, n: int, k: int, rng: np.random.Generator) -> torch.T
     return torch.from_numpy(blocks.reshape(n, -1))
 
 
+def segments_op() -> Callable:
+    """The fused-segments operator, which takes x8 tiles (the kernels must have loaded)."""
+    return torch.ops.minivllm.ggml_matmul_segments
+
+
 def copies_of(make: Callable[[], object], nbytes: int) -> list:
     return [make() for _ in range(max(2, min(16, -(-STREAM_BYTES // nbytes))))]
 
@@ -98,6 +103,9 @@ def kernels(k: int, n: int, rows: int) -> dict[str, tuple[Callable[[], object], 
         blocks = copies_of(lambda q=qtype: random_blocks(q, n, k, rng), nbytes)
         add(f"ggml {qtype.name}", blocks, nbytes, lambda w, q=qtype: ggml_matmul(x32, w, q))
         if qtype == T.Q4_K:
+            tiles = [repack_q4x8(w, T.Q4_K) for w in blocks]
+            x8_k = int(T.Q4_K) + X8_FLAG
+            add("ggml Q4_K x8", tiles, nbytes, lambda w, q=x8_k: segments_op()(x32, [w], [q], 0))
             add("dequant Q4_K fp32", blocks, nbytes, lambda w: dequant_matmul(x32, w, T.Q4_K))
             add("dequant Q4_K bf16", blocks, nbytes, lambda w: dequant_matmul(x16, w, T.Q4_K))
     nbytes = n * k // 32 * 20
@@ -105,8 +113,7 @@ def kernels(k: int, n: int, rows: int) -> dict[str, tuple[Callable[[], object], 
     add("ggml Q4_1", q4_1, nbytes, lambda w: ggml_matmul(x32, w, T.Q4_1))
     x8 = [repack_q4x8(w, T.Q4_1) for w in q4_1]
     x8_type = int(T.Q4_1) + X8_FLAG
-    segments = torch.ops.minivllm.ggml_matmul_segments
-    add("ggml Q4_1 x8", x8, nbytes, lambda w: segments(x32, [w], [x8_type], 0))
+    add("ggml Q4_1 x8", x8, nbytes, lambda w: segments_op()(x32, [w], [x8_type], 0))
     int4 = quantize_int4(dense)
     add(
         "qgemv 4-bit",

@@ -9,11 +9,11 @@
 // 256 inputs. The activations are those of the stored layout's K kernel (int8, one step per 256
 // inputs), so the integers are the same.
 //
-// One x8 block (256 inputs of 8 rows), kQ4KX8Bytes: 1024 B of codes, vector (4 i + ... ) as
-// below; the 8 groups' scales [j][c] and mins [j][c] (64 B each, the 6-bit values unpacked);
-// the 8 rows' fp16 d and fp16 dmin. Codes: chunk i (inputs 64 i .. 64 i + 63) has 8 vectors u,
-// lane c holding row c's stored bytes qs[32 i + 4 u .. + 3] (low nibbles: group 2 i's inputs
-// 4 u .. 4 u + 3, high: group 2 i + 1's).
+// One x8 block (256 inputs of 8 rows, kQ4KX8Bytes): 1024 B of codes, then the 8 groups'
+// scales [j][c] and mins [j][c] (64 B each, the 6-bit values unpacked to bytes), then the 8
+// rows' fp16 d and fp16 dmin. Codes: chunk i (inputs 64 i .. 64 i + 63) is 8 vectors u, lane c
+// holding row c's stored bytes qs[32 i + 4 u .. + 3] (low nibbles: group 2 i's inputs 4 u ..
+// 4 u + 3, high nibbles: group 2 i + 1's).
 
 constexpr int kQ4KX8Bytes = 1184;
 
@@ -80,28 +80,12 @@ void dot_tile_q4kx8(const uint8_t* tile, int64_t blocks, const QuantizedRows& xq
   for (int r = 0; r < Rows; ++r) _mm256_storeu_ps(y + r * ldy, acc[r]);
 }
 
-// Output columns [begin, end) (multiples of 8) of every row of xq, blocked as the Q4_0/Q4_1 x8
-// kernel's loop.
+// Output columns [begin, end) (multiples of 8) of every row of xq.
 inline void matmul_columns_q4kx8(const uint8_t* tiles, int64_t tile_bytes,
                                  const QuantizedRows& xq, int64_t rows, int64_t k, float* y,
                                  int64_t ldy, int64_t begin, int64_t end) {
-  const int64_t blocks = k / 256;
-  for (int64_t c0 = 0; c0 < rows; c0 += 64) {
-    const int64_t c1 = std::min(rows, c0 + 64);
-    for (int64_t t0 = begin / 8; t0 < end / 8; t0 += 4) {
-      const int64_t t1 = std::min(end / 8, t0 + 4);
-      for (int64_t r0 = c0; r0 < c1; r0 += 4) {
-        for (int64_t t = t0; t < t1; ++t) {
-          const uint8_t* tile = tiles + t * tile_bytes;
-          float* out = y + r0 * ldy + 8 * t;
-          switch (std::min<int64_t>(4, c1 - r0)) {
-            case 4: dot_tile_q4kx8<4>(tile, blocks, xq, r0, k, out, ldy); break;
-            case 3: dot_tile_q4kx8<3>(tile, blocks, xq, r0, k, out, ldy); break;
-            case 2: dot_tile_q4kx8<2>(tile, blocks, xq, r0, k, out, ldy); break;
-            default: dot_tile_q4kx8<1>(tile, blocks, xq, r0, k, out, ldy); break;
-          }
-        }
-      }
-    }
-  }
+  for_each_x8_tile(rows, begin, end, [&](int64_t t, int64_t r0, auto tile_rows) {
+    dot_tile_q4kx8<decltype(tile_rows)::value>(tiles + t * tile_bytes, k / 256, xq, r0, k,
+                                               y + r0 * ldy + 8 * t, ldy);
+  });
 }

@@ -96,32 +96,40 @@ void dot_tile_q4x8(const uint8_t* tile, int64_t groups, const QuantizedRows& xq,
   for (int r = 0; r < Rows; ++r) _mm256_storeu_ps(y + r * ldy, acc[r]);
 }
 
-// Output columns [begin, end) (multiples of 8) of every row of xq, from x8 tiles of
-// `tile_bytes` each: activation rows 64 at a time (their codes stay in L2), tiles 4 at a time
-// (32 weight rows stay in L1 while each 4 activation rows meet them).
-template <int QT>
-void matmul_columns_q4x8_of(const uint8_t* tiles, int64_t tile_bytes, const QuantizedRows& xq,
-                            int64_t rows, int64_t k, float* y, int64_t ldy, int64_t begin,
-                            int64_t end) {
-  const int64_t groups = k / kGroup;
+// Calls tile(t, r0, Rows) for every x8 tile t with columns in [begin, end) (multiples of 8)
+// and activation rows [r0, r0 + Rows) of `rows`, Rows a std::integral_constant of 1..4:
+// activation rows 64 at a time (their codes stay in L2), tiles 4 at a time (32 weight rows
+// stay in L1 while each 4 activation rows meet them). Both x8 kernels' loop.
+template <typename Tile>
+inline void for_each_x8_tile(int64_t rows, int64_t begin, int64_t end, Tile tile) {
   for (int64_t c0 = 0; c0 < rows; c0 += 64) {
     const int64_t c1 = std::min(rows, c0 + 64);
     for (int64_t t0 = begin / 8; t0 < end / 8; t0 += 4) {
       const int64_t t1 = std::min(end / 8, t0 + 4);
       for (int64_t r0 = c0; r0 < c1; r0 += 4) {
         for (int64_t t = t0; t < t1; ++t) {
-          const uint8_t* tile = tiles + t * tile_bytes;
-          float* out = y + r0 * ldy + 8 * t;
           switch (std::min<int64_t>(4, c1 - r0)) {
-            case 4: dot_tile_q4x8<QT, 4>(tile, groups, xq, r0, k, out, ldy); break;
-            case 3: dot_tile_q4x8<QT, 3>(tile, groups, xq, r0, k, out, ldy); break;
-            case 2: dot_tile_q4x8<QT, 2>(tile, groups, xq, r0, k, out, ldy); break;
-            default: dot_tile_q4x8<QT, 1>(tile, groups, xq, r0, k, out, ldy); break;
+            case 4: tile(t, r0, std::integral_constant<int, 4>{}); break;
+            case 3: tile(t, r0, std::integral_constant<int, 3>{}); break;
+            case 2: tile(t, r0, std::integral_constant<int, 2>{}); break;
+            default: tile(t, r0, std::integral_constant<int, 1>{}); break;
           }
         }
       }
     }
   }
+}
+
+// Output columns [begin, end) (multiples of 8) of every row of xq, from x8 tiles of
+// `tile_bytes` each.
+template <int QT>
+void matmul_columns_q4x8_of(const uint8_t* tiles, int64_t tile_bytes, const QuantizedRows& xq,
+                            int64_t rows, int64_t k, float* y, int64_t ldy, int64_t begin,
+                            int64_t end) {
+  for_each_x8_tile(rows, begin, end, [&](int64_t t, int64_t r0, auto tile_rows) {
+    dot_tile_q4x8<QT, decltype(tile_rows)::value>(tiles + t * tile_bytes, k / kGroup, xq, r0, k,
+                                                   y + r0 * ldy + 8 * t, ldy);
+  });
 }
 
 inline void matmul_columns_q4x8(int qtype, const uint8_t* tiles, int64_t tile_bytes,

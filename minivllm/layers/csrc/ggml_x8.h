@@ -1,0 +1,165 @@
+// The x8 layouts' host side, included by ggml_blocks.cpp (after its block kinds,
+// QuantizedRows and check_blocks): Q4_0 / Q4_1 / Q4_K weights moved into tiles of 8
+// rows (ggml_q4x8_simd.h and ggml_q4kx8_simd.h have the layouts and why), their checks, the
+// moves there and back, and the scalar reference of the Q4_0 / Q4_1 kernel.
+
+// Q4_0 / Q4_1 weights repacked 8 rows at a time (ggml_q4x8_simd.h has the layout and why):
+// a segment whose qtype is the kind plus kX8 holds [N / 8, groups * x8 group bytes] tiles.
+constexpr int kX8 = 256;
+
+// Bytes of one x8 block (8 rows of one ggml block: 32 inputs, or 256 for Q4_K).
+constexpr int64_t x8_group_bytes(int qtype) {
+  return qtype == kQ4_K ? 1184 : qtype == kQ4_1 ? 160 : 144;
+}
+
+bool x8_kind(int64_t qtype) { return qtype == kQ4_0 || qtype == kQ4_1 || qtype == kQ4_K; }
+
+// The scalar twin of the x8 matmul (the reference for the vector paths): the same integers,
+// from the x8 layout, with the activations' two codes (QuantizedRows' fine ones).
+void matmul_columns_q4x8_scalar(int qtype, const uint8_t* tiles, int64_t tile_bytes,
+                                const QuantizedRows& xq, int64_t rows, int64_t k, float* y,
+                                int64_t ldy, int64_t begin, int64_t end) {
+  const int64_t groups = k / kGroup, gbytes = x8_group_bytes(qtype);
+  for (int64_t n = begin; n < end; ++n) {
+    const int c = static_cast<int>(n % 8);
+    for (int64_t r = 0; r < rows; ++r) {
+      const int8_t* x = xq.codes.data() + r * k;
+      float acc = 0.0f;
+      const int8_t* f = xq.fine.data() + r * k;
+      for (int64_t g = 0; g < groups; ++g) {
+        const uint8_t* b = tiles + (n / 8) * tile_bytes + g * gbytes;
+        int32_t dot = 0;  // sum(q * (254 x + f))
+        for (int u = 0; u < 4; ++u) {
+          for (int i = 0; i < 4; ++i) {
+            const uint8_t byte = b[32 * u + 4 * c + i];
+            const int64_t lo = g * kGroup + 4 * u + i, hi = lo + 16;
+            dot += (byte & 15) * (254 * x[lo] + f[lo]) + (byte >> 4) * (254 * x[hi] + f[hi]);
+          }
+        }
+        const float d = fp16(b + 128 + 2 * c) * (1.0f / 254.0f);  // as the vector paths round it
+        const float step = xq.steps[r * groups + g];
+        if (qtype == kQ4_1) {
+          acc += static_cast<float>(dot) * (d * step) + fp16(b + 144 + 2 * c) * xq.sums[r * groups + g];
+        } else {  // the codes centred, as ggml's Q4_0: exact integers
+          dot -= 8 * xq.fine_sums[r * groups + g];
+          acc += static_cast<float>(dot) * (d * step);
+        }
+      }
+      y[r * ldy + n] = acc;
+    }
+  }
+}
+
+// Checks x8 tiles (ggml_q4x8_repack's output) against `k` inputs a row.
+void check_x8(const at::Tensor& tiles, int qtype, int64_t k, const char* op) {
+  TORCH_CHECK(x8_kind(qtype), op, ": only Q4_0, Q4_1 and Q4_K repack 8 rows at a time, got "
+              "GGML type ", qtype);
+  const int64_t elems = geometry(qtype).elems;
+  TORCH_CHECK(k > 0 && k % elems == 0, op, ": the row size (", k, ") must be a multiple of ",
+              elems);
+  TORCH_CHECK(tiles.dim() == 2 && tiles.scalar_type() == at::kByte && tiles.is_contiguous(), op,
+              ": x8 tiles must be [N / 8, tile_bytes] uint8, contiguous");
+  TORCH_CHECK(tiles.size(1) == k / elems * x8_group_bytes(qtype), op, ": tiles of ",
+              tiles.size(1), " bytes, expected ", k / elems * x8_group_bytes(qtype), " for ", k,
+              " inputs");
+}
+
+// Q4_K: 8 rows' blocks (in[c] each) as one x8 block (ggml_q4kx8_simd.h), and back.
+void q4k_to_x8(const uint8_t* const in[8], uint8_t* dst) {
+  for (int c = 0; c < 8; ++c) {
+    for (int i = 0; i < 4; ++i) {
+      for (int u = 0; u < 8; ++u) std::memcpy(dst + 256 * i + 32 * u + 4 * c, in[c] + 16 + 32 * i + 4 * u, 4);
+    }
+    for (int j = 0; j < 8; ++j) {
+      int sc, m;
+      k_scale_min(j, in[c] + 4, sc, m);
+      dst[1024 + 8 * j + c] = static_cast<uint8_t>(sc);
+      dst[1088 + 8 * j + c] = static_cast<uint8_t>(m);
+    }
+    std::memcpy(dst + 1152 + 2 * c, in[c], 2);      // d
+    std::memcpy(dst + 1168 + 2 * c, in[c] + 2, 2);  // dmin
+  }
+}
+
+void q4k_from_x8(const uint8_t* src, int c, uint8_t* blk) {
+  std::memcpy(blk, src + 1152 + 2 * c, 2);
+  std::memcpy(blk + 2, src + 1168 + 2 * c, 2);
+  uint8_t sc[8], m[8];
+  for (int j = 0; j < 8; ++j) sc[j] = src[1024 + 8 * j + c], m[j] = src[1088 + 8 * j + c];
+  uint8_t* q = blk + 4;  // the inverse of k_scale_min's packing
+  for (int j = 0; j < 4; ++j) {
+    q[j] = static_cast<uint8_t>(sc[j] | ((sc[j + 4] >> 4) << 6));
+    q[j + 4] = static_cast<uint8_t>(m[j] | ((m[j + 4] >> 4) << 6));
+    q[j + 8] = static_cast<uint8_t>((sc[j + 4] & 0x0F) | ((m[j + 4] & 0x0F) << 4));
+  }
+  for (int i = 0; i < 4; ++i) {
+    for (int u = 0; u < 8; ++u) std::memcpy(blk + 16 + 32 * i + 4 * u, src + 256 * i + 32 * u + 4 * c, 4);
+  }
+}
+
+// Row c of an x8 tile (`groups` groups) back in ggml's layout: one block a group.
+void x8_row(int qtype, const uint8_t* tile, int c, int64_t groups, uint8_t* row) {
+  const Geometry geo = geometry(qtype);
+  const int qs = geo.has_min ? 4 : 2, gbytes = static_cast<int>(x8_group_bytes(qtype));
+  for (int64_t g = 0; g < groups; ++g) {
+    const uint8_t* src = tile + g * gbytes;
+    uint8_t* blk = row + g * geo.bytes;
+    if (qtype == kQ4_K) {
+      q4k_from_x8(src, c, blk);
+      continue;
+    }
+    for (int u = 0; u < 4; ++u) std::memcpy(blk + qs + 4 * u, src + 32 * u + 4 * c, 4);
+    std::memcpy(blk, src + 128 + 2 * c, 2);
+    if (geo.has_min) std::memcpy(blk + 2, src + 144 + 2 * c, 2);
+  }
+}
+
+// Checks blocks, or x8 tiles for `qtype` plus kX8; returns the weight's rows.
+int64_t check_any(const at::Tensor& blocks, int64_t qtype, int64_t k, const char* op) {
+  if (qtype >= kX8) {
+    check_x8(blocks, static_cast<int>(qtype - kX8), k, op);
+    return blocks.size(0) * 8;
+  }
+  check_blocks(blocks, qtype, k, op);
+  return blocks.size(0);
+}
+
+// Q4_0 / Q4_1 / Q4_K blocks [N, row_bytes] (N a multiple of 8) as x8 tiles [N / 8,
+// tile_bytes]: the same values, moved (ggml_q4x8_simd.h, ggml_q4kx8_simd.h; Q4_K's packed
+// 6-bit scales and mins unpacked to bytes). Tiles split over the thread pool.
+at::Tensor ggml_q4x8_repack(const at::Tensor& blocks, int64_t qtype) {
+  TORCH_CHECK(x8_kind(qtype), "ggml_q4x8_repack: only Q4_0, Q4_1 and Q4_K, got GGML type ",
+              qtype);
+  const Geometry geo = geometry(static_cast<int>(qtype));
+  TORCH_CHECK(blocks.dim() == 2 && blocks.size(1) % geo.bytes == 0,
+              "ggml_q4x8_repack: blocks must be [N, row_bytes], whole blocks a row");
+  TORCH_CHECK(blocks.size(0) % 8 == 0, "ggml_q4x8_repack: the rows (", blocks.size(0),
+              ") must be a multiple of 8");
+  check_blocks(blocks, qtype, blocks.size(1) / geo.bytes * geo.elems, "ggml_q4x8_repack");
+  const int64_t groups = blocks.size(1) / geo.bytes, gbytes = x8_group_bytes(static_cast<int>(qtype));
+  const int qs = geo.has_min ? 4 : 2;  // where the nibbles start in a block
+  at::Tensor out = at::empty({blocks.size(0) / 8, groups * gbytes}, blocks.options());
+  const uint8_t* in = blocks.data_ptr<uint8_t>();
+  uint8_t* o = out.data_ptr<uint8_t>();
+  const int64_t in_row = blocks.size(1), out_row = out.size(1);
+  at::parallel_for(0, out.size(0), 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      for (int64_t g = 0; g < groups; ++g) {
+        uint8_t* dst = o + t * out_row + g * gbytes;
+        if (qtype == kQ4_K) {
+          const uint8_t* rows8[8];
+          for (int c = 0; c < 8; ++c) rows8[c] = in + (8 * t + c) * in_row + g * geo.bytes;
+          q4k_to_x8(rows8, dst);
+          continue;
+        }
+        for (int c = 0; c < 8; ++c) {
+          const uint8_t* blk = in + (8 * t + c) * in_row + g * geo.bytes;
+          for (int u = 0; u < 4; ++u) std::memcpy(dst + 32 * u + 4 * c, blk + qs + 4 * u, 4);
+          std::memcpy(dst + 128 + 2 * c, blk, 2);                     // d
+          if (geo.has_min) std::memcpy(dst + 144 + 2 * c, blk + 2, 2);  // m
+        }
+      }
+    }
+  });
+  return out;
+}

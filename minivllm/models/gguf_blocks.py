@@ -67,8 +67,12 @@ def attach_blocks(model: nn.Module, reader: GGUFFile) -> set[str]:
             continue
         names = [parts[i][0] for i in module.shard_ids]
         segments = [_segment(reader, parts[i][1], parts[i][0]) for i in module.shard_ids]
-        module.set_method(GgmlBlockMethod(BlockWeight(segments, module.input_size)))
+        weight = BlockWeight(segments, module.input_size)
+        module.set_method(GgmlBlockMethod(weight))
         supplied.update(names)
+        for i, segment in zip(module.shard_ids, weight.segments, strict=True):
+            if segment.x8:  # moved into tiles: the file's pages are not read again
+                reader.release_tensor_pages(parts[i][1])
     return supplied | _attach_embedding_blocks(model, reader)
 
 

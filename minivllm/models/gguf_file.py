@@ -266,3 +266,11 @@ class GGUFFile:
         stored fault theirs back in on first use. A no-op where madvise is not offered."""
         if hasattr(mmap, "MADV_DONTNEED") and hasattr(self._map, "madvise"):
             self._map.madvise(mmap.MADV_DONTNEED)
+
+    def release_tensor_pages(self, tensor: GGUFTensor) -> None:
+        """`release_pages` for one tensor's bytes (whole pages around them; a neighbour's
+        page dropped too only faults back in): for a tensor copied while loading, so that the
+        file's pages and the copy are not resident together until the load ends."""
+        if hasattr(mmap, "MADV_DONTNEED") and hasattr(self._map, "madvise"):
+            start = tensor.offset - tensor.offset % mmap.PAGESIZE
+            self._map.madvise(mmap.MADV_DONTNEED, start, tensor.offset + tensor.n_bytes - start)

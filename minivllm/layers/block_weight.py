@@ -6,12 +6,11 @@ of the memory map, or for llama's permuted q/k rows a reordered copy), and every
 on them (`minivllm.layers.ggml_blocks`):
 
 - the integer kernel: the activations rounded to 8 bits (for Q4_0/Q4_1 two 8-bit codes each,
-  about 15 bits) and integer dot products, each weight
-  row unpacked once for 4 activation rows; every step size for the K kinds and for Q4_0/Q4_1
-  (Q4_0/Q4_1/Q4_K repacked at load 8 rows at a time, the "x8" layout of
-  `csrc/ggml_q4x8_simd.h` and `csrc/ggml_q4kx8_simd.h`: the same values, moved, so that one
-  vector instruction serves 8 output columns), up to `int_dot_max_rows` rows for the other
-  32-input ones;
+  about 15 bits) and integer dot products, each weight row unpacked once for 4 activation
+  rows; every step size for the K kinds and Q4_0/Q4_1, up to `int_dot_max_rows` rows for the
+  other 32-input ones. Q4_0, Q4_1 and Q4_K tensors of 8k rows are moved at load into tiles of
+  8 rows ("x8": `csrc/ggml_q4x8_simd.h`, `csrc/ggml_q4kx8_simd.h`), the same values, so that
+  one vector instruction serves 8 output columns;
 - beyond (those kinds' prefills): the weight dequantized a tile at a time into one reused
   buffer, each tile multiplied by torch's matmul.
 
@@ -36,6 +35,7 @@ from minivllm.layers.ggml_blocks import (
     ggml_matmul_segments,
     repack_q4x8,
     row_bytes,
+    x8_tile_bytes,
 )
 from minivllm.layers.kernel_rows import kernel_rows
 
@@ -81,7 +81,7 @@ EMBEDDING_BLOCK_TYPES = frozenset(
 @dataclass(frozen=True)
 class BlockSegment:
     """Rows `[N, row_bytes]` (uint8) of one checkpoint tensor `[N, cols]` of type `qtype`; or
-    with `x8`, the same bytes repacked 8 rows at a time, `[N / 8, 8 * row_bytes]`."""
+    with `x8`, the same values moved into tiles of 8 rows, `[N / 8, x8_tile_bytes]`."""
 
     blocks: torch.Tensor
     qtype: GGMLQuantizationType
@@ -111,7 +111,7 @@ class BlockWeight:
         if not segments:
             raise ValueError("a BlockWeight needs at least one segment")
         for segment in segments:
-            expected = row_bytes(segment.qtype, cols) * (8 if segment.x8 else 1)
+            expected = (x8_tile_bytes if segment.x8 else row_bytes)(segment.qtype, cols)
             if segment.blocks.dtype != torch.uint8 or tuple(segment.blocks.shape[1:]) != (
                 expected,
             ):

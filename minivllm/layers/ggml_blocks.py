@@ -195,12 +195,20 @@ def ggml_matmul_segments(
     return out.view(*x.shape[:-1], out.shape[-1])  # [..., sum N_i]
 
 
+def x8_tile_bytes(qtype: GGMLQuantizationType | int | str, cols: int) -> int:
+    """Bytes of one x8 tile (8 weight rows of `cols` inputs) of `repack_q4x8`: 8 rows' bytes,
+    and for Q4_K 4 more a block and row (its 6-bit scales and mins unpacked to bytes)."""
+    kind = ggml_type(qtype)
+    extra = 32 * (cols // 256) if kind == GGMLQuantizationType.Q4_K else 0
+    return 8 * row_bytes(kind, cols) + extra
+
+
 def repack_q4x8(blocks: torch.Tensor, qtype: GGMLQuantizationType | int | str) -> torch.Tensor:
     """Q4_0, Q4_1 or Q4_K blocks `[N, row_bytes]` (N a multiple of 8) as x8 tiles: the same
     values, moved so that one vector instruction multiplies 8 weight rows
-    (`csrc/ggml_q4x8_simd.h`, `csrc/ggml_q4kx8_simd.h`), `[N / 8, 8 * row_bytes]` (Q4_K: 4
-    bytes more a block and row, its 6-bit scales and mins unpacked). `ggml_matmul_segments`'
-    operator takes them with the qtype plus `X8_FLAG`. Needs the kernels."""
+    (`csrc/ggml_q4x8_simd.h`, `csrc/ggml_q4kx8_simd.h`), `[N / 8, x8_tile_bytes]`.
+    `ggml_matmul_segments`' operator takes them with the qtype plus `X8_FLAG`. Needs the
+    kernels."""
     kind = ggml_type(qtype)
     if kind not in X8_KINDS:
         raise ValueError(f"only Q4_0, Q4_1 and Q4_K repack 8 rows at a time, got {kind.name}")

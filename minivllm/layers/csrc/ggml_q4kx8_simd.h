@@ -40,12 +40,14 @@ void dot_tile_q4kx8(const uint8_t* tile, int64_t blocks, const QuantizedRows& xq
     for (int r = 0; r < Rows; ++r) isum[r] = _mm256_setzero_si256();
     for (int j = 0; j < 8; ++j) {  // group j: chunk j / 2, its low (even j) or high nibbles
       const uint8_t* chunk = b + 256 * (j / 2);
+      const __m128i odd = _mm_cvtsi32_si128(4 * (j & 1));
       const int8_t* xj = codes + blk * 256 + 32 * j;
       __m256i dot[Rows];
 #pragma GCC unroll 8
       for (int u = 0; u < 8; ++u) {
-        const __m256i w = load32(chunk + 32 * u);
-        const __m256i q = _mm256_and_si256(j & 1 ? _mm256_srli_epi16(w, 4) : w, nibble);
+        // the high nibbles for odd j, by a shift count rather than a branch
+        const __m256i q = _mm256_and_si256(_mm256_srl_epi16(load32(chunk + 32 * u), odd), nibble);
+#pragma GCC unroll 4  // each row's sum a register of its own, not an array in memory
         for (int r = 0; r < Rows; ++r) {
           int32_t x4;
           std::memcpy(&x4, xj + r * k + 4 * u, 4);

@@ -44,6 +44,7 @@ void dot_tile_q4x8(const uint8_t* tile, int64_t groups, const QuantizedRows& xq,
       const __m256i w = load32(b + 32 * u);
       const __m256i lo = _mm256_and_si256(w, nibble);  // inputs 4u..4u+3 of the 8 rows
       const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), nibble);  // 16 + those
+#pragma GCC unroll 4  // each row's sums registers of their own, not an array in memory
       for (int r = 0; r < Rows; ++r) {
         const int64_t at = r * k + g * kGroup + 4 * u;
         int32_t q_lo, q_hi, f_lo, f_hi;  // the same 4 activation bytes for all 8 rows

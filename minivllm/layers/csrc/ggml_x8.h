@@ -3,8 +3,7 @@
 // rows (ggml_q4x8_simd.h and ggml_q4kx8_simd.h have the layouts and why), their checks, the
 // moves there and back, and the scalar reference of the Q4_0 / Q4_1 kernel.
 
-// Q4_0 / Q4_1 weights repacked 8 rows at a time (ggml_q4x8_simd.h has the layout and why):
-// a segment whose qtype is the kind plus kX8 holds [N / 8, groups * x8 group bytes] tiles.
+// A segment whose qtype is the kind plus kX8 holds x8 tiles: [N / 8, blocks * x8_group_bytes].
 constexpr int kX8 = 256;
 
 // Bytes of one x8 block (8 rows of one ggml block: 32 inputs, or 256 for Q4_K).

@@ -468,29 +468,26 @@ at::Tensor ggml_matmul(const at::Tensor& x, const at::Tensor& blocks, int64_t qt
 // `qtype` plus kX8 the blocks are x8 tiles: each row is moved back to ggml's layout first.
 void dequantize_into(const at::Tensor& blocks, int qtype, int64_t k, int64_t begin, int64_t end,
                      void* out, bool bf16, Isa isa) {
-  const auto* w = blocks.data_ptr<uint8_t>();
   const bool x8 = qtype >= kX8;
   const int kind = qtype % kX8;
-  const int64_t row_bytes = x8 ? blocks.size(1) / 8 : blocks.size(1);
+  const Geometry geo = geometry(kind);
+  const int64_t row_bytes = k / geo.elems * geo.bytes;  // a row in ggml's layout
   const int64_t grain = std::max<int64_t>(1, 16384 / k);
+  const auto rows_into = [&](const uint8_t* w, int64_t b, int64_t e, void* at_row) {
+    if (isa == kScalar) {
+      dequantize_rows_scalar(kind, w, row_bytes, k, b, e, at_row, bf16);
+    } else {
+      avx2::dequantize_rows(kind, w, row_bytes, k, b, e, at_row, bf16);
+    }
+  };
   at::parallel_for(begin, end, grain, [&](int64_t b, int64_t e) {
-    const int64_t row_out = k * (bf16 ? 2 : 4);
-    std::vector<uint8_t> row(x8 ? row_bytes : 0);
-    for (int64_t n = b; n < e; ++n) {
-      void* at_row = static_cast<char*>(out) + (n - begin) * row_out;
-      const uint8_t* from = w + n * row_bytes;
-      int64_t first = n;
-      if (x8) {  // row n % 8 of tile n / 8, one block a group
-        from = row.data();
-        first = 0;
-        x8_row(kind, w + (n / 8) * blocks.size(1), static_cast<int>(n % 8), k / geometry(kind).elems,
-               row.data());
-      }
-      if (isa == kScalar) {
-        dequantize_rows_scalar(kind, from - first * row_bytes, row_bytes, k, first, first + 1, at_row, bf16);
-      } else {
-        avx2::dequantize_rows(kind, from - first * row_bytes, row_bytes, k, first, first + 1, at_row, bf16);
-      }
+    char* at_b = static_cast<char*>(out) + (b - begin) * k * (bf16 ? 2 : 4);
+    if (!x8) return rows_into(blocks.data_ptr<uint8_t>(), b, e, at_b);
+    std::vector<uint8_t> row(row_bytes);
+    for (int64_t n = b; n < e; ++n) {  // row n % 8 of tile n / 8, moved back first
+      x8_row(kind, blocks.data_ptr<uint8_t>() + (n / 8) * blocks.size(1), static_cast<int>(n % 8),
+             k / geo.elems, row.data());
+      rows_into(row.data(), 0, 1, at_b + (n - b) * k * (bf16 ? 2 : 4));
     }
   });
 }

@@ -13,7 +13,8 @@ call's time):
   buffer in x's dtype, then torch's matmul), the path for prefill-sized steps;
 - `ggml Q4_1`: `ggml_matmul` on Q4_1 blocks as the file stores them; `ggml Q4_1 x8`: the
   same bytes in tiles of 8 rows (`repack_q4x8`, two int8 codes an activation), the path
-  Q4_0/Q4_1 weights take; `ggml Q4_K x8`: Q4_K in tiles of 8 rows, the path Q4_K takes;
+  Q4_0/Q4_1 weights take; `ggml Q4_K x8`, `ggml Q6_K x8`: those kinds in tiles of 8 rows,
+  the path they take;
 - `qgemv 4-bit`: our earlier kernel on repacked Q4_1-like groups of 32 (fp32 activations);
 - `int4 bf16`: torch's packed int4 kernel (bf16 activations).
 
@@ -102,10 +103,16 @@ def kernels(k: int, n: int, rows: int) -> dict[str, tuple[Callable[[], object], 
         nbytes = n * k // GGML_QUANT_SIZES[qtype][0] * GGML_QUANT_SIZES[qtype][1]
         blocks = copies_of(lambda q=qtype: random_blocks(q, n, k, rng), nbytes)
         add(f"ggml {qtype.name}", blocks, nbytes, lambda w, q=qtype: ggml_matmul(x32, w, q))
+        if qtype in (T.Q4_K, T.Q6_K):
+            tiles = [repack_q4x8(w, qtype) for w in blocks]
+            x8_k = int(qtype) + X8_FLAG
+            add(
+                f"ggml {qtype.name} x8",
+                tiles,
+                nbytes,
+                lambda w, q=x8_k: segments_op()(x32, [w], [q], 0),
+            )
         if qtype == T.Q4_K:
-            tiles = [repack_q4x8(w, T.Q4_K) for w in blocks]
-            x8_k = int(T.Q4_K) + X8_FLAG
-            add("ggml Q4_K x8", tiles, nbytes, lambda w, q=x8_k: segments_op()(x32, [w], [q], 0))
             add("dequant Q4_K fp32", blocks, nbytes, lambda w: dequant_matmul(x32, w, T.Q4_K))
             add("dequant Q4_K bf16", blocks, nbytes, lambda w: dequant_matmul(x16, w, T.Q4_K))
     nbytes = n * k // 32 * 20

@@ -32,6 +32,7 @@ from minivllm.layers.ggml_blocks import (
     X8_FLAG,
     X8_KINDS,
     dequant_matmul,
+    ggml_dequantize,
     ggml_matmul_segments,
     repack_q4x8,
     row_bytes,
@@ -102,6 +103,18 @@ class BlockSegment:
     @property
     def nbytes(self) -> int:
         return int(self.blocks.numel())
+
+    def lookup(self, ids: torch.Tensor, cols: int, dtype: torch.dtype) -> torch.Tensor:
+        """Rows `ids` (`[T]` int64) of the `[N, cols]` weight, dequantized: `[T, cols]`. From
+        tiles, each id's tile is dequantized whole (8 rows) and its row kept."""
+        if not self.x8:
+            return ggml_dequantize(self.blocks[ids], self.qtype, cols, dtype)
+        native = dtype if dtype in (torch.float32, torch.bfloat16) else torch.float32
+        tiles = torch.ops.minivllm.ggml_dequantize(
+            self.blocks[ids // 8], int(self.qtype) + X8_FLAG, cols, native, 0
+        )  # [T * 8, cols]
+        picked = tiles.view(-1, 8, cols)[torch.arange(ids.numel()), ids % 8]  # [T, cols]
+        return picked.to(dtype)
 
 
 class BlockWeight:

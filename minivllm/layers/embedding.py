@@ -13,7 +13,6 @@ from torch import nn
 
 from minivllm.distributed import parallel_state
 from minivllm.layers.block_weight import BlockSegment, BlockWeight
-from minivllm.layers.ggml_blocks import ggml_dequantize
 from minivllm.layers.int4 import PackedInt4Pair
 from minivllm.layers.onednn import OneDnnWeight, onednn_prepack_supported
 from minivllm.layers.qgemv import QGemvWeight
@@ -41,8 +40,9 @@ class VocabParallelEmbedding(nn.Module):
         self.block_weight: BlockSegment | None = None
 
     def set_blocks(self, segment: BlockSegment) -> None:
-        """Keep the table as the GGUF's quantized rows (`[vocab, row_bytes]`): a lookup
-        dequantizes the rows it reads. The dense weight, not loaded yet, is dropped."""
+        """Keep the table as the GGUF's quantized rows (`[vocab, row_bytes]`, or the tied LM
+        head's tiles of 8 rows): a lookup dequantizes the rows it reads. The dense weight, not
+        loaded yet, is dropped."""
         if self.tp_size != 1:
             raise ValueError("GGUF block weights are supported with tensor_parallel_size=1 only")
         if segment.rows != self.num_embeddings:
@@ -70,10 +70,7 @@ class VocabParallelEmbedding(nn.Module):
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """`[num_tokens]` int64 -> `[num_tokens, hidden_size]`."""
         if self.block_weight is not None:
-            rows = self.block_weight.blocks[input_ids]  # [num_tokens, row_bytes]
-            return ggml_dequantize(
-                rows, self.block_weight.qtype, self.embedding_dim, self.weight.dtype
-            )
+            return self.block_weight.lookup(input_ids, self.embedding_dim, self.weight.dtype)
         if self.tp_size == 1:
             return F.embedding(input_ids, self.weight)
         start = self.tp_rank * self.num_embeddings_per_partition

@@ -44,9 +44,18 @@ GGML_KERNEL_TYPES = frozenset(
 # The matmul's instruction sets, as the operator numbers them; "auto" is the fastest one that
 # runs here (AVX-512 VNNI where torch runs its AVX-512 kernels, else AVX2).
 ISAS = {"auto": 0, "scalar": 1, "avx2": 2, "avx512_vnni": 3}
-# Added to a Q4_0/Q4_1/Q4_K qtype for the operator: the blocks are `repack_q4x8`'s tiles.
+# Added to a Q4_0/Q4_1/Q4_K/Q6_K qtype for the operator: the blocks are `repack_q4x8`'s tiles.
 X8_FLAG = 256
-X8_KINDS = (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q4_K)
+X8_KINDS = (
+    GGMLQuantizationType.Q4_0,
+    GGMLQuantizationType.Q4_1,
+    GGMLQuantizationType.Q4_K,
+    GGMLQuantizationType.Q6_K,
+)
+# Bytes of one K kind's x8 block (256 inputs of 8 rows) where it is not 8 blocks of the file:
+# Q4_K's 6-bit scales and mins unpacked to bytes; Q6_K's codes a byte each, plus each row's
+# integer offset (csrc/ggml_q6kx8_simd.h).
+_X8_K_BLOCK_BYTES = {GGMLQuantizationType.Q4_K: 1184, GGMLQuantizationType.Q6_K: 2224}
 # Bytes of dense weight rows `dequant_matmul` dequantizes at a time: a tile stays in L2/L3
 # between its dequantization and its matmul, and the scratch buffer stays small.
 DEQUANT_TILE_BYTES = 4 << 20
@@ -197,21 +206,24 @@ def ggml_matmul_segments(
 
 def x8_tile_bytes(qtype: GGMLQuantizationType | int | str, cols: int) -> int:
     """Bytes of one x8 tile (8 weight rows of `cols` inputs) of `repack_q4x8`: 8 rows' bytes,
-    and for Q4_K 4 more a block and row (its 6-bit scales and mins unpacked to bytes)."""
+    or for the K kinds their blocks' as `_X8_K_BLOCK_BYTES` says."""
     kind = ggml_type(qtype)
-    extra = 32 * (cols // 256) if kind == GGMLQuantizationType.Q4_K else 0
-    return 8 * row_bytes(kind, cols) + extra
+    if kind in _X8_K_BLOCK_BYTES:
+        row_bytes(kind, cols)  # checks cols
+        return _X8_K_BLOCK_BYTES[kind] * (cols // 256)
+    return 8 * row_bytes(kind, cols)
 
 
 def repack_q4x8(blocks: torch.Tensor, qtype: GGMLQuantizationType | int | str) -> torch.Tensor:
-    """Q4_0, Q4_1 or Q4_K blocks `[N, row_bytes]` (N a multiple of 8) as x8 tiles: the same
-    values, moved so that one vector instruction multiplies 8 weight rows
-    (`csrc/ggml_q4x8_simd.h`, `csrc/ggml_q4kx8_simd.h`), `[N / 8, x8_tile_bytes]`.
+    """Q4_0, Q4_1, Q4_K or Q6_K blocks `[N, row_bytes]` (N a multiple of 8) as x8 tiles: the
+    same values, moved so that one vector instruction multiplies 8 weight rows
+    (`csrc/ggml_q4x8_simd.h`, `csrc/ggml_q4kx8_simd.h`, `csrc/ggml_q6kx8_simd.h`),
+    `[N / 8, x8_tile_bytes]`.
     `ggml_matmul_segments`' operator takes them with the qtype plus `X8_FLAG`. Needs the
     kernels."""
     kind = ggml_type(qtype)
     if kind not in X8_KINDS:
-        raise ValueError(f"only Q4_0, Q4_1 and Q4_K repack 8 rows at a time, got {kind.name}")
+        raise ValueError(f"only Q4_0, Q4_1, Q4_K and Q6_K repack 8 rows at a time, got {kind.name}")
     if blocks.dim() != 2 or blocks.shape[0] % 8:
         raise ValueError(f"x8 repacking needs [8k, row_bytes] blocks, got {tuple(blocks.shape)}")
     return torch.ops.minivllm.ggml_q4x8_repack(blocks.contiguous(), int(kind))

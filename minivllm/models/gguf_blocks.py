@@ -90,11 +90,15 @@ def _attach_embedding_blocks(model: nn.Module, reader: GGUFFile) -> set[str]:
         and table.tensor_type in EMBEDDING_BLOCK_TYPES
     ):
         segment = _segment(reader, table, "model.embed_tokens.weight")
-        embedding.set_blocks(segment)
-        supplied.add("model.embed_tokens.weight")
         if tied and isinstance(head, ParallelLMHead):
             head.set_blocks(segment)
             supplied.add("lm_head.weight")
+            # one table for both: the head's, moved into tiles where its kind has them
+            segment = head.head_blocks.segments[0]
+            if segment.x8:
+                reader.release_tensor_pages(table)
+        embedding.set_blocks(segment)
+        supplied.add("model.embed_tokens.weight")
     output = reader.by_name.get("output.weight")
     if (
         not tied
@@ -104,4 +108,6 @@ def _attach_embedding_blocks(model: nn.Module, reader: GGUFFile) -> set[str]:
     ):
         head.set_blocks(_segment(reader, output, "lm_head.weight"))
         supplied.add("lm_head.weight")
+        if head.head_blocks.segments[0].x8:
+            reader.release_tensor_pages(output)
     return supplied

@@ -189,24 +189,31 @@ def test_x8_layout_matches_the_float_product(qtype: T, isa: str) -> None:
     torch.testing.assert_close(tiled, ops.ggml_dequant_matmul(x, raw, int(qtype), 16))
 
 
+# Bytes a row takes in one x8 block of 256 inputs: Q4_K its nibbles, its 8 scales and 8 mins
+# a byte each, its d and dmin; Q6_K a byte a code, its 16 scales, its d and its int32 offset.
+X8_K_ROW_BYTES = {T.Q4_K: 128 + 8 + 8 + 2 + 2, T.Q6_K: 256 + 16 + 2 + 4}
+
+
 @pytest.mark.parametrize("isa", ISAS)
-def test_q4k_x8_layout_computes_the_stored_blocks_integers(isa: str) -> None:
-    """Q4_K in tiles of 8 rows (its scales unpacked) gives the stored layout's results (the
-    same activations and integers; only the order of fp32 sums differs) for decode rows, each
-    remainder of 4 and a prefill of more than 64 rows; moved back, gguf-py's values."""
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K], ids=lambda t: t.name)
+def test_k_x8_layout_computes_the_stored_blocks_integers(qtype: T, isa: str) -> None:
+    """Q4_K and Q6_K in tiles of 8 rows give the stored layout's results (the same activations
+    and integers; only the order of fp32 sums differs) for decode rows, each remainder of 4 and
+    a prefill of more than 64 rows; moved back, gguf-py's values. Q6_K's random scales reach
+    -128 and its codes 0 and 63: the int16 sums' worst case."""
     k, n = 512, 24
-    blocks = random_blocks(T.Q4_K, n, k, seed=5)
+    blocks = random_blocks(qtype, n, k, seed=5)
     raw = torch.from_numpy(blocks)
-    tiles = repack_q4x8(raw, T.Q4_K)
-    assert tiles.shape == (n // 8, 8 * (raw.shape[1] + 4 * k // 256))  # scales, mins as bytes
-    ops, x8 = torch.ops.minivllm, int(T.Q4_K) + X8_FLAG
+    tiles = repack_q4x8(raw, qtype)
+    assert tiles.shape == (n // 8, 8 * X8_K_ROW_BYTES[qtype] * k // 256)
+    ops, x8 = torch.ops.minivllm, int(qtype) + X8_FLAG
     torch.manual_seed(0)
     for m in (1, 2, 3, 4, 5, 9, 70):
         x = torch.randn(m, k)
         y = ops.ggml_matmul_segments(x, [tiles], [x8], ISAS.index(isa) + 1)
-        stored = ggml_matmul(x, raw, T.Q4_K, isa=isa)
+        stored = ggml_matmul(x, raw, qtype, isa=isa)
         torch.testing.assert_close(y, stored, rtol=1e-5, atol=1e-5 * stored.abs().max())
-    expected = torch.from_numpy(dequantize(blocks, T.Q4_K).reshape(n, k))
+    expected = torch.from_numpy(dequantize(blocks, qtype).reshape(n, k))
     assert torch.equal(ops.ggml_dequantize(tiles, x8, k, torch.float32, 0), expected)
 
 
@@ -214,7 +221,7 @@ def test_x8_bad_input_is_a_clear_error() -> None:
     raw = torch.from_numpy(random_blocks(T.Q4_0, 12, 64))
     with pytest.raises(ValueError, match="multiple of 8|8k"):
         repack_q4x8(raw, T.Q4_0)
-    with pytest.raises(ValueError, match="only Q4_0, Q4_1 and Q4_K"):
+    with pytest.raises(ValueError, match="only Q4_0, Q4_1, Q4_K and Q6_K"):
         repack_q4x8(torch.from_numpy(random_blocks(T.Q8_0, 8, 64)), T.Q8_0)
     tiles = repack_q4x8(raw[:8], T.Q4_0)
     with pytest.raises(RuntimeError, match="tiles of .* bytes, expected"):

@@ -70,7 +70,10 @@ def _write(path: Path) -> None:
     from transformers import LlamaConfig
     from transformers.convert_slow_tokenizer import bytes_to_unicode
 
+    # 264 tokens (a multiple of 8: the tied Q6_K table goes into tiles)
+    pads = [f"<|pad{i}|>" for i in range(4)]
     tokens = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", *bytes_to_unicode().values(), "he"]
+    tokens += pads
     cfg = LlamaConfig(
         vocab_size=len(tokens),
         hidden_size=HIDDEN,
@@ -91,7 +94,7 @@ def _write(path: Path) -> None:
     writer.add_tokenizer_pre("default")
     writer.add_token_list(tokens)
     writer.add_token_merges(["h e"])
-    writer.add_token_types([3, 3, 3] + [1] * (len(tokens) - 3))
+    writer.add_token_types([3, 3, 3] + [1] * (len(tokens) - 3 - len(pads)) + [3] * len(pads))
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
     # the tied embedding in Q6_K, as llama-quantize writes a Q4_K_M's
@@ -144,8 +147,8 @@ def llm(model_files: tuple[Path, Path]) -> LLM:
 def test_block_typed_layers_hold_no_dense_weight(llm: LLM) -> None:
     """qkv, o and down (all shards block-typed) keep the file's blocks and an empty dense
     weight; layer 0's gate_up keeps its Q4_K gate and Q4_1 up in tiles of 8 rows; layer 1's,
-    one shard F16, stays off the block path; the Q6_K embedding and the LM head tied to it
-    keep the file's rows."""
+    one shard F16, stays off the block path; the LM head tied to the Q6_K embedding moves it
+    into tiles of 8 rows, and the embedding looks its rows up there (one table)."""
     runner = llm.llm_engine.model_runner
     layers = runner.model.model.layers
     for i, layer in enumerate(layers):
@@ -161,8 +164,9 @@ def test_block_typed_layers_hold_no_dense_weight(llm: LLM) -> None:
     assert layers[1].mlp.gate_up_proj.weight.numel() == INTER * 2 * HIDDEN
     assert len(runner.block_weights) == LAYERS * 7 - 2 + 2  # + the embedding and tied head
     embedding, head = runner.model.model.embed_tokens, runner.model.lm_head
-    assert embedding.block_weight is not None and embedding.weight.numel() == 0
     assert head.head_blocks is not None and head.weight.numel() == 0
+    assert embedding.block_weight is head.head_blocks.segments[0] and embedding.weight.numel() == 0
+    assert embedding.block_weight.x8 and embedding.block_weight.qtype == QT.Q6_K
 
 
 def _engine_logprobs(llm: LLM, prompt: list[int], new: int) -> tuple[list[int], list[float]]:

@@ -168,6 +168,8 @@ inline void group_codes_scalar(int qtype, const uint8_t* b, int j, int8_t* q) {
 // the first leaves: x = step * (q + f / 254), f = round((x - step * q) * 254 / step), so the
 // activations keep about 15 bits (one rounding to 8 bits a group moves a small model's top-1
 // token too often against fp32); `fine_sums` are the groups' sums of 254 q + f (Q4_0's offset).
+// `ucodes` (block 256, for the Q6_K x8 kernel, filled by `fill_ucodes`) are the codes plus 128,
+// as unsigned bytes.
 struct QuantizedRows {
   int64_t block;
   std::vector<int8_t> codes;
@@ -176,11 +178,17 @@ struct QuantizedRows {
   std::vector<int16_t> bsums;
   std::vector<int8_t> fine;
   std::vector<int32_t> fine_sums;
+  std::vector<uint8_t> ucodes;
 
   QuantizedRows(int64_t rows, int64_t k, int64_t block_, bool with_fine = false)
       : block(block_), codes(rows * k), steps(rows * k / block_), sums(rows * k / kGroup),
         bsums(block_ == kGroup ? 0 : rows * k / 16), fine(with_fine ? rows * k : 0),
         fine_sums(with_fine ? rows * k / kGroup : 0) {}
+
+  void fill_ucodes() {
+    ucodes.resize(codes.size());
+    for (size_t i = 0; i < codes.size(); ++i) ucodes[i] = static_cast<uint8_t>(codes[i] ^ 0x80);
+  }
 };
 
 // Rows of a QuantizedRows from one row on, where a quantizer writes.
@@ -298,6 +306,7 @@ namespace avx2 {
 #include "ggml_kquants_simd.h"
 #include "ggml_q4x8_simd.h"
 #include "ggml_q4kx8_simd.h"
+#include "ggml_q6kx8_simd.h"
 }  // namespace avx2
 
 #pragma GCC push_options
@@ -380,11 +389,13 @@ void segment_columns(const Segment& seg, Isa isa, const QuantizedRows& x32,
     const int64_t b = (begin + 7) / 8 * 8, e = std::min(seg.rows, (end + 7) / 8 * 8);
     if (b >= e) return;
     if (k_kind && isa == kScalar) {  // each row moved back: the stored layout's scalar loop
-      std::vector<uint8_t> row(k / 256 * geometry(kQ4_K).bytes);
+      std::vector<uint8_t> row(k / 256 * geometry(seg.qtype).bytes);
       for (int64_t n = b; n < e; ++n) {
-        x8_row(kQ4_K, seg.weights + (n / 8) * seg.row_bytes, static_cast<int>(n % 8), k / 256, row.data());
-        matmul_columns_scalar(kQ4_K, row.data(), 0, xq, rows, k, ys + n, ldy, 0, 1);
+        x8_row(seg.qtype, seg.weights + (n / 8) * seg.row_bytes, static_cast<int>(n % 8), k / 256, row.data());
+        matmul_columns_scalar(seg.qtype, row.data(), 0, xq, rows, k, ys + n, ldy, 0, 1);
       }
+    } else if (seg.qtype == kQ6_K) {  // one kernel for both instruction sets, as the stored K one
+      avx2::matmul_columns_q6kx8(seg.weights, seg.row_bytes, xq, rows, k, ys, ldy, b, e);
     } else if (k_kind && isa == kVnni) {
       vnni::matmul_columns_q4kx8(seg.weights, seg.row_bytes, xq, rows, k, ys, ldy, b, e);
     } else if (k_kind) {
@@ -421,7 +432,7 @@ at::Tensor ggml_matmul_segments(const at::Tensor& x, at::TensorList blocks,
   const int64_t rows = x.size(0), k = x.size(1);
   std::vector<Segment> segments;
   int64_t n_out = 0, widest = 1;
-  bool any32 = false, any256 = false, any_x8 = false;
+  bool any32 = false, any256 = false, any_x8 = false, any_q6x8 = false;
   for (size_t i = 0; i < blocks.size(); ++i) {
     const bool x8 = qtypes[i] >= kX8;
     const int qt = static_cast<int>(x8 ? qtypes[i] - kX8 : qtypes[i]);
@@ -436,6 +447,7 @@ at::Tensor ggml_matmul_segments(const at::Tensor& x, at::TensorList blocks,
     widest = std::max(widest, blocks[i].size(1) / (x8 ? 8 : 1));  // bytes an output column
     (is_k_kind(qt) ? any256 : any32) = true;
     any_x8 = any_x8 || (x8 && !is_k_kind(qt));  // the Q4_0/Q4_1 x8 kernel reads fine codes
+    any_q6x8 = any_q6x8 || (x8 && qt == kQ6_K);  // the Q6_K one unsigned codes
   }
   const Isa isa = resolve(isa_arg);
   const at::Tensor xf = x.to(at::kFloat).contiguous();
@@ -444,6 +456,7 @@ at::Tensor ggml_matmul_segments(const at::Tensor& x, at::TensorList blocks,
   QuantizedRows x32(any32 ? rows : 0, k, kGroup, any_x8), x256(any256 ? rows : 0, k, 256);
   quantize_activations(xf.data_ptr<float>(), rows, k, isa, any32 ? &x32 : nullptr,
                        any256 ? &x256 : nullptr);
+  if (any_q6x8 && isa != kScalar) x256.fill_ucodes();
   float* yp = y.data_ptr<float>();
   // enough weight rows a task that it streams tens of kilobytes
   // (a multiple of 8, so that an x8 tile is rarely split between two tasks' ranges)

@@ -42,6 +42,9 @@ void dot_tile_q4kx8(const uint8_t* tile, int64_t blocks, const QuantizedRows& xq
       const uint8_t* chunk = b + 256 * (j / 2);
       const __m128i odd = _mm_cvtsi32_si128(4 * (j & 1));
       const int8_t* xj = codes + blk * 256 + 32 * j;
+      _mm_prefetch(reinterpret_cast<const char*>(b + 4 * kQ4KX8Bytes + 148 * j), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(b + 4 * kQ4KX8Bytes + 148 * j + 64), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(b + 4 * kQ4KX8Bytes + 148 * j + 128), _MM_HINT_T0);
       __m256i dot[Rows];
 #pragma GCC unroll 8
       for (int u = 0; u < 8; ++u) {

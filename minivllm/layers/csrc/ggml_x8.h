@@ -1,17 +1,20 @@
 // The x8 layouts' host side, included by ggml_blocks.cpp (after its block kinds,
-// QuantizedRows and check_blocks): Q4_0 / Q4_1 / Q4_K weights moved into tiles of 8
-// rows (ggml_q4x8_simd.h and ggml_q4kx8_simd.h have the layouts and why), their checks, the
-// moves there and back, and the scalar reference of the Q4_0 / Q4_1 kernel.
+// QuantizedRows and check_blocks): Q4_0 / Q4_1 / Q4_K / Q6_K weights moved into tiles of 8
+// rows (ggml_q4x8_simd.h, ggml_q4kx8_simd.h and ggml_q6kx8_simd.h have the layouts and why),
+// their checks, the moves there and back, and the scalar reference of the Q4_0 / Q4_1 kernel
+// (the K kinds' is the stored layout's, on rows moved back).
 
 // A segment whose qtype is the kind plus kX8 holds x8 tiles: [N / 8, blocks * x8_group_bytes].
 constexpr int kX8 = 256;
 
-// Bytes of one x8 block (8 rows of one ggml block: 32 inputs, or 256 for Q4_K).
+// Bytes of one x8 block (8 rows of one ggml block: 32 inputs, or 256 for the K kinds).
 constexpr int64_t x8_group_bytes(int qtype) {
-  return qtype == kQ4_K ? 1184 : qtype == kQ4_1 ? 160 : 144;
+  return qtype == kQ6_K ? 2224 : qtype == kQ4_K ? 1184 : qtype == kQ4_1 ? 160 : 144;
 }
 
-bool x8_kind(int64_t qtype) { return qtype == kQ4_0 || qtype == kQ4_1 || qtype == kQ4_K; }
+bool x8_kind(int64_t qtype) {
+  return qtype == kQ4_0 || qtype == kQ4_1 || qtype == kQ4_K || qtype == kQ6_K;
+}
 
 // The scalar twin of the x8 matmul (the reference for the vector paths): the same integers,
 // from the x8 layout, with the activations' two codes (QuantizedRows' fine ones).
@@ -51,8 +54,8 @@ void matmul_columns_q4x8_scalar(int qtype, const uint8_t* tiles, int64_t tile_by
 
 // Checks x8 tiles (ggml_q4x8_repack's output) against `k` inputs a row.
 void check_x8(const at::Tensor& tiles, int qtype, int64_t k, const char* op) {
-  TORCH_CHECK(x8_kind(qtype), op, ": only Q4_0, Q4_1 and Q4_K repack 8 rows at a time, got "
-              "GGML type ", qtype);
+  TORCH_CHECK(x8_kind(qtype), op, ": only Q4_0, Q4_1, Q4_K and Q6_K repack 8 rows at a time, "
+              "got GGML type ", qtype);
   const int64_t elems = geometry(qtype).elems;
   TORCH_CHECK(k > 0 && k % elems == 0, op, ": the row size (", k, ") must be a multiple of ",
               elems);
@@ -96,6 +99,39 @@ void q4k_from_x8(const uint8_t* src, int c, uint8_t* blk) {
   }
 }
 
+// Q6_K: 8 rows' blocks (in[c] each) as one x8 block (ggml_q6kx8_simd.h), and back.
+void q6k_to_x8(const uint8_t* const in[8], uint8_t* dst) {
+  int8_t q[256];
+  for (int c = 0; c < 8; ++c) {
+    for (int j = 0; j < 8; ++j) group_codes_scalar(kQ6_K, in[c], j, q + 32 * j);  // q - 32
+    int32_t offset = 0;
+    for (int g = 0; g < 16; ++g) {
+      const int8_t scale = static_cast<int8_t>(in[c][192 + g]);
+      int sum = 0;
+      for (int i = 16 * g; i < 16 * g + 16; ++i) {
+        dst[32 * (i / 4) + 4 * c + i % 4] = static_cast<uint8_t>(q[i]);
+        sum += q[i];
+      }
+      dst[2048 + 8 * g + c] = static_cast<uint8_t>(scale);
+      offset += 128 * scale * sum;
+    }
+    std::memcpy(dst + 2176 + 2 * c, in[c] + 208, 2);  // d
+    std::memcpy(dst + 2192 + 4 * c, &offset, 4);
+  }
+}
+
+void q6k_from_x8(const uint8_t* src, int c, uint8_t* blk) {
+  std::memset(blk, 0, 192);
+  for (int i = 0; i < 256; ++i) {  // the inverse of group_codes_scalar's Q6_K unpacking
+    const int q = static_cast<int8_t>(src[32 * (i / 4) + 4 * c + i % 4]) + 32;
+    const int j = i / 32, l = i % 32, half = j / 4, jj = j % 4;
+    blk[64 * half + 32 * (jj & 1) + l] |= static_cast<uint8_t>((q & 15) << (jj >= 2 ? 4 : 0));
+    blk[128 + 32 * half + l] |= static_cast<uint8_t>((q >> 4) << (2 * jj));
+  }
+  for (int g = 0; g < 16; ++g) blk[192 + g] = src[2048 + 8 * g + c];
+  std::memcpy(blk + 208, src + 2176 + 2 * c, 2);
+}
+
 // Row c of an x8 tile (`groups` groups) back in ggml's layout: one block a group.
 void x8_row(int qtype, const uint8_t* tile, int c, int64_t groups, uint8_t* row) {
   const Geometry geo = geometry(qtype);
@@ -103,8 +139,8 @@ void x8_row(int qtype, const uint8_t* tile, int c, int64_t groups, uint8_t* row)
   for (int64_t g = 0; g < groups; ++g) {
     const uint8_t* src = tile + g * gbytes;
     uint8_t* blk = row + g * geo.bytes;
-    if (qtype == kQ4_K) {
-      q4k_from_x8(src, c, blk);
+    if (qtype == kQ4_K || qtype == kQ6_K) {
+      (qtype == kQ4_K ? q4k_from_x8 : q6k_from_x8)(src, c, blk);
       continue;
     }
     for (int u = 0; u < 4; ++u) std::memcpy(blk + qs + 4 * u, src + 32 * u + 4 * c, 4);
@@ -123,12 +159,13 @@ int64_t check_any(const at::Tensor& blocks, int64_t qtype, int64_t k, const char
   return blocks.size(0);
 }
 
-// Q4_0 / Q4_1 / Q4_K blocks [N, row_bytes] (N a multiple of 8) as x8 tiles [N / 8,
-// tile_bytes]: the same values, moved (ggml_q4x8_simd.h, ggml_q4kx8_simd.h; Q4_K's packed
-// 6-bit scales and mins unpacked to bytes). Tiles split over the thread pool.
+// Q4_0 / Q4_1 / Q4_K / Q6_K blocks [N, row_bytes] (N a multiple of 8) as x8 tiles [N / 8,
+// tile_bytes]: the same values, moved (ggml_q4x8_simd.h, ggml_q4kx8_simd.h, ggml_q6kx8_simd.h;
+// Q4_K's packed 6-bit scales and mins unpacked to bytes, Q6_K's codes to a byte each).
+// Tiles split over the thread pool.
 at::Tensor ggml_q4x8_repack(const at::Tensor& blocks, int64_t qtype) {
-  TORCH_CHECK(x8_kind(qtype), "ggml_q4x8_repack: only Q4_0, Q4_1 and Q4_K, got GGML type ",
-              qtype);
+  TORCH_CHECK(x8_kind(qtype), "ggml_q4x8_repack: only Q4_0, Q4_1, Q4_K and Q6_K, got GGML "
+              "type ", qtype);
   const Geometry geo = geometry(static_cast<int>(qtype));
   TORCH_CHECK(blocks.dim() == 2 && blocks.size(1) % geo.bytes == 0,
               "ggml_q4x8_repack: blocks must be [N, row_bytes], whole blocks a row");
@@ -145,10 +182,10 @@ at::Tensor ggml_q4x8_repack(const at::Tensor& blocks, int64_t qtype) {
     for (int64_t t = begin; t < end; ++t) {
       for (int64_t g = 0; g < groups; ++g) {
         uint8_t* dst = o + t * out_row + g * gbytes;
-        if (qtype == kQ4_K) {
+        if (qtype == kQ4_K || qtype == kQ6_K) {
           const uint8_t* rows8[8];
           for (int c = 0; c < 8; ++c) rows8[c] = in + (8 * t + c) * in_row + g * geo.bytes;
-          q4k_to_x8(rows8, dst);
+          (qtype == kQ4_K ? q4k_to_x8 : q6k_to_x8)(rows8, dst);
           continue;
         }
         for (int c = 0; c < 8; ++c) {

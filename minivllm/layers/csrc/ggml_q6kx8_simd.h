@@ -1,0 +1,82 @@
+// Q6_K weights in tiles of 8 rows ("x8"), and their matmul: the tiles of ggml_q4kx8_simd.h for
+// the 6-bit kind that K-quant files use for half of `attn_v` / `ffn_down` and for the output
+// head. Included by ggml_blocks.cpp in namespace avx2 only, and run on both instruction sets:
+// its scales are applied per 16 inputs by `vpmaddwd`, which VNNI's `vpdpbusd` would not save.
+//
+// A 6-bit code times an int8 activation no longer leaves room for 8 products in an int16 lane,
+// so the roles are swapped: the weight codes are stored centred (q - 32, -32..31, one byte
+// each: nothing to unpack in the loop) and the activations used unsigned, x + 128 (1..255,
+// QuantizedRows' `ucodes`). A lane then sums 4 products of at most 255 * 32 (two `vpmaddubsw`),
+// below 2^15, and one `vpmaddwd` by the 8 columns' int8 scales of that group of 16 makes them
+// int32. What the +128 adds, 128 * sum_g scale_g * sum(q - 32), depends on the weights alone:
+// the repack computes it once per block and column, and the kernel subtracts it, so the
+// integers are exactly those of the stored layout's K kernel (same activations, Q8_K's).
+//
+// One x8 block (256 inputs of 8 rows, kQ6KX8Bytes): 2048 B of codes, vector v (inputs 4 v ..
+// 4 v + 3) holding in lane c row c's 4 codes; the 16 groups' int8 scales [g][c] (128 B); the 8
+// rows' fp16 d (16 B); the 8 rows' int32 offsets (32 B).
+
+constexpr int kQ6KX8Bytes = 2224;
+
+// Signed int8 scales of 8 columns (8 bytes at p) as int16 pairs: lane c = (s_c, s_c).
+inline __m256i column_scales_signed(const uint8_t* p) {
+  const __m256i s = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_or_si256(_mm256_and_si256(s, _mm256_set1_epi32(0xFFFF)), _mm256_slli_epi32(s, 16));
+}
+
+// Output columns [n0, n0 + 8) for the `Rows` activation rows [row0, row0 + Rows).
+template <int Rows>
+void dot_tile_q6kx8(const uint8_t* tile, int64_t blocks, const QuantizedRows& xq, int64_t row0,
+                    int64_t k, float* y, int64_t ldy) {
+  const uint8_t* codes = xq.ucodes.data() + row0 * k;
+  const float* steps = xq.steps.data() + row0 * blocks;
+  __m256 acc[Rows];
+  for (int r = 0; r < Rows; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t blk = 0; blk < blocks; ++blk) {
+    const uint8_t* b = tile + blk * kQ6KX8Bytes;
+    __m256i isum[Rows];
+    for (int r = 0; r < Rows; ++r) isum[r] = _mm256_setzero_si256();
+    for (int g = 0; g < 16; ++g) {  // a group of 16 inputs: vectors 4 g .. 4 g + 3
+      const __m256i scale = column_scales_signed(b + 2048 + 8 * g);
+      _mm_prefetch(reinterpret_cast<const char*>(b + 4 * kQ6KX8Bytes + 140 * g), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(b + 4 * kQ6KX8Bytes + 140 * g + 64), _MM_HINT_T0);
+#pragma GCC unroll 2
+      for (int h = 0; h < 2; ++h) {  // two vectors' products a lane, then their scale
+        __m256i dot[Rows];
+#pragma GCC unroll 2
+        for (int u = 0; u < 2; ++u) {
+          const int v = 4 * g + 2 * h + u;
+          const __m256i w = load32(b + 32 * v);
+#pragma GCC unroll 4  // each row's sum a register of its own, not an array in memory
+          for (int r = 0; r < Rows; ++r) {
+            int32_t x4;
+            std::memcpy(&x4, codes + r * k + blk * 256 + 4 * v, 4);
+            const __m256i p = _mm256_maddubs_epi16(_mm256_set1_epi32(x4), w);
+            dot[r] = u == 0 ? p : _mm256_add_epi16(dot[r], p);
+            asm("" : "+x"(dot[r]));  // in a register, in order (GCC otherwise spills each product)
+          }
+        }
+        for (int r = 0; r < Rows; ++r) {
+          isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(dot[r], scale));
+        }
+      }
+    }
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 2176)));
+    const __m256i offset = load32(b + 2192);
+    for (int r = 0; r < Rows; ++r) {
+      const __m256 scale = _mm256_mul_ps(d, _mm256_set1_ps(steps[r * blocks + blk]));
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(isum[r], offset)), scale, acc[r]);
+    }
+  }
+  for (int r = 0; r < Rows; ++r) _mm256_storeu_ps(y + r * ldy, acc[r]);
+}
+
+// Output columns [begin, end) (multiples of 8) of every row of xq.
+inline void matmul_columns_q6kx8(const uint8_t* tiles, int64_t tile_bytes,
+                                 const QuantizedRows& xq, int64_t rows, int64_t k, float* y,
+                                 int64_t ldy, int64_t begin, int64_t end) {
+  for_each_x8_tile(rows, begin, end, [&](int64_t t, int64_t r0, auto tile_rows) {
+    dot_tile_q6kx8<decltype(tile_rows)::value>(tiles + t * tile_bytes, k / 256, xq, r0, k,
+                                               y + r0 * ldy + 8 * t, ldy);
+  });
+}

@@ -190,16 +190,22 @@ class CompiledDecode:
     (`LayerGraph`). Layers are of a kind when Dynamo ran them with the same graph the first
     time it saw them: their guarded values are the same (Gemma 2 has two kinds)."""
 
-    def __init__(self, model: Any, paged: bool = False) -> None:
+    def __init__(self, model: Any, paged: bool = False, stored_blocks: bool = False) -> None:
         """`paged`: our paged decode kernel runs here (`paged_decode_supported`), so steps of
         up to `max_seqs` sequences are compiled too, their attention read through the block
-        tables."""
+        tables. `stored_blocks`: the linear layers run on GGUF blocks, the same kernel at
+        every step size."""
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = inductor_cache_dir()
         self.paged = paged
         # As many sequences as the int4 kernel takes rows: above, the eager step's
         # oneDNN-prepacked matmuls (opaque to Inductor) beat the graph's aten::mm
-        # (docs/benchmarks.md, "The thresholds the code uses").
-        self.max_seqs = kernel_rows().int4 if paged else 1
+        # (docs/benchmarks.md, "The thresholds the code uses"). Block weights run our operator
+        # in both, so every decode step is compiled: the eager one's gathered SDPA and
+        # unfused element-wise ops made 16 sequences' step 12% slower (docs/performance.md).
+        if not paged:
+            self.max_seqs: float = 1
+        else:
+            self.max_seqs = float("inf") if stored_blocks else kernel_rows().int4
         # Without this, a context length that happens to equal a model dim (head_dim / 2 at
         # warm-up, say) is traced as that dim, and the graph holds for that length only.
         torch.fx.experimental._config.use_duck_shape = False

@@ -266,7 +266,9 @@ class ModelRunner:
             self.head_dim,
             quantized=self.weight_kernel == "blocks",
         )
-        compiled = CompiledDecode(self.model, paged=paged)
+        compiled = CompiledDecode(
+            self.model, paged=paged, stored_blocks=self.weight_kernel == "blocks"
+        )
         compiled.warm_up(self.kv_caches, self.block_size)
         return compiled
 

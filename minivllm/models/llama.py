@@ -32,6 +32,9 @@ from minivllm.layers.rotary import apply_rotary, get_rope
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 CosSin = tuple[torch.Tensor, torch.Tensor]
+# The most bytes of gate_up activations the MLP computes in one piece on the CPU: below glibc's
+# 32 MB ceiling for reusing freed heap memory, so a long prefill's slices reuse it.
+MLP_CHUNK_BYTES = 16 << 20
 
 
 def head_dim_of(config: Any) -> int:
@@ -70,7 +73,17 @@ class LlamaMLP(nn.Module):
         self.down_proj = RowParallelLinear(size, config.hidden_size, bias=bias, **tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+        rows = x.shape[0]
+        width = self.gate_up_proj.output_size * x.element_size()  # gate_up's bytes a row
+        if x.device.type != "cpu" or rows * width <= MLP_CHUNK_BYTES:
+            return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+        # A long prefill's rows a slice at a time: each row's output is the same (a row's
+        # matmul does not depend on the others), and no [T, 2 * intermediate] activation is
+        # allocated whole. At 1,900 rows of Llama-3.2-1B that one was 126 MB: glibc gives
+        # blocks that large fresh pages from the OS every time (mmap above 32 MB), and their
+        # page faults cost a tenth of the prefill's CPU time (docs/performance.md).
+        step = max(1, MLP_CHUNK_BYTES // width)
+        return torch.cat([self.down_proj(self.act_fn(self.gate_up_proj(p))) for p in x.split(step)])
 
 
 class LlamaAttention(nn.Module):

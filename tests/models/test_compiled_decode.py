@@ -101,7 +101,8 @@ def test_the_compiled_step_of_several_sequences_matches_the_eager_one(
     """With the paged kernel, steps of a few sequences run compiled too (their attention
     through the block tables): 2 and 4 sequences of different context lengths (Gemma 2's
     windows bite on the longest) match the eager step, and so does one sequence on its own
-    graph afterwards; 5 sequences (past the int4 rows) stay eager."""
+    graph afterwards; 5 sequences (past the int4 rows) stay eager, unless the layers run on
+    GGUF blocks (the same operator at every step size)."""
     model_dir = tiny_llama_dir if family == "llama" else tiny_family_dirs["gemma2"]
     model, config = load_model(model_dir, torch.bfloat16, "cpu")
     assert quantize_linear_int4(model) > 0
@@ -113,6 +114,7 @@ def test_the_compiled_step_of_several_sequences_matches_the_eager_one(
                 [[s] for s in range(num_seqs)], [1] * num_seqs, [1] * num_seqs, BLOCK
             )
             assert compiled.applies(meta) == runs_compiled
+            assert CompiledDecode(model, paged=True, stored_blocks=True).applies(meta)
         for num_seqs in (2, 4, 1):
             prompts = [
                 [(7 * i + 3 * s) % config.vocab_size for i in range(3 + 2 * s)]

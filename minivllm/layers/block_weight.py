@@ -8,9 +8,10 @@ on them (`minivllm.layers.ggml_blocks`):
 - the integer kernel: the activations rounded to 8 bits (for Q4_0/Q4_1 two 8-bit codes each,
   about 15 bits) and integer dot products, each weight row unpacked once for 4 activation
   rows; every step size for the K kinds and Q4_0/Q4_1, up to `int_dot_max_rows` rows for the
-  other 32-input ones. Q4_0, Q4_1 and Q4_K tensors of 8k rows are moved at load into tiles of
-  8 rows ("x8": `csrc/ggml_q4x8_simd.h`, `csrc/ggml_q4kx8_simd.h`), the same values, so that
-  one vector instruction serves 8 output columns;
+  other 32-input ones. Q4_0, Q4_1, Q4_K and Q6_K tensors of 8k rows are moved at load into
+  tiles of 8 rows ("x8": `csrc/ggml_q4x8_simd.h`, `csrc/ggml_q4kx8_simd.h`,
+  `csrc/ggml_q6kx8_simd.h`), the same values, so that one vector instruction serves 8 output
+  columns;
 - beyond (those kinds' prefills): the weight dequantized a tile at a time into one reused
   buffer, each tile multiplied by torch's matmul.
 

@@ -39,6 +39,7 @@ from minivllm.layers.linear_method import (
     pack_8bit_halves,
 )
 from minivllm.layers.quantization import INT8_LAYERS, check_quantization
+from minivllm.models.gguf_blocks import q8_0_head_rows
 from minivllm.models.gguf_file import GGUFFile
 from minivllm.models.gguf_int4 import LM_HEAD_HIGH, LM_HEAD_LOW, read_int4_weights
 from minivllm.models.loader import PackedMapping, checkpoint_to_param_name
@@ -127,6 +128,8 @@ def apply_weight_policy(
             if packed is not None:
                 head.set_int8_head(packed)
                 logger.info("LM head: its Q8_0 weight as stored for small steps (%s)", kernel)
+            if gguf is not None and head.weight.dtype == torch.bfloat16:
+                head.set_exact_rows(q8_0_head_rows(gguf))
         count = attach_int4(model, weights)
         if policy.quantize_int4:
             count += quantize_linear_int4(model)

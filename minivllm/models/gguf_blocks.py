@@ -29,6 +29,7 @@ from minivllm.layers.linear_method import GgmlBlockMethod
 from minivllm.models.gguf import hf_tensor_name, qk_heads, unpermute_qk
 from minivllm.models.gguf_arch import architecture
 from minivllm.models.gguf_file import GGUFFile, GGUFTensor
+from minivllm.models.gguf_int4 import lm_head_q8_0
 from minivllm.models.loader import PackedMapping, checkpoint_to_param_name
 
 
@@ -40,6 +41,13 @@ def _segment(reader: GGUFFile, tensor: GGUFTensor, hf_name: str) -> BlockSegment
         warnings.simplefilter("ignore", UserWarning)
         blocks = torch.from_numpy(rows)
     return BlockSegment(blocks, tensor.tensor_type)
+
+
+def q8_0_head_rows(reader: GGUFFile) -> BlockSegment | None:
+    """The LM head's Q8_0 tensor (`output`, else the tied `token_embd`) as stored rows, or
+    None where the head is not Q8_0."""
+    head = lm_head_q8_0(reader)
+    return None if head is None else _segment(reader, head, "lm_head.weight")
 
 
 def attach_blocks(model: nn.Module, reader: GGUFFile) -> set[str]:

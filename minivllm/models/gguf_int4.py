@@ -109,7 +109,7 @@ def q8_0_halves(tensor: GGUFTensor) -> tuple[Int4Weight, Int4Weight]:
     return split_int8(torch.from_numpy(codes), scales)
 
 
-def _lm_head_q8_0(reader: GGUFFile) -> GGUFTensor | None:
+def lm_head_q8_0(reader: GGUFFile) -> GGUFTensor | None:
     """The LM head's tensor (`output`, else the tied `token_embd`) when it is Q8_0."""
     by_name = {t.name: t for t in reader.tensors}
     head = by_name.get("output.weight", by_name.get("token_embd.weight"))
@@ -137,7 +137,7 @@ def read_int4_weights(reader: GGUFFile, exclude: Collection[str] = ()) -> dict[s
                 )
             )
         weights[name] = weight
-    head = _lm_head_q8_0(reader)
+    head = lm_head_q8_0(reader)
     if head is not None:
         weights[LM_HEAD_HIGH], weights[LM_HEAD_LOW] = q8_0_halves(head)
     return weights

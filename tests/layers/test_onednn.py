@@ -61,6 +61,37 @@ def test_the_bf16_lm_head_prepacked_gives_the_same_logits() -> None:
     assert after.dtype == torch.float32 and torch.equal(after, before)
 
 
+def test_a_q8_0_heads_top_logits_are_refined_to_fp32() -> None:
+    """A bf16 head over a Q8_0 file's rows: each row's REFINED_LOGITS highest logits are the
+    fp32 product with the exact weight (the rest stay bf16 ones), so the greedy token is
+    fp32's; without the exact rows they are not."""
+    from gguf import GGMLQuantizationType, dequantize, quantize
+
+    from minivllm.layers.block_weight import BlockSegment
+    from minivllm.layers.embedding import REFINED_LOGITS
+
+    torch.manual_seed(2)
+    q8_0 = GGMLQuantizationType.Q8_0
+    blocks = quantize((torch.randn(4000, 64) * 0.5).numpy(), q8_0)  # [4000, 68] uint8
+    exact = torch.from_numpy(dequantize(blocks, q8_0))  # [4000, 64] fp32
+    hidden = (torch.randn(9, 64) * 4).bfloat16()
+    reference = F.linear(hidden.float(), exact)  # [9, 4000]
+
+    head = ParallelLMHead(4000, 64)
+    head.weight.data = exact.bfloat16()
+    assert head.pack_for_cpu()
+    rounded = head(hidden)
+    head.set_exact_rows(BlockSegment(torch.from_numpy(blocks), q8_0))
+    refined = head(hidden)
+
+    top = rounded.topk(REFINED_LOGITS, dim=-1).indices
+    torch.testing.assert_close(refined.gather(1, top), reference.gather(1, top))
+    rest = torch.ones_like(refined, dtype=torch.bool).scatter_(1, top, False)
+    assert torch.equal(refined[rest], rounded[rest])
+    assert torch.equal(refined.argmax(-1), reference.argmax(-1))
+    assert (rounded.gather(1, top) - reference.gather(1, top)).abs().max() > 1e-3
+
+
 @pytest.mark.parametrize("dtype, packed", [("bfloat16", True), ("float32", False)])
 def test_the_runner_prepacks_the_dense_layers_of_a_bf16_model(dtype, packed, tiny_llama_dir):
     from minivllm import LLM

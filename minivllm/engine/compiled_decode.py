@@ -201,7 +201,7 @@ class CompiledDecode:
         # oneDNN-prepacked matmuls (opaque to Inductor) beat the graph's aten::mm
         # (docs/benchmarks.md, "The thresholds the code uses"). Block weights run our operator
         # in both, so every decode step is compiled: the eager one's gathered SDPA and
-        # unfused element-wise ops made 16 sequences' step 12% slower (docs/performance.md).
+        # unfused element-wise ops cost more (docs/performance.md, "The compiled decode step").
         if not paged:
             self.max_seqs: float = 1
         else:

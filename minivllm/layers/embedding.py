@@ -192,11 +192,11 @@ def refine_top_logits(
     computed again in fp32 from the weight's exact rows: in place, returned.
 
     A bf16 matmul rounds its outputs to 8 bits of mantissa (0.06 at a logit of 16) and its
-    weight too (a Q8_0 code times its fp16 scale needs more): enough to swap near-tied
-    tokens, and on a CPU whose oneDNN rounds so, the default model's teacher-forced top-1
-    agreement with HF fp32 fell to 96.9% (97.8% with this). The true top token is among the
-    highest rounded ones, so the greedy choice and the top logprobs become the fp32 ones, at
-    the cost of a top-k and `N * 16` dot products."""
+    weight too (a Q8_0 code times its fp16 scale needs more): enough to swap near-tied tokens,
+    which took the default model below its top-1 bar on a CPU whose oneDNN runs AMX
+    (docs/benchmarks.md, "Quality against HF fp32"). The true top token is among the highest
+    rounded ones, so the greedy choice and the top logprobs become the fp32 ones, at the cost
+    of a top-k and `N * 16` dot products."""
     top = logits.topk(min(REFINED_LOGITS, logits.shape[-1]), dim=-1).indices  # [N, k]
     rows = exact_rows.lookup(top.flatten(), hidden.shape[-1], torch.float32)  # [N * k, in]
     exact = torch.einsum("nki,ni->nk", rows.view(*top.shape, -1), hidden.float())  # [N, k]

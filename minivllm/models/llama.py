@@ -79,9 +79,8 @@ class LlamaMLP(nn.Module):
             return self.down_proj(self.act_fn(self.gate_up_proj(x)))
         # A long prefill's rows a slice at a time: each row's output is the same (a row's
         # matmul does not depend on the others), and no [T, 2 * intermediate] activation is
-        # allocated whole. At 1,900 rows of Llama-3.2-1B that one was 126 MB: glibc gives
-        # blocks that large fresh pages from the OS every time (mmap above 32 MB), and their
-        # page faults cost a tenth of the prefill's CPU time (docs/performance.md).
+        # allocated whole: glibc gives blocks over 32 MB fresh pages from the OS every time
+        # (mmap), and their page faults cost (docs/performance.md, "Long prefills").
         step = max(1, MLP_CHUNK_BYTES // width)
         return torch.cat([self.down_proj(self.act_fn(self.gate_up_proj(p))) for p in x.split(step)])
 

@@ -32,9 +32,10 @@ def test_int8_keeps_the_default_model_within_the_top5_rule(default_llm_fp32):
     """At the first token where int8 and fp32 greedy differ, each one's token is in the
     other's top-5 (vLLM's rule for lower-precision kernels); and it still knows Paris."""
     int8 = LLM(None, num_kv_blocks=256, quantization="int8")
-    # "What is the capital of France?" starts with a near tie ("The" / "L'...", 0.08 nats
-    # apart in fp32) that int8 may flip; this wording has a clear first token.
-    chat = [{"role": "user", "content": "Which city is the capital of France?"}]
+    # Other wordings start with a near tie that int8 may flip: "What is the capital of
+    # France?" ("The" / "L'...", 0.08 nats apart in fp32), "Which city is the capital of
+    # France?" ("The" / "Le", 0.03). This one's first token leads by 1.4 nats in fp32.
+    chat = [{"role": "user", "content": "Name the capital of France."}]
     answer = int8.chat(chat, SamplingParams(temperature=0, max_tokens=20), use_tqdm=False)[0]
     assert "Paris" in answer.outputs[0].text
     prompts = MIXED_PROMPTS

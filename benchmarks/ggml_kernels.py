@@ -13,7 +13,8 @@ call's time):
   buffer in x's dtype, then torch's matmul), the path for prefill-sized steps;
 - `ggml Q4_1`: `ggml_matmul` on Q4_1 blocks as the file stores them; `ggml Q4_1 x8`: the
   same bytes in tiles of 8 rows (`repack_q4x8`, two int8 codes an activation), the path
-  Q4_0/Q4_1 weights take; `ggml Q4_K x8`, `ggml Q6_K x8`: those kinds in tiles of 8 rows,
+  Q4_0/Q4_1 weights take; `ggml Q4_K x8`, `ggml Q6_K x8`: those kinds in tiles of 8 rows
+  (`... x8 avx2`: the same tiles on the AVX2 kernel, where the VNNI one runs),
   the path they take;
 - `qgemv 4-bit`: our earlier kernel on repacked Q4_1-like groups of 32 (fp32 activations);
 - `int4 bf16`: torch's packed int4 kernel (bf16 activations).
@@ -112,6 +113,13 @@ def kernels(k: int, n: int, rows: int) -> dict[str, tuple[Callable[[], object], 
                 nbytes,
                 lambda w, q=x8_k: segments_op()(x32, [w], [q], 0),
             )
+            if "avx512_vnni" in available_isas():  # the same tiles on the AVX2 kernel
+                add(
+                    f"ggml {qtype.name} x8 avx2",
+                    tiles,
+                    nbytes,
+                    lambda w, q=x8_k: segments_op()(x32, [w], [q], 2),
+                )
         if qtype == T.Q4_K:
             add("dequant Q4_K fp32", blocks, nbytes, lambda w: dequant_matmul(x32, w, T.Q4_K))
             add("dequant Q4_K bf16", blocks, nbytes, lambda w: dequant_matmul(x16, w, T.Q4_K))

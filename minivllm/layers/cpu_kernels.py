@@ -124,6 +124,13 @@ class CpuCaps:
         return "AVX512" if self.capability.startswith("AVX512") else "AVX2"
 
     @property
+    def rows_kind(self) -> str:
+        """The row table this CPU reads (`minivllm.layers.kernel_rows`): its kind, or
+        "AVX512_AMX" where oneDNN's bf16 matmuls run on AMX tiles, so fast that a weight
+        dequantized to bf16 a tile at a time beats the integer kernels at prefill sizes."""
+        return "AVX512_AMX" if self.native_bf16 and self.amx and self.onednn_bf16 else self.kind
+
+    @property
     def native_bf16(self) -> bool:
         """torch runs AVX-512 kernels on a CPU with the BF16 instructions: bf16 is the fast
         dtype (forcing `ATEN_CPU_CAPABILITY=avx2` answers no, as on an AVX2-only CPU)."""

@@ -51,6 +51,18 @@ KERNEL_ROWS = {
         ggml_int_dot_k=float("inf"),
         ggml_q4x8=float("inf"),
     ),
+    # AMX: from 128 rows a K-quant or x8 weight dequantized to bf16 a tile at a time and
+    # multiplied on AMX tiles beats the integer kernels; below, they win (docs/ggml-kernels.md)
+    "AVX512_AMX": KernelRows(
+        int4=4,
+        int8_as_int4_pair=1,
+        qgemv=16,
+        qgemv_bf16_head=1,
+        qgemv_vnni_bf16=1,
+        ggml_int_dot=32,
+        ggml_int_dot_k=127,
+        ggml_q4x8=127,
+    ),
     "AVX2": KernelRows(
         int4=4,
         int8_as_int4_pair=0,
@@ -66,4 +78,4 @@ KERNEL_ROWS = {
 
 def kernel_rows() -> KernelRows:
     """The thresholds for the kernels torch runs on this CPU."""
-    return KERNEL_ROWS[cpu_caps().kind]
+    return KERNEL_ROWS[cpu_caps().rows_kind]

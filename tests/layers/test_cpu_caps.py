@@ -78,10 +78,13 @@ def test_each_kernel_reads_its_threshold_from_the_table() -> None:
     int_dot = block_weight.int_dot_max_rows
     assert int_dot(GGMLQuantizationType.Q8_0) == rows.ggml_int_dot
     assert int_dot(GGMLQuantizationType.Q4_K) == rows.ggml_int_dot_k
-    assert all(
-        (r.ggml_int_dot, r.ggml_int_dot_k) == (rows.ggml_int_dot, rows.ggml_int_dot_k)
-        for r in KERNEL_ROWS.values()
-    )  # the GGUF block kernels cross over at the same rows on both CPU kinds
+    assert int_dot(GGMLQuantizationType.Q4_K, x8=True) == rows.ggml_q4x8
+    avx512, avx2, amx = KERNEL_ROWS["AVX512"], KERNEL_ROWS["AVX2"], KERNEL_ROWS["AVX512_AMX"]
+    assert (avx512.ggml_int_dot, avx512.ggml_int_dot_k) == (avx2.ggml_int_dot, avx2.ggml_int_dot_k)
+    # the GGUF block kernels cross over at the same rows on both CPU kinds; with AMX, bf16
+    # tiles for oneDNN take every kind's prefill-sized steps
+    assert max(amx.ggml_int_dot, amx.ggml_int_dot_k, amx.ggml_q4x8) < 128
+    assert rows == KERNEL_ROWS[cpu_caps().rows_kind]
     if hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"):
         assert PackedInt4(weight).max_rows == rows.int4
         codes = torch.randint(-128, 128, (16, 64), dtype=torch.int8)

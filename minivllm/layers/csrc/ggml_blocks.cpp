@@ -317,6 +317,7 @@ namespace vnni {
 #include "ggml_kquants_simd.h"
 #include "ggml_q4x8_simd.h"
 #include "ggml_q4kx8_simd.h"
+#include "ggml_q6kx8_simd.h"
 #undef MINIVLLM_GGML_VNNI
 }  // namespace vnni
 #pragma GCC pop_options
@@ -394,7 +395,9 @@ void segment_columns(const Segment& seg, Isa isa, const QuantizedRows& x32,
         x8_row(seg.qtype, seg.weights + (n / 8) * seg.row_bytes, static_cast<int>(n % 8), k / 256, row.data());
         matmul_columns_scalar(seg.qtype, row.data(), 0, xq, rows, k, ys + n, ldy, 0, 1);
       }
-    } else if (seg.qtype == kQ6_K) {  // one kernel for both instruction sets, as the stored K one
+    } else if (seg.qtype == kQ6_K && isa == kVnni) {
+      vnni::matmul_columns_q6kx8(seg.weights, seg.row_bytes, xq, rows, k, ys, ldy, b, e);
+    } else if (seg.qtype == kQ6_K) {
       avx2::matmul_columns_q6kx8(seg.weights, seg.row_bytes, xq, rows, k, ys, ldy, b, e);
     } else if (k_kind && isa == kVnni) {
       vnni::matmul_columns_q4kx8(seg.weights, seg.row_bytes, xq, rows, k, ys, ldy, b, e);

@@ -54,16 +54,31 @@ void dot_tile_q4kx8(const uint8_t* tile, int64_t blocks, const QuantizedRows& xq
         for (int r = 0; r < Rows; ++r) {
           int32_t x4;
           std::memcpy(&x4, xj + r * k + 4 * u, 4);
+#ifdef MINIVLLM_GGML_VNNI
+          // int32 sums straight away: one instruction where AVX2 needs two
+          dot[r] = _mm256_dpbusd_epi32(u == 0 ? _mm256_setzero_si256() : dot[r], q,
+                                       _mm256_set1_epi32(x4));
+#else
           // int16 sums of at most 16 products of 15 * 127: exact, below 2^15
           const __m256i p = _mm256_maddubs_epi16(q, _mm256_set1_epi32(x4));
           dot[r] = u == 0 ? p : _mm256_add_epi16(dot[r], p);
+#endif
           asm("" : "+x"(dot[r]));  // in a register, in order (GCC otherwise spills each product)
         }
       }
+#ifdef MINIVLLM_GGML_VNNI
+      // each column's 32 products times its 6-bit scale: below 2^31 exactly (32 * 15 * 127 * 63)
+      const __m256i scale = _mm256_cvtepu8_epi32(
+          _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 1024 + 8 * j)));
+      for (int r = 0; r < Rows; ++r) {
+        isum[r] = _mm256_add_epi32(isum[r], _mm256_mullo_epi32(dot[r], scale));
+      }
+#else
       const __m256i scale = column_scales(b + 1024 + 8 * j);
       for (int r = 0; r < Rows; ++r) {
         isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(dot[r], scale));
       }
+#endif
     }
     const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 1152)));
     const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 1168)));

@@ -1,7 +1,7 @@
 // Q6_K weights in tiles of 8 rows ("x8"), and their matmul: the tiles of ggml_q4kx8_simd.h for
 // the 6-bit kind that K-quant files use for half of `attn_v` / `ffn_down` and for the output
-// head. Included by ggml_blocks.cpp in namespace avx2 only, and run on both instruction sets:
-// its scales are applied per 16 inputs by `vpmaddwd`, which VNNI's `vpdpbusd` would not save.
+// head. Included by ggml_blocks.cpp in namespaces avx2 and vnni; with VNNI one `vpdpbusd`
+// sums 4 products into int32 where AVX2 needs `vpmaddubsw` and a share of the adds.
 //
 // A 6-bit code times an int8 activation no longer leaves room for 8 products in an int16 lane,
 // so the roles are swapped: the weight codes are stored centred (q - 32, -32..31, one byte
@@ -37,9 +37,31 @@ void dot_tile_q6kx8(const uint8_t* tile, int64_t blocks, const QuantizedRows& xq
     __m256i isum[Rows];
     for (int r = 0; r < Rows; ++r) isum[r] = _mm256_setzero_si256();
     for (int g = 0; g < 16; ++g) {  // a group of 16 inputs: vectors 4 g .. 4 g + 3
-      const __m256i scale = column_scales_signed(b + 2048 + 8 * g);
       _mm_prefetch(reinterpret_cast<const char*>(b + 4 * kQ6KX8Bytes + 140 * g), _MM_HINT_T0);
       _mm_prefetch(reinterpret_cast<const char*>(b + 4 * kQ6KX8Bytes + 140 * g + 64), _MM_HINT_T0);
+#ifdef MINIVLLM_GGML_VNNI
+      // int32 sums of the group's 16 products a lane, one instruction per 4, then times the
+      // column's int8 scale: at most 16 * 255 * 32 * 128 a group, 16 groups below 2^31
+      __m256i dot[Rows];
+#pragma GCC unroll 4
+      for (int u = 0; u < 4; ++u) {
+        const __m256i w = load32(b + 32 * (4 * g + u));
+#pragma GCC unroll 4
+        for (int r = 0; r < Rows; ++r) {
+          int32_t x4;
+          std::memcpy(&x4, codes + r * k + blk * 256 + 4 * (4 * g + u), 4);
+          dot[r] = _mm256_dpbusd_epi32(u == 0 ? _mm256_setzero_si256() : dot[r],
+                                       _mm256_set1_epi32(x4), w);
+          asm("" : "+x"(dot[r]));
+        }
+      }
+      const __m256i scale = _mm256_cvtepi8_epi32(
+          _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 2048 + 8 * g)));
+      for (int r = 0; r < Rows; ++r) {
+        isum[r] = _mm256_add_epi32(isum[r], _mm256_mullo_epi32(dot[r], scale));
+      }
+#else
+      const __m256i scale = column_scales_signed(b + 2048 + 8 * g);
 #pragma GCC unroll 2
       for (int h = 0; h < 2; ++h) {  // two vectors' products a lane, then their scale
         __m256i dot[Rows];
@@ -60,6 +82,7 @@ void dot_tile_q6kx8(const uint8_t* tile, int64_t blocks, const QuantizedRows& xq
           isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(dot[r], scale));
         }
       }
+#endif
     }
     const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 2176)));
     const __m256i offset = load32(b + 2192);

@@ -11,7 +11,7 @@ a compiled step cannot call back into the probe.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from minivllm.layers.cpu_kernels import cpu_caps
 
@@ -40,29 +40,22 @@ class KernelRows:
     ggml_q4x8: float
 
 
+_AVX512 = KernelRows(
+    int4=4,
+    int8_as_int4_pair=1,
+    qgemv=16,
+    qgemv_bf16_head=1,
+    qgemv_vnni_bf16=1,
+    ggml_int_dot=32,
+    ggml_int_dot_k=float("inf"),
+    ggml_q4x8=float("inf"),
+)
+
 KERNEL_ROWS = {
-    "AVX512": KernelRows(
-        int4=4,
-        int8_as_int4_pair=1,
-        qgemv=16,
-        qgemv_bf16_head=1,
-        qgemv_vnni_bf16=1,
-        ggml_int_dot=32,
-        ggml_int_dot_k=float("inf"),
-        ggml_q4x8=float("inf"),
-    ),
+    "AVX512": _AVX512,
     # AMX: from 128 rows a K-quant or x8 weight dequantized to bf16 a tile at a time and
     # multiplied on AMX tiles beats the integer kernels; below, they win (docs/ggml-kernels.md)
-    "AVX512_AMX": KernelRows(
-        int4=4,
-        int8_as_int4_pair=1,
-        qgemv=16,
-        qgemv_bf16_head=1,
-        qgemv_vnni_bf16=1,
-        ggml_int_dot=32,
-        ggml_int_dot_k=127,
-        ggml_q4x8=127,
-    ),
+    "AVX512_AMX": replace(_AVX512, ggml_int_dot_k=127, ggml_q4x8=127),
     "AVX2": KernelRows(
         int4=4,
         int8_as_int4_pair=0,

@@ -56,16 +56,8 @@ KERNEL_ROWS = {
     # AMX: from 128 rows a K-quant or x8 weight dequantized to bf16 a tile at a time and
     # multiplied on AMX tiles beats the integer kernels; below, they win (docs/ggml-kernels.md)
     "AVX512_AMX": replace(_AVX512, ggml_int_dot_k=127, ggml_q4x8=127),
-    "AVX2": KernelRows(
-        int4=4,
-        int8_as_int4_pair=0,
-        qgemv=16,
-        qgemv_bf16_head=1,
-        qgemv_vnni_bf16=1,
-        ggml_int_dot=32,
-        ggml_int_dot_k=float("inf"),
-        ggml_q4x8=float("inf"),
-    ),
+    # AVX2: the same crossovers, without the Q8_0 head as an int4 pair
+    "AVX2": replace(_AVX512, int8_as_int4_pair=0),
 }
 
 

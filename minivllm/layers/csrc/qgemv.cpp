@@ -38,6 +38,9 @@
 namespace {
 
 constexpr int64_t kGroup = 32;
+// How far ahead of its reads a one-row kernel asks memory for weight bytes (its stream is
+// sequential, but the prefetcher alone leaves it waiting on memory).
+constexpr int64_t kAhead = 2048;
 constexpr int kCols = 4;  // output columns whose weights are stored interleaved, group by group
 
 inline float hsum(__m256 v) {
@@ -195,6 +198,10 @@ inline void dot_block(const QuantizedRows& xq, int64_t row0, int64_t k, const ui
   __m128 min_term = _mm_setzero_ps();  // [4 columns]
   for (int64_t g = 0; g < groups; ++g) {
     const int16_t* x = codes + g * kGroup;
+    const char* ahead = reinterpret_cast<const char*>(q + g * kCols * kBytes) + kAhead;
+    for (int64_t line = 0; line < kCols * kBytes; line += 64) {
+      _mm_prefetch(ahead + line, _MM_HINT_T0);
+    }
     // the four columns' scales times the activations' scale: [4]
     alignas(16) float s[kCols];
     _mm_store_ps(s, _mm_mul_ps(half4(scale + g * kCols), _mm_set1_ps(xd[g])));
@@ -219,8 +226,6 @@ inline void dot_block(const QuantizedRows& xq, int64_t row0, int64_t k, const ui
 
 // Whether dot_block_vnni runs here (cpu_features.h).
 bool vnni_path() { return minivllm::vnni_runs(); }
-
-constexpr int64_t kVnniAhead = 2048;  // bytes
 
 // 8 int16 at p in every 128-bit lane.
 MINIVLLM_VNNI inline __m512i lane(const int16_t* p) {
@@ -253,7 +258,7 @@ MINIVLLM_VNNI void dot_block_vnni(const QuantizedRows& xq, int64_t row0, int64_t
   }
   for (int64_t g = 0; g < groups; ++g) {
     // the stream's next lines, asked of memory ahead (blocks follow one another in memory)
-    _mm_prefetch(reinterpret_cast<const char*>(q + g * kCols * 16) + kVnniAhead, _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(q + g * kCols * 16) + kAhead, _MM_HINT_T0);
     const __m512i bytes = _mm512_loadu_si512(q + g * kCols * 16);
     const __m512i lo = _mm512_and_si512(bytes, low4);
     const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), low4);

@@ -127,6 +127,37 @@ def _run_layer(layer: torch.nn.Module, *args: Any) -> tuple[torch.Tensor, torch.
     return layer(*args)
 
 
+def _mark_weights_static(layer: torch.nn.Module) -> None:
+    """Trace every tensor the layer holds with its sizes as constants: its parameters, and the
+    GGUF blocks its linear methods keep in plain objects and lists. They have the same sizes
+    in every layer and step; under `dynamic=True` each size became a symbol with guards, and
+    tracing those symbols was a third of a start-up's compile (docs/performance.md)."""
+    seen: set[int] = set()
+
+    def visit(value: Any, depth: int) -> None:
+        if id(value) in seen or depth > 8:  # a layer's blocks sit 6 levels down
+            return
+        seen.add(id(value))
+        if isinstance(value, torch.Tensor):
+            torch._dynamo.mark_static(value)
+        elif isinstance(value, list | tuple):
+            for item in value:
+                visit(item, depth + 1)
+        elif isinstance(value, torch.nn.Module):
+            for item in (*value._parameters.values(), *value._buffers.values()):
+                visit(item, depth + 1)
+            for child in value.children():
+                visit(child, depth + 1)
+            for name, item in vars(value).items():
+                if not name.startswith("_"):  # a linear layer's `method`, say
+                    visit(item, depth + 1)
+        elif hasattr(value, "__dict__") and not isinstance(value, type):
+            for item in vars(value).values():  # a method's weight, a weight's `_blocks`
+                visit(item, depth + 1)
+
+    visit(layer, 0)
+
+
 class LayerGraph:
     """One compiled graph of a decoder layer, callable without Dynamo.
 
@@ -210,6 +241,8 @@ class CompiledDecode:
         # warm-up, say) is traced as that dim, and the graph holds for that length only.
         torch.fx.experimental._config.use_duck_shape = False
         self.decoder = model.model  # the LlamaModel: embedding, layers, final norm
+        for layer in self.decoder.layers:
+            _mark_weights_static(layer)
         # isolate_recompiles: this engine's graphs count against its own recompile limit, not
         # against every engine's in the process (past 8 in all, Dynamo ran them eagerly).
         self._run_layer = torch.compile(
@@ -232,7 +265,10 @@ class CompiledDecode:
         # No size asserts: the graph's Python wrapper checked every input's sizes and strides
         # on every call (30 a layer, 900 a step); the first layer of each step goes through
         # Dynamo's guards, and the others are called with the same step's tensors.
-        compiled = compile_fx(graph, example_inputs, config_patches={"size_asserts": False})
+        # vec_isa_ok: trust the CPU's flags for its vector ISA; else Inductor confirms each one
+        # by building and loading a test library, in a new Python process (about 1 s a start).
+        patches = {"size_asserts": False, "cpp.vec_isa_ok": True}
+        compiled = compile_fx(graph, example_inputs, config_patches=patches)
         layer_graph = LayerGraph(compiled, graph)
 
         def run(*inputs: Any) -> Any:

@@ -199,7 +199,8 @@ X8_K_ROW_BYTES = {T.Q4_K: 128 + 8 + 8 + 2 + 2, T.Q6_K: 256 + 16 + 2 + 4}
 def test_k_x8_layout_computes_the_stored_blocks_integers(qtype: T, isa: str) -> None:
     """Q4_K and Q6_K in tiles of 8 rows give the stored layout's results (the same activations
     and integers; only the order of fp32 sums differs) for decode rows, each remainder of 4 and
-    a prefill of more than 64 rows; moved back, gguf-py's values. Q6_K's random scales reach
+    of 8 (VNNI's kernels take 8 rows at once) and a prefill of more than 64 rows; moved back,
+    gguf-py's values. Q6_K's random scales reach
     -128 and its codes 0 and 63: the int16 sums' worst case."""
     k, n = 512, 24
     blocks = random_blocks(qtype, n, k, seed=5)
@@ -208,7 +209,7 @@ def test_k_x8_layout_computes_the_stored_blocks_integers(qtype: T, isa: str) -> 
     assert tiles.shape == (n // 8, 8 * X8_K_ROW_BYTES[qtype] * k // 256)
     ops, x8 = torch.ops.minivllm, int(qtype) + X8_FLAG
     torch.manual_seed(0)
-    for m in (1, 2, 3, 4, 5, 9, 70):
+    for m in (1, 2, 3, 4, 5, 8, 9, 13, 16, 70):
         x = torch.randn(m, k)
         y = ops.ggml_matmul_segments(x, [tiles], [x8], ISAS.index(isa) + 1)
         stored = ggml_matmul(x, raw, qtype, isa=isa)

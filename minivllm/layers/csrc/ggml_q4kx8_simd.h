@@ -17,6 +17,14 @@
 
 constexpr int kQ4KX8Bytes = 1184;
 
+// Activation rows a tile's unpacked codes meet at once: 8 where VNNI's 32 vector registers hold
+// 8 rows' sums (the unpacking and the scales' loads shared by twice the rows), else 4.
+#ifdef MINIVLLM_GGML_VNNI
+constexpr int kKTileRows = 8;
+#else
+constexpr int kKTileRows = 4;
+#endif
+
 // Row scales of 8 columns (8 bytes at p) as int16 pairs: lane c = (s_c, s_c).
 inline __m256i column_scales(const uint8_t* p) {
   const __m256i s = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
@@ -50,7 +58,7 @@ void dot_tile_q4kx8(const uint8_t* tile, int64_t blocks, const QuantizedRows& xq
       for (int u = 0; u < 8; ++u) {
         // the high nibbles for odd j, by a shift count rather than a branch
         const __m256i q = _mm256_and_si256(_mm256_srl_epi16(load32(chunk + 32 * u), odd), nibble);
-#pragma GCC unroll 4  // each row's sum a register of its own, not an array in memory
+#pragma GCC unroll 8  // each row's sum a register of its own, not an array in memory
         for (int r = 0; r < Rows; ++r) {
           int32_t x4;
           std::memcpy(&x4, xj + r * k + 4 * u, 4);
@@ -63,7 +71,13 @@ void dot_tile_q4kx8(const uint8_t* tile, int64_t blocks, const QuantizedRows& xq
           const __m256i p = _mm256_maddubs_epi16(q, _mm256_set1_epi32(x4));
           dot[r] = u == 0 ? p : _mm256_add_epi16(dot[r], p);
 #endif
-          asm("" : "+x"(dot[r]));  // in a register, in order (GCC otherwise spills each product)
+          // in a register, in order (GCC otherwise spills each product); "v": any of the 32
+          // registers AVX-512 has, where "x" is the first 16
+#ifdef MINIVLLM_GGML_VNNI
+          asm("" : "+v"(dot[r]));
+#else
+          asm("" : "+x"(dot[r]));
+#endif
         }
       }
 #ifdef MINIVLLM_GGML_VNNI
@@ -104,7 +118,7 @@ void dot_tile_q4kx8(const uint8_t* tile, int64_t blocks, const QuantizedRows& xq
 inline void matmul_columns_q4kx8(const uint8_t* tiles, int64_t tile_bytes,
                                  const QuantizedRows& xq, int64_t rows, int64_t k, float* y,
                                  int64_t ldy, int64_t begin, int64_t end) {
-  for_each_x8_tile(rows, begin, end, [&](int64_t t, int64_t r0, auto tile_rows) {
+  for_each_x8_tile<kKTileRows>(rows, begin, end, [&](int64_t t, int64_t r0, auto tile_rows) {
     dot_tile_q4kx8<decltype(tile_rows)::value>(tiles + t * tile_bytes, k / 256, xq, r0, k,
                                                y + r0 * ldy + 8 * t, ldy);
   });

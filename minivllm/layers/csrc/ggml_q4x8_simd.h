@@ -105,24 +105,30 @@ void dot_tile_q4x8(const uint8_t* tile, int64_t groups, const QuantizedRows& xq,
 }
 
 // Calls tile(t, r0, Rows) for every x8 tile t with columns in [begin, end) (multiples of 8)
-// and activation rows [r0, r0 + Rows) of `rows`, Rows a std::integral_constant of 1..4:
-// activation rows 64 at a time (their codes stay in L2), tiles 4 at a time (32 weight rows
-// stay in L1 while each 4 activation rows meet them). Both x8 kernels' loop.
-template <typename Tile>
+// and activation rows [r0, r0 + Rows) of `rows`, Rows a std::integral_constant of 1..4 (or 8,
+// where `MaxRows` is 8): activation rows 64 at a time (their codes stay in L2), tiles 4 at a
+// time (32 weight rows stay in L1 while each 4 or 8 activation rows meet them). The x8
+// kernels' loop.
+template <int MaxRows = 4, typename Tile>
 inline void for_each_x8_tile(int64_t rows, int64_t begin, int64_t end, Tile tile) {
   for (int64_t c0 = 0; c0 < rows; c0 += 64) {
     const int64_t c1 = std::min(rows, c0 + 64);
     for (int64_t t0 = begin / 8; t0 < end / 8; t0 += 4) {
       const int64_t t1 = std::min(end / 8, t0 + 4);
-      for (int64_t r0 = c0; r0 < c1; r0 += 4) {
+      for (int64_t r0 = c0; r0 < c1;) {
+        const int64_t step = MaxRows == 8 && c1 - r0 >= 8 ? 8 : std::min<int64_t>(4, c1 - r0);
         for (int64_t t = t0; t < t1; ++t) {
-          switch (std::min<int64_t>(4, c1 - r0)) {
+          switch (step) {
+            case 8:
+              if constexpr (MaxRows == 8) tile(t, r0, std::integral_constant<int, 8>{});
+              break;
             case 4: tile(t, r0, std::integral_constant<int, 4>{}); break;
             case 3: tile(t, r0, std::integral_constant<int, 3>{}); break;
             case 2: tile(t, r0, std::integral_constant<int, 2>{}); break;
             default: tile(t, r0, std::integral_constant<int, 1>{}); break;
           }
         }
+        r0 += step;
       }
     }
   }

@@ -46,13 +46,13 @@ void dot_tile_q6kx8(const uint8_t* tile, int64_t blocks, const QuantizedRows& xq
 #pragma GCC unroll 4
       for (int u = 0; u < 4; ++u) {
         const __m256i w = load32(b + 32 * (4 * g + u));
-#pragma GCC unroll 4
+#pragma GCC unroll 8
         for (int r = 0; r < Rows; ++r) {
           int32_t x4;
           std::memcpy(&x4, codes + r * k + blk * 256 + 4 * (4 * g + u), 4);
           dot[r] = _mm256_dpbusd_epi32(u == 0 ? _mm256_setzero_si256() : dot[r],
                                        _mm256_set1_epi32(x4), w);
-          asm("" : "+x"(dot[r]));
+          asm("" : "+v"(dot[r]));  // any of AVX-512's 32 registers: 8 rows' sums fit
         }
       }
       const __m256i scale = _mm256_cvtepi8_epi32(
@@ -98,7 +98,7 @@ void dot_tile_q6kx8(const uint8_t* tile, int64_t blocks, const QuantizedRows& xq
 inline void matmul_columns_q6kx8(const uint8_t* tiles, int64_t tile_bytes,
                                  const QuantizedRows& xq, int64_t rows, int64_t k, float* y,
                                  int64_t ldy, int64_t begin, int64_t end) {
-  for_each_x8_tile(rows, begin, end, [&](int64_t t, int64_t r0, auto tile_rows) {
+  for_each_x8_tile<kKTileRows>(rows, begin, end, [&](int64_t t, int64_t r0, auto tile_rows) {
     dot_tile_q6kx8<decltype(tile_rows)::value>(tiles + t * tile_bytes, k / 256, xq, r0, k,
                                                y + r0 * ldy + 8 * t, ldy);
   });

@@ -131,7 +131,7 @@ def _mark_weights_static(layer: torch.nn.Module) -> None:
     """Trace every tensor the layer holds with its sizes as constants: its parameters, and the
     GGUF blocks its linear methods keep in plain objects and lists. They have the same sizes
     in every layer and step; under `dynamic=True` each size became a symbol with guards, and
-    tracing those symbols was a third of a start-up's compile (docs/performance.md)."""
+    tracing those symbols was about a quarter of a warm start's compile (docs/benchmarks.md)."""
     seen: set[int] = set()
 
     def visit(value: Any, depth: int) -> None:

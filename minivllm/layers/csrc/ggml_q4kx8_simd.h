@@ -1,6 +1,6 @@
 // Q4_K weights in tiles of 8 rows ("x8"), and their matmul: ggml_q4x8_simd.h's idea for the K
-// kind. Included by ggml_blocks.cpp in namespaces avx2 and vnni (the same code in both: its
-// group scales are applied by `vpmaddwd`, which VNNI's `vpdpbusd` would not save).
+// kind. Included by ggml_blocks.cpp in namespaces avx2 and vnni (the same tiles; VNNI sums a
+// group in int32 with `vpdpbusd` and meets 8 activation rows at once, AVX2 4).
 //
 // The per-lane columns make the K kind's integer scales cheap: a group's 32 products of 8
 // columns end as int16 pairs in 8 lanes, and one `vpmaddwd` by the 8 columns' 6-bit scales (each

@@ -132,6 +132,24 @@ void q6k_from_x8(const uint8_t* src, int c, uint8_t* blk) {
   std::memcpy(blk + 208, src + 2176 + 2 * c, 2);
 }
 
+// Row c of a Q6_K x8 tile (`blocks` blocks of 256 inputs) as values, d * scale * (q - 32) in
+// gguf-py's order, read straight from the tile: moving the row back to the stored layout
+// (x8_row) and unpacking it again took 4x as long (docs/ggml-kernels.md).
+template <typename T>
+void q6k_x8_row_values(const uint8_t* tile, int c, int64_t blocks, T* out) {
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* src = tile + b * 2224;
+    const float d = fp16(src + 2176 + 2 * c);
+    for (int g = 0; g < 16; ++g) {  // 16 inputs: vectors 4 g .. 4 g + 3, 4 codes of row c each
+      const float scale = d * static_cast<float>(static_cast<int8_t>(src[2048 + 8 * g + c]));
+      for (int v = 4 * g; v < 4 * g + 4; ++v) {
+        const int8_t* q = reinterpret_cast<const int8_t*>(src + 32 * v + 4 * c);
+        for (int t = 0; t < 4; ++t) out[256 * b + 4 * v + t] = static_cast<T>(scale * q[t]);
+      }
+    }
+  }
+}
+
 // Row c of an x8 tile (`groups` groups) back in ggml's layout: one block a group.
 void x8_row(int qtype, const uint8_t* tile, int c, int64_t groups, uint8_t* row) {
   const Geometry geo = geometry(qtype);

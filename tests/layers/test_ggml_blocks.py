@@ -216,9 +216,13 @@ def test_k_x8_layout_computes_the_stored_blocks_integers(qtype: T, isa: str) -> 
         torch.testing.assert_close(y, stored, rtol=1e-5, atol=1e-5 * stored.abs().max())
     expected = torch.from_numpy(dequantize(blocks, qtype).reshape(n, k))
     assert torch.equal(ops.ggml_dequantize(tiles, x8, k, torch.float32, 0), expected)
-    # bf16 (the AMX path's tiles): those values rounded to nearest even
+    # bf16 (the AMX path's tiles): those values rounded to nearest even; through the tiles'
+    # matmul in ranges of 12 rows, whole tiles and rows of split ones alike
     bf16 = ops.ggml_dequantize(tiles, x8, k, torch.bfloat16, 0)
     assert torch.equal(bf16, expected.to(torch.bfloat16))
+    x = torch.randn(5, k, dtype=torch.bfloat16)
+    tiled = ops.ggml_dequant_matmul(x, tiles, x8, 12)
+    torch.testing.assert_close(tiled, x @ bf16.T, rtol=2e-2, atol=2e-2)
 
 
 def test_x8_bad_input_is_a_clear_error() -> None:

@@ -500,18 +500,24 @@ void dequantize_into(const at::Tensor& blocks, int qtype, int64_t k, int64_t beg
     char* at_b = static_cast<char*>(out) + (b - begin) * k * (bf16 ? 2 : 4);
     if (!x8) return rows_into(blocks.data_ptr<uint8_t>(), b, e, at_b);
     std::vector<uint8_t> row(row_bytes);
-    for (int64_t n = b; n < e; ++n) {  // row n % 8 of tile n / 8
+    for (int64_t n = b; n < e;) {  // row n % 8 of tile n / 8
       const uint8_t* tile = blocks.data_ptr<uint8_t>() + (n / 8) * blocks.size(1);
-      const int c = static_cast<int>(n % 8);
       char* at_row = at_b + (n - b) * k * (bf16 ? 2 : 4);
-      if (kind == kQ6_K && bf16) {
-        q6k_x8_row_values(tile, c, k / 256, reinterpret_cast<at::BFloat16*>(at_row));
-      } else if (kind == kQ6_K) {
-        q6k_x8_row_values(tile, c, k / 256, reinterpret_cast<float*>(at_row));
-      } else {  // moved back to the stored layout first
-        x8_row(kind, tile, c, k / geo.elems, row.data());
-        rows_into(row.data(), 0, 1, at_row);
+      if (kind == kQ6_K && isa != kScalar && n % 8 == 0 && n + 8 <= e) {  // the tile at once
+        for (int64_t blk = 0; blk < k / 256; ++blk) {
+          const uint8_t* src = tile + blk * x8_group_bytes(kind);
+          if (bf16) {
+            q6k_x8_block_values(src, reinterpret_cast<uint16_t*>(at_row) + 256 * blk, k);
+          } else {
+            q6k_x8_block_values(src, reinterpret_cast<float*>(at_row) + 256 * blk, k);
+          }
+        }
+        n += 8;
+        continue;
       }
+      x8_row(kind, tile, static_cast<int>(n % 8), k / geo.elems, row.data());  // moved back
+      rows_into(row.data(), 0, 1, at_row);
+      ++n;
     }
   });
 }

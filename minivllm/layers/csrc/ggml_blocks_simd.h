@@ -12,6 +12,18 @@ inline __m256i load32(const uint8_t* p) {
   return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
 }
 
+// 8 floats to out: fp32 as they are, or bf16 rounded to nearest even (+ 0x7FFF + bit 16, the
+// high half kept).
+inline void store8(float* out, __m256 v) { _mm256_storeu_ps(out, v); }
+inline void store8(uint16_t* out, __m256 v) {
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  const __m256i rounded =
+      _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF))), 16);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(out),
+                   _mm_packus_epi32(_mm256_castsi256_si128(rounded), _mm256_extracti128_si256(rounded, 1)));
+}
+
 // 16 bytes of packed nibbles -> 32 codes 0..15 in input order: the low nibbles are inputs
 // 0..15, the high ones 16..31 (Q4_0 / Q4_1 / Q5_0 / Q5_1).
 inline __m256i nibbles16(const uint8_t* p) {
@@ -315,17 +327,10 @@ void dequantize_rows_of(const uint8_t* weights, int64_t row_bytes, int64_t k, in
           const __m128i eight = part & 1 ? _mm_srli_si128(halves[part / 2], 8) : halves[part / 2];
           const __m256 f = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(eight));
           const __m256 v = _mm256_add_ps(_mm256_mul_ps(f, _mm256_set1_ps(scales[2 * j + part / 2])), min);
-          if (bf16) {  // round to nearest even: + 0x7FFF + (bit 16), keep the high half
-            const __m256i bits = _mm256_castps_si256(v);
-            const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
-            const __m256i rounded = _mm256_srli_epi32(
-                _mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF))), 16);
-            const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(rounded),
-                                                    _mm256_extracti128_si256(rounded, 1));
-            _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<uint16_t*>(out) + at + 8 * part),
-                             packed);
+          if (bf16) {
+            store8(static_cast<uint16_t*>(out) + at + 8 * part, v);
           } else {
-            _mm256_storeu_ps(static_cast<float*>(out) + at + 8 * part, v);
+            store8(static_cast<float*>(out) + at + 8 * part, v);
           }
         }
       }

@@ -132,22 +132,6 @@ void q6k_from_x8(const uint8_t* src, int c, uint8_t* blk) {
   std::memcpy(blk + 208, src + 2176 + 2 * c, 2);
 }
 
-inline __m256i load256(const uint8_t* p) {
-  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-}
-
-// 8 floats to out: fp32 as they are, or bf16 rounded to nearest even (+ 0x7FFF + bit 16, the
-// high half kept: the rounding of ggml_blocks_simd.h's dequantize_rows).
-inline void store8(float* out, __m256 v) { _mm256_storeu_ps(out, v); }
-inline void store8(uint16_t* out, __m256 v) {
-  const __m256i bits = _mm256_castps_si256(v);
-  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
-  const __m256i rounded =
-      _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF))), 16);
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(out),
-                   _mm_packus_epi32(_mm256_castsi256_si128(rounded), _mm256_extracti128_si256(rounded, 1)));
-}
-
 // A tile's 8 rows of one Q6_K x8 block (256 inputs) as values, row c at out + c * ldo:
 // (d * scale) * (q - 32) in gguf-py's order, so fp32 is bit-exact. The tile is read as stored,
 // 8 rows at once: each vector holds 4 codes of every row, widened two rows at a time and
@@ -167,13 +151,13 @@ void q6k_x8_block_values(const uint8_t* src, T* out, int64_t ldo) {
         _mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + 2048 + 8 * g))));
     const __m256 s = _mm256_mul_ps(dv, sc);  // [8 rows]
     for (int v = 4 * g; v < 4 * g + 4; ++v) {
-      const __m256i codes = load256(src + 32 * v);  // lane c: row c's inputs 4 v .. 4 v + 3
+      const __m256i codes = avx2::load32(src + 32 * v);  // lane c: row c's inputs 4 v .. 4 v + 3
       const __m128i half[2] = {_mm256_castsi256_si128(codes), _mm256_extracti128_si256(codes, 1)};
       for (int p = 0; p < 4; ++p) {  // rows 2 p and 2 p + 1
         const __m128i eight = p & 1 ? _mm_srli_si128(half[p / 2], 8) : half[p / 2];
         const __m256 f = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(eight));
         alignas(32) T both[8];
-        store8(both, _mm256_mul_ps(_mm256_permutevar8x32_ps(s, lanes[p]), f));
+        avx2::store8(both, _mm256_mul_ps(_mm256_permutevar8x32_ps(s, lanes[p]), f));
         std::memcpy(out + 2 * p * ldo + 4 * v, both, 4 * sizeof(T));
         std::memcpy(out + (2 * p + 1) * ldo + 4 * v, both + 4, 4 * sizeof(T));
       }

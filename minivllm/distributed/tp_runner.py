@@ -210,6 +210,14 @@ class TPModelRunner:
         self.block_size = config.block_size
         address = _rendezvous_address(world_size)
         if address is None:
+            if self.device.type == "cuda" and world_size > torch.cuda.device_count():
+                # Each local rank takes its own GPU: a missing one would kill that rank's
+                # process at start-up with CUDA's "invalid device ordinal".
+                raise ValueError(
+                    f"tensor_parallel_size={world_size} on CUDA needs {world_size} GPUs, one a "
+                    f"rank; torch sees {torch.cuda.device_count()}: pass a smaller "
+                    "tensor_parallel_size, or device='cpu'"
+                )
             address = ("127.0.0.1", parallel_state.free_loopback_port())
             self._workers = _start_local_workers(world_size, address[1], self.device.type)
             torch.set_num_threads(parallel_state.threads_per_rank(world_size))

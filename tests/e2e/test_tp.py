@@ -20,6 +20,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+import torch
 from support.model_fixtures import (
     FAMILIES,
     build_tokenizer,
@@ -166,6 +167,17 @@ def test_unsplittable_model_fails_before_any_worker_starts(tiny_llama_dir):
         LLM(str(tiny_llama_dir), tensor_parallel_size=3, max_model_len=128)
     with pytest.raises(ValueError, match="4 attention heads over tensor_parallel_size=5"):
         LLM(str(tiny_llama_dir), tensor_parallel_size=5, max_model_len=128)
+    assert child_pids() <= before
+
+
+def test_more_ranks_than_gpus_fails_before_any_worker_starts(tiny_llama_dir, monkeypatch):
+    """On CUDA each rank takes a GPU: two ranks on a one-GPU machine is a clear error, not a
+    worker dead of "invalid device ordinal" (torch's CUDA queries faked: CI has no GPU)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    before = child_pids()
+    with pytest.raises(ValueError, match="tensor_parallel_size=2 on CUDA needs 2 GPUs.*sees 1"):
+        LLM(str(tiny_llama_dir), device="cuda", tensor_parallel_size=2, max_model_len=128)
     assert child_pids() <= before
 
 

@@ -139,9 +139,9 @@ def model_files(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 
 @pytest.fixture(scope="module")
 def llm(model_files: tuple[Path, Path]) -> LLM:
-    # the default options: fp32 eager on an AVX2-only CPU, bf16 with the compiled decode step
-    # on an AVX-512 one
-    return LLM(model=str(model_files[0]), num_kv_blocks=64)
+    # the default options on the CPU (the block kernels' device, also on a machine with a
+    # GPU): fp32 eager on an AVX2-only CPU, bf16 with the compiled decode step on an AVX-512 one
+    return LLM(model=str(model_files[0]), device="cpu", num_kv_blocks=64)
 
 
 def test_block_typed_layers_hold_no_dense_weight(llm: LLM) -> None:

@@ -73,34 +73,54 @@ def _library_path() -> Path:
 
 
 def _build(target: Path) -> None:
-    """Compile SOURCES against the installed torch into `target` (atomically)."""
+    """Compile SOURCES against the installed torch into `target` (atomically): each source in
+    a compiler process of its own, all at once, so a first start waits for the slowest source
+    rather than for their sum (docs/benchmarks.md, "Start-up"); then one link."""
     from torch.utils import cpp_extension
 
     compiler = os.environ.get("CXX", "g++")
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    compile_flags = [flag for flag in FLAGS if flag != "-shared"]
+    includes = [f"-I{path}" for path in cpp_extension.include_paths()]
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         built = Path(tmp) / target.name
-        command = [
+        objects = [Path(tmp) / f"{source.stem}.o" for source in SOURCES]
+        logger.info("building minivllm's CPU kernels (once per torch version): %s", target)
+        try:
+            jobs = [
+                subprocess.Popen(
+                    [compiler, *compile_flags, f"-D_GLIBCXX_USE_CXX11_ABI={abi}", *includes]
+                    + ["-c", str(source), "-o", str(obj)],
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    text=True,
+                )
+                for source, obj in zip(SOURCES, objects, strict=True)
+            ]
+        except OSError as error:
+            raise KernelBuildError(f"no C++ compiler {compiler!r}: {error}") from error
+        failed = []
+        for source, job in zip(SOURCES, jobs, strict=True):
+            _, stderr = job.communicate()
+            if job.returncode != 0:
+                failed.append(f"{source.name}:\n{stderr[-2000:]}")
+        if failed:
+            raise KernelBuildError(f"{compiler} failed on " + "\n".join(failed))
+        link = [
             compiler,
             *FLAGS,
-            f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
-            *(f"-I{path}" for path in cpp_extension.include_paths()),
-            *(str(source) for source in SOURCES),
+            *(str(obj) for obj in objects),
             "-o",
             str(built),
             *(f"-L{path}" for path in cpp_extension.library_paths()),
             "-lc10",
             "-ltorch_cpu",
         ]
-        logger.info("building minivllm's CPU kernels (once per torch version): %s", target)
-        try:
-            result = subprocess.run(command, capture_output=True, text=True, check=False)
-        except OSError as error:
-            raise KernelBuildError(f"no C++ compiler {compiler!r}: {error}") from error
+        result = subprocess.run(link, capture_output=True, text=True, check=False)
         if result.returncode != 0:
             raise KernelBuildError(
-                f"{compiler} failed on {[s.name for s in SOURCES]}:\n{result.stderr[-2000:]}"
+                f"{compiler} failed to link the kernels:\n{result.stderr[-2000:]}"
             )
         os.replace(built, target)
 

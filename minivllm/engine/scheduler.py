@@ -34,12 +34,12 @@ from minivllm.engine.sequence import (
     FinishReason,
     Sequence,
     SequenceStatus,
-    blocks_for,
     check_invariants,
 )
 from minivllm.engine.spec_decode import NgramProposer, Proposer, SpecDecodeStats
 from minivllm.engine.spec_policy import SpeculationPolicy
 from minivllm.logprobs import Logprob
+from minivllm.paging import blocks_for
 
 
 @dataclass

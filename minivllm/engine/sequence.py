@@ -22,6 +22,7 @@ import time
 from enum import Enum
 
 from minivllm.logprobs import Logprob
+from minivllm.paging import blocks_for
 from minivllm.sampling_params import SamplingParams
 
 
@@ -127,11 +128,6 @@ class Sequence:
         self.num_tokens = num_tokens
         self.num_cached_tokens = min(self.num_cached_tokens, num_tokens)
         del self.logprobs[num_tokens - self.num_prompt_tokens :]
-
-
-def blocks_for(num_tokens: int, block_size: int) -> int:
-    """ceil(num_tokens / block_size)."""
-    return (num_tokens + block_size - 1) // block_size
 
 
 def check_invariants(seq: Sequence, block_size: int) -> None:

@@ -26,7 +26,8 @@ from typing import Any
 
 from minivllm.config import EngineConfig
 from minivllm.engine.scheduler import ScheduledBatch
-from minivllm.engine.sequence import Sequence, SequenceStatus, blocks_for
+from minivllm.engine.sequence import Sequence, SequenceStatus
+from minivllm.paging import blocks_for
 from minivllm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)

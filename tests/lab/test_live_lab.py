@@ -31,8 +31,8 @@ from support.server_helpers import scrape_metrics
 
 from minivllm.config import EngineConfig
 from minivllm.engine.llm_engine import LLMEngine
-from minivllm.engine.sequence import blocks_for
 from minivllm.lab.live import REQUEST_FIELDS, TIMELINE_FIELDS
+from minivllm.paging import blocks_for
 from minivllm.server import ServerThread, create_app
 
 KEY = "live-key"

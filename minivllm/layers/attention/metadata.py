@@ -12,8 +12,8 @@ from functools import cached_property
 import torch
 import torch.nn.functional as F
 
-from minivllm.engine.sequence import blocks_for
 from minivllm.layers.attention.partition import partition_batch
+from minivllm.paging import blocks_for
 
 
 @dataclass

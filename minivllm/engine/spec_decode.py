@@ -88,17 +88,6 @@ def propose_ngram(tokens: np.ndarray, min_n: int, max_n: int, k: int) -> list[in
     return []
 
 
-def accept_greedy(drafts: list[int], targets: list[int]) -> int:
-    """How many drafts greedy verification accepts: the longest prefix of `drafts` equal to the
-    target's argmax at the same positions (`targets` has one more entry, the bonus)."""
-    accepted = 0
-    for draft, target in zip(drafts, targets):
-        if draft != target:
-            break
-        accepted += 1
-    return accepted
-
-
 PER_POSITION_KEY = "spec_decode_num_accepted_tokens_per_pos"
 
 

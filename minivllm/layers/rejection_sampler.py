@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import torch
 
-from minivllm.engine.spec_decode import accept_greedy
 from minivllm.layers.sampler import (
     Sampler,
     SamplerOutput,
@@ -28,6 +27,17 @@ from minivllm.layers.sampler import (
     sample_from,
 )
 from minivllm.logprobs import Logprob
+
+
+def accept_greedy(drafts: list[int], targets: list[int]) -> int:
+    """How many drafts greedy verification accepts: the longest prefix of `drafts` equal to the
+    target's argmax at the same positions (`targets` has one more entry, the bonus)."""
+    accepted = 0
+    for draft, target in zip(drafts, targets):
+        if draft != target:
+            break
+        accepted += 1
+    return accepted
 
 
 def verify(sampler: Sampler, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:

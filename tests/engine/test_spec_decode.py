@@ -23,7 +23,6 @@ from minivllm.engine.sequence import SequenceStatus
 from minivllm.engine.spec_decode import (
     NgramProposer,
     SpecDecodeStats,
-    accept_greedy,
     mean_acceptance_length,
     per_position,
     propose_ngram,
@@ -68,12 +67,6 @@ def test_proposer_respects_its_room_and_its_minimum():
     assert proposer.propose(tokens, 1) == [3]
     assert proposer.propose(tokens, 0) == []
     assert NgramProposer(SpeculativeConfig(prompt_lookup_min=3)).propose([1, 2, 3], 4) == []
-
-
-def test_greedy_acceptance_is_the_longest_prefix_equal_to_the_target():
-    assert accept_greedy([5, 6, 7], [5, 6, 9, 1]) == 2
-    assert accept_greedy([5, 6, 7], [4, 6, 7, 1]) == 0
-    assert accept_greedy([5, 6, 7], [5, 6, 7, 1]) == 3
 
 
 # ---- configuration ---------------------------------------------------------------------

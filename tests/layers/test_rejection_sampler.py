@@ -10,8 +10,15 @@ import torch
 from minivllm.engine.model_runner import sampling_batch
 from minivllm.engine.scheduler import ScheduledBatch
 from minivllm.engine.sequence import Sequence
-from minivllm.layers.rejection_sampler import accept
+from minivllm.layers.rejection_sampler import accept, accept_greedy
 from minivllm.sampling_params import SamplingParams
+
+
+def test_greedy_acceptance_is_the_longest_prefix_equal_to_the_target():
+    """A draft counts only while every draft before it matched: the first mismatch ends it."""
+    assert accept_greedy([5, 6, 7], [5, 6, 9, 1]) == 2
+    assert accept_greedy([5, 6, 7], [4, 6, 7, 1]) == 0
+    assert accept_greedy([5, 6, 7], [5, 6, 7, 1]) == 3
 
 
 def test_greedy_accepts_the_prefix_equal_to_the_argmax_and_takes_the_next_argmax():

@@ -17,7 +17,6 @@ import xxhash
 
 from minivllm.engine.runner_output import RunnerOutput, SampledToken
 from minivllm.engine.scheduler import ScheduledBatch
-from minivllm.engine.spec_decode import accept_greedy
 
 
 def next_token(context: list[int], vocab_size: int, order: int | None = None) -> int:
@@ -61,7 +60,9 @@ class FakeModelRunner:
                 next_token(context[: seq.num_tokens + j], self.vocab_size, self.order)
                 for j in range(len(drafts) + 1)
             ]
-            accepted = accept_greedy(drafts, targets)
+            # Greedy verification (the rejection sampler's rule, kept here so the engine's
+            # tests stay torch-free): the longest prefix of drafts equal to the targets.
+            accepted = next((j for j, d in enumerate(drafts) if d != targets[j]), len(drafts))
             samples.append(SampledToken(targets[accepted], num_accepted=accepted))
         return RunnerOutput(samples)
 

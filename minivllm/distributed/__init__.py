@@ -1,11 +1,9 @@
-"""Tensor parallelism over `torch.distributed`: gloo on the CPU, NCCL on CUDA.
+"""Tensor parallelism's ground floor, over `torch.distributed` (gloo on the CPU, NCCL on CUDA):
 
 - `heads`: which attention heads (and so which KV heads) each rank holds.
 - `parallel_state`: the rendezvous of the ranks and the collectives the layers call.
-- `messages`: the typed per-step message rank 0 broadcasts to the other ranks.
-- `worker`: the loop of ranks 1..k-1 (also the command that starts a rank on another machine).
-- `tp_runner`: `TPModelRunner`, rank 0's runner, which starts, drives and stops the workers.
 
-Nothing here is imported by the single-process engine unless `tensor_parallel_size > 1`,
-except `heads` and `parallel_state`, which the layers use and which import no engine code.
+Both import nothing from the rest of the package, so the layers may use them. The executor that
+drives the ranks sits beside the runner, in `minivllm/engine/`: `tp_runner` (rank 0's runner),
+`tp_worker` (ranks 1..k-1) and `tp_messages` (the per-step message between them).
 """

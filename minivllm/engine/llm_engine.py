@@ -104,7 +104,7 @@ class LLMEngine:
         draft = resolve_draft(config, hf_config)  # a bad draft fails before any weight is read
         defaults = default_sampling_params(config.generation_config, model_dir)
         if config.tensor_parallel_size > 1:
-            from minivllm.distributed.tp_runner import TPModelRunner
+            from minivllm.engine.tp_runner import TPModelRunner
 
             runner: ModelRunnerLike = TPModelRunner(config, model_dir, hf_config)
         else:

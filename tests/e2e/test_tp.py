@@ -32,8 +32,8 @@ from transformers import Qwen2ForCausalLM as HFQwen2ForCausalLM
 from transformers import Qwen3ForCausalLM as HFQwen3ForCausalLM
 
 from minivllm import LLM, SamplingParams
-from minivllm.distributed import tp_runner
 from minivllm.distributed.heads import HeadShard, shard_heads
+from minivllm.engine import tp_runner
 
 PROMPTS = [[5, 17, 42, 99, 3], list(range(10, 60)), [7] * 23, list(range(10, 40)) + [300, 301]]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)

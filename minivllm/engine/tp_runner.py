@@ -7,7 +7,7 @@ flat model inputs, never Sequences) to ranks 1..k-1, then runs the same single-p
 the LM head gathers the full logits on rank 0, the only rank that samples.
 
 Lifecycle. On one machine the runner starts ranks 1..k-1 itself, as
-`python -m minivllm.distributed.worker` processes meeting at a free loopback port. When
+`python -m minivllm.engine.tp_worker` processes meeting at a free loopback port. When
 `WORLD_SIZE` and `RANK=0` are set in the environment (torch's `env://` variables, with
 `MASTER_ADDR` and `MASTER_PORT`), it starts none and waits for ranks started by hand on other
 machines. `close()` (also run when the runner is garbage-collected and at interpreter exit)
@@ -36,11 +36,11 @@ import torch.distributed as dist
 from minivllm.config import EngineConfig
 from minivllm.distributed import parallel_state
 from minivllm.distributed.heads import shard_heads
-from minivllm.distributed.messages import ShutdownMessage, StepMessage, send
 from minivllm.engine.device import resolve_device
 from minivllm.engine.model_runner import ModelRunner, prepare_inputs
 from minivllm.engine.runner_output import RunnerOutput
 from minivllm.engine.scheduler import ScheduledBatch
+from minivllm.engine.tp_messages import ShutdownMessage, StepMessage, send
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +48,7 @@ logger = logging.getLogger(__name__)
 # place rather than `import minivllm`, whose __init__ imports the engine that imports us).
 PACKAGE_ROOT = Path(__file__).resolve().parents[2]
 SHUTDOWN_WAIT_S = 10.0  # how long workers get to leave after the shutdown message
-WORKER_COMMAND = [sys.executable, "-m", "minivllm.distributed.worker"]
+WORKER_COMMAND = [sys.executable, "-m", "minivllm.engine.tp_worker"]
 DEATH_NOTICE_S = 2.0  # after a failed collective, how long to wait for the dead worker to show
 
 
@@ -184,7 +184,7 @@ def _rendezvous_address(world_size: int) -> tuple[str, int] | None:
     if os.environ["RANK"] != "0":
         raise ValueError(
             f"the engine is rank 0, but RANK={os.environ['RANK']}: start the other ranks with "
-            "`python -m minivllm.distributed.worker`"
+            "`python -m minivllm.engine.tp_worker`"
         )
     if int(os.environ["WORLD_SIZE"]) != world_size:
         raise ValueError(

@@ -7,7 +7,7 @@ The engine starts local workers itself. On other machines start each rank by han
 torch's `env://` variables (`MASTER_ADDR`, `MASTER_PORT`, `WORLD_SIZE`, `RANK`, optionally
 `LOCAL_RANK` for the GPU and `LOCAL_WORLD_SIZE` for the CPU thread share):
 
-    RANK=1 WORLD_SIZE=2 MASTER_ADDR=10.0.0.1 MASTER_PORT=29500 python -m minivllm.distributed.worker
+    RANK=1 WORLD_SIZE=2 MASTER_ADDR=10.0.0.1 MASTER_PORT=29500 python -m minivllm.engine.tp_worker
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ import torch
 import torch.distributed as dist
 
 from minivllm.distributed import parallel_state
-from minivllm.distributed.messages import ShutdownMessage, StepMessage, receive
 from minivllm.engine.logits import compute_logits_in_slices
+from minivllm.engine.tp_messages import ShutdownMessage, StepMessage, receive
 
 if TYPE_CHECKING:
     from minivllm.engine.model_runner import ModelRunner
@@ -101,7 +101,7 @@ def _env_int(name: str, default: int | None = None) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m minivllm.distributed.worker", description=__doc__.split("\n\n")[0]
+        prog="python -m minivllm.engine.tp_worker", description=__doc__.split("\n\n")[0]
     )
     parser.add_argument(
         "--device",

@@ -1,8 +1,10 @@
 """The package's shape (CONTRIBUTING.md, "Layout"): one job per room.
 
 Guards against the drift that made `server/app.py` an 800-line file: no module over 400
-lines, no function over 60, and no import cycle between the package's modules, lazy imports
-(inside functions) included, found by reading the source with `ast`.
+lines, no function over 60, no import cycle between the package's modules, and every import
+pointing down the floors (helpers -> layers -> models -> engine -> the API -> the lab, the
+benchmarks, the server -> scale -> the CLI), lazy imports (inside functions) included, found by
+reading the source with `ast`.
 """
 
 from __future__ import annotations
@@ -27,6 +29,11 @@ def _modules() -> dict[str, Path]:
 
 def _imports(name: str, path: Path, known: set[str]) -> set[str]:
     """The package modules `name` imports anywhere in its source (top level or lazily)."""
+    return {target for target, _ in _import_lines(name, path, known)}
+
+
+def _import_lines(name: str, path: Path, known: set[str]) -> set[tuple[str, int]]:
+    """(package module, line) for each import in `name`'s source, top level or lazy."""
     is_package = path.name == "__init__.py"
     found = set()
     for node in ast.walk(ast.parse(path.read_text())):
@@ -45,7 +52,7 @@ def _imports(name: str, path: Path, known: set[str]) -> set[str]:
             while target and target not in known:  # `from pkg import mod` or `from mod import f`
                 target = target.rpartition(".")[0]
             if target and target != name:
-                found.add(target)
+                found.add((target, node.lineno))
     return found
 
 
@@ -124,3 +131,57 @@ def test_the_engine_core_imports_neither_torch_nor_the_server_nor_the_lab() -> N
                 if t.startswith(("minivllm.server", "minivllm.lab"))
             }
             assert not bad, f"{name} imports {bad}"
+
+
+# The floors (STYLE.md, "Imports point down"): which of the package's top-level units (a
+# subpackage, a module beside them, or `minivllm` itself, the public API) each may import.
+# The ground helpers may use each other (the cycle test keeps that honest); a helper that a
+# higher floor and a lower one both need moves down here, as `paging.blocks_for` did.
+HELPERS = {
+    "cache",
+    "config",
+    "distributed",  # the ranks' state and head split; the TP executor is in engine/
+    "logprobs",
+    "outputs",
+    "paging",
+    "sampling_params",
+    "structured",
+}
+BELOW_THE_API = HELPERS | {"layers", "models", "engine"}
+API = {"minivllm", "llm"}  # `from minivllm import LLM`
+MAY_IMPORT: dict[str, set[str]] = {
+    **{helper: HELPERS for helper in HELPERS},
+    "layers": HELPERS,
+    "models": HELPERS | {"layers"},
+    "engine": HELPERS | {"layers", "models"},
+    "minivllm": BELOW_THE_API | API,
+    "llm": BELOW_THE_API | API,
+    "lab": BELOW_THE_API | API,
+    "bench": BELOW_THE_API | API,
+    "server": BELOW_THE_API | API | {"lab"},  # `serve --lab` mounts the lab
+    "scale": BELOW_THE_API | API | {"server"},
+    "cli": BELOW_THE_API | API | {"lab", "bench", "server", "scale"},
+}
+
+
+def _unit(module: str) -> str:
+    """The top-level unit a module belongs to: `minivllm.engine.scheduler` -> `engine`."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else parts[0]
+
+
+def test_every_import_points_down_the_floors() -> None:
+    """A lower floor never imports a higher one (the layers nothing from the engine, the
+    engine nothing from the server), lazy imports included; a new unit must take a floor."""
+    modules = _modules()
+    known = set(modules)
+    homeless = sorted({_unit(name) for name in modules} - set(MAY_IMPORT))
+    assert not homeless, f"top-level units without a floor (add them to MAY_IMPORT): {homeless}"
+    upward = []
+    for name, path in sorted(modules.items()):
+        unit = _unit(name)
+        for target, line in sorted(_import_lines(name, path, known)):
+            if _unit(target) != unit and _unit(target) not in MAY_IMPORT[unit]:
+                where = path.relative_to(PACKAGE.parent)
+                upward.append(f"{where}:{line} imports {target} ({unit} may not import it)")
+    assert not upward, "imports that point up a floor:\n" + "\n".join(upward)

@@ -44,7 +44,7 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check minivllm tests scripts benchmarks
 	$(VENV)/bin/ruff format --check minivllm tests scripts benchmarks
 
-# mypy over the engine core and its boundaries (the files in pyproject's [tool.mypy]).
+# mypy over the engine core and its boundaries, the layers and the models (pyproject's [tool.mypy]).
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy
 

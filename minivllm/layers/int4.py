@@ -36,7 +36,7 @@ class Int4Weight:
 
     @property
     def shape(self) -> tuple[int, int]:
-        return tuple(self.codes.shape)  # type: ignore[return-value]
+        return tuple(self.codes.shape)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The dense `[out, in]` weight."""

@@ -267,7 +267,9 @@ class Sampler:
                 bias_cols += list(p.logit_bias)
                 bias_values += list(p.logit_bias.values())
             if _in_min_tokens(batch, row):
-                stops = set(p.stop_token_ids) | set(() if p.ignore_eos else self.eos_token_ids)
+                stops = set(p.stop_token_ids or ()) | set(
+                    () if p.ignore_eos else self.eos_token_ids
+                )
                 banned = [t for t in stops if t < vocab]
                 ban_rows += [row] * len(banned)
                 ban_cols += list(banned)

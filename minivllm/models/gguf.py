@@ -277,8 +277,8 @@ def build_generation_config(config: Any) -> Any:
     )
 
 
-def build_tokenizer(gguf_path: Path) -> Any | None:
-    """The fast tokenizer the GGUF metadata describes, or None when the file has none.
+def build_tokenizer(gguf_path: Path) -> Any:
+    """The fast tokenizer the GGUF metadata describes (`tokenizer.ggml.*`).
 
     transformers' GGUF tokenizer conversion builds it offline (`local_files_only`); it carries
     the chat template, the special tokens and `add_bos_token`.

@@ -144,7 +144,7 @@ def _floats(values: np.ndarray) -> list[float]:
 
 def _phi3_fields(reader: GGUFFile, arch: str, kwargs: dict) -> dict[str, Any]:
     window = int(meta(reader, f"{arch}.attention.sliding_window", 0))
-    fields = {
+    fields: dict[str, Any] = {
         "sliding_window": window or None,  # llama.cpp writes 0 for none
         "original_max_position_embeddings": int(
             meta(

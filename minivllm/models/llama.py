@@ -66,7 +66,7 @@ class LlamaMLP(nn.Module):
         )
         bias = getattr(config, "mlp_bias", False)
         size = config.intermediate_size
-        tp = dict(tp_size=tp_size, tp_rank=tp_rank)
+        tp: dict[str, Any] = dict(tp_size=tp_size, tp_rank=tp_rank)
         self.gate_up_proj = MergedColumnParallelLinear(
             config.hidden_size, [size, size], bias=bias, **tp
         )
@@ -94,7 +94,7 @@ class LlamaAttention(nn.Module):
         total_kv_heads = getattr(config, "num_key_value_heads", None) or total_heads
         self.head_dim = head_dim_of(config)
         qkv_bias, o_bias = self.biases(config)
-        tp = dict(tp_size=tp_size, tp_rank=tp_rank)
+        tp: dict[str, Any] = dict(tp_size=tp_size, tp_rank=tp_rank)
         self.qkv_proj = QKVParallelLinear(
             config.hidden_size, self.head_dim, total_heads, total_kv_heads, bias=qkv_bias, **tp
         )

@@ -1,8 +1,8 @@
 """The decode step compiled with torch.compile (Inductor) on the CPU.
 
 At batch 1 a decode step of the default model spends more time dispatching small ops (norms,
-rotary, casts, residual adds, attention's gathers: about 1,500 per step) than in its
-matmuls. Compiled, they become a few fused C++ loops per layer around the matmuls.
+rotary, casts, residual adds, attention's gathers: dozens a layer) than in its matmuls.
+Compiled, they become a few fused C++ loops per layer around the matmuls.
 
 What is compiled: one decoder layer's forward, for decode-only steps, with attention as our
 paged kernel's operator where it runs (bf16 models: `paged_decode_supported`), else as plain
@@ -131,7 +131,7 @@ def _mark_weights_static(layer: torch.nn.Module) -> None:
     """Trace every tensor the layer holds with its sizes as constants: its parameters, and the
     GGUF blocks its linear methods keep in plain objects and lists. They have the same sizes
     in every layer and step; under `dynamic=True` each size became a symbol with guards, and
-    tracing those symbols was about a quarter of a warm start's compile (docs/benchmarks.md)."""
+    tracing those symbols was a large share of a warm start's compile (docs/performance.md)."""
     seen: set[int] = set()
 
     def visit(value: Any, depth: int) -> None:
@@ -266,7 +266,7 @@ class CompiledDecode:
         # on every call (30 a layer, 900 a step); the first layer of each step goes through
         # Dynamo's guards, and the others are called with the same step's tensors.
         # vec_isa_ok: trust the CPU's flags for its vector ISA; else Inductor confirms each one
-        # by building and loading a test library, in a new Python process (about 1 s a start).
+        # by building and loading a test library, in a new Python process at every start.
         patches = {"size_asserts": False, "cpp.vec_isa_ok": True}
         compiled = compile_fx(graph, example_inputs, config_patches=patches)
         layer_graph = LayerGraph(compiled, graph)

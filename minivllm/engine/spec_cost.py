@@ -36,9 +36,9 @@ CONTEXT = 32  # tokens already cached before the timed steps
 ROUNDS = 5
 MAX_COST = 100.0  # r at or past 1 + k: a token costs a step, so drafts never pay
 # Below this best case (every draft accepted) speculation is left off: what it could win is
-# within what the cost model misses (probes, partial acceptance, larger batches). Measured:
-# where a 5-token step cost 3 one-token steps (best case 1.67x), open chat lost 17-21% and
-# quoting answers won at most 15% (docs/benchmarks.md).
+# within what the cost model misses (probes, partial acceptance, larger batches); with a best
+# case below it, open chat lost and quoting answers barely won (docs/benchmarks.md,
+# "Speculative decoding on chat workloads").
 MIN_BEST_SPEEDUP = 2.0
 
 

@@ -37,7 +37,7 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_HISTORY = 300  # frames kept for the page's pause-and-scrub
 
-# One request in a frame: the Sequence fields the issue names, in this order.
+# One request in a frame: the Sequence fields of the tutorial chapter, in docs/lab.md's order.
 REQUEST_FIELDS = (
     "request_id",
     "status",

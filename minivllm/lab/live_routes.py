@@ -1,7 +1,7 @@
 """The live lab's routes on the server's own port (`minivllm serve --lab`), read-only:
 
 - GET /lab: the page (live.html); its files at GET /lab/static/<name>.
-- GET /lab/api/live: the latest frame as the issue's JSON (`LiveRecorder.live`).
+- GET /lab/api/live: the latest frame as docs/lab.md's JSON (`LiveRecorder.live`).
 - GET /lab/api/frames?after=N: the frames recorded after frame N, which the page polls.
 
 The API obeys the server's API key like /v1 (`check_auth`, a 401 in OpenAI's error shape);

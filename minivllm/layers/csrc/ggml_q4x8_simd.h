@@ -19,8 +19,8 @@
 // Bytes of one x8 group.
 constexpr int q4x8_group_bytes(int qt) { return qt == kQ4_1 ? 160 : 144; }
 // How far ahead of its reads a tile's kernel asks memory for weight bytes: a one-row step
-// streams every weight once, and the prefetcher alone left the layers' matmuls of the default
-// model 1.2x slower (docs/ggml-kernels.md).
+// streams every weight once, faster than the hardware prefetcher alone keeps up with
+// (docs/ggml-kernels.md, "Prefetch").
 constexpr int kQ4x8Ahead = 2048;
 
 // Output columns [n0, n0 + 8) for the `Rows` activation rows [row0, row0 + Rows): y[r * ldy + c].

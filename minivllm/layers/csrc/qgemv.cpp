@@ -11,8 +11,8 @@
 // one sequential stream. (The tensors keep the shapes [N, K * bits / 8] and [N, K / 32].)
 //
 // The fp32 activations are quantized per row and group of 32 to 16-bit integers, `x = step *
-// xq` with step = max|x| / 32767 (one 8-bit code per group, llama.cpp's Q8 activations, cost
-// the default model 2.7% perplexity), and the weight codes widened to 16 bits in registers, so
+// xq` with step = max|x| / 32767 (one 8-bit code per group, llama.cpp's Q8 activations, lost
+// too much perplexity: docs/performance.md), and the weight codes widened to 16 bits, so
 // that a group's dot product is integer (`vpmaddwd`: 16 products a instruction, summed exactly
 // in int32) and scaled once: `scale * step * sum(q * xq)`. The min term uses the exact fp32 sum
 // of the group's activations: `min * sum(x)`. So a step reads 5 (or 8.5) bits per weight

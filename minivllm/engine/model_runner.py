@@ -22,6 +22,7 @@ from minivllm.distributed import parallel_state
 from minivllm.distributed.heads import shard_heads
 from minivllm.engine import memory
 from minivllm.engine.compiled_decode import CompiledDecode, compile_decode_step
+from minivllm.engine.cuda_graphs import CudaGraphDecode, capture_decode_graphs, use_cuda_graphs
 from minivllm.engine.device import resolve_device, resolve_dtype
 from minivllm.engine.logits import compute_logits_in_slices, score_prompt_rows
 from minivllm.engine.runner_output import RunnerOutput, SampledToken
@@ -199,6 +200,8 @@ class ModelRunner:
         self.weight_kernel = self._quantize()
         self._read_model_shape(tp_rank, tp_size)
         self.num_kv_blocks = self._size_kv_cache(tp_size)
+        # CUDA graphs' padding rows write to one more block, past the block manager's pool.
+        self.graphs_on = use_cuda_graphs(config.enforce_eager, self.device, tp_size)
         self.kv_caches = self._allocate_kv_cache()
         self.attention_backends = self._bind_attention()
         self.sampler = Sampler(config.seed, self.device, config.eos_token_ids)
@@ -206,6 +209,7 @@ class ModelRunner:
         # leaves a core to its HTTP thread (see minivllm/server/serve.py).
         self.small_step_threads: int | None = None
         self.compiled_decode = self._warm_up_compiled_decode(tp_size)
+        self.cuda_graphs = self._capture_cuda_graphs()
         self.memory = self._measure_memory()
 
     def _read_model_shape(self, tp_rank: int, tp_size: int) -> None:
@@ -234,7 +238,8 @@ class ModelRunner:
 
     def _allocate_kv_cache(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """One (K, V) pair per layer, `[num_kv_blocks, block_size, num_kv_heads, head_dim]`."""
-        shape = (self.num_kv_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+        blocks = self.num_kv_blocks + int(self.graphs_on)
+        shape = (blocks, self.block_size, self.num_kv_heads, self.head_dim)
         # Zeros, not empty: padded gathers read unused slots, which must be finite.
         return [
             (
@@ -271,6 +276,14 @@ class ModelRunner:
         )
         compiled.warm_up(self.kv_caches, self.block_size)
         return compiled
+
+    def _capture_cuda_graphs(self) -> CudaGraphDecode | None:
+        """The decode step's CUDA graphs, captured now (None: eager steps only)."""
+        if not self.graphs_on:
+            return None
+        return capture_decode_graphs(
+            self.model, self.kv_caches, self.config, self.num_kv_blocks, self.attention_backends
+        )
 
     def _measure_memory(self) -> memory.MemoryReport:
         """The weights' and the KV pool's bytes and the peak resident memory, logged once."""
@@ -353,6 +366,8 @@ class ModelRunner:
         forward = self.model
         if self.compiled_decode is not None and self.compiled_decode.applies(inputs.meta):
             forward = self.compiled_decode
+        elif self.cuda_graphs is not None and self.cuda_graphs.applies(inputs.meta):
+            forward = self.cuda_graphs
         hidden = forward(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
         num_samples = len(inputs.sampling.params)  # rows: drafts add one each
         slices = compute_logits_in_slices(self.model, hidden, inputs.logits_indices)

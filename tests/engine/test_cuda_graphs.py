@@ -146,3 +146,27 @@ def test_a_capture_that_fails_leaves_eager_steps(backends, monkeypatch, caplog) 
     caches = allocate_kv_caches(1, 5, BLOCK, 1, 8)
     assert capture_decode_graphs(lambda *a: a[0], caches, config, 4, backends) is None
     assert "decode steps run eagerly" in caplog.text
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA GPU")
+def test_graphs_give_the_eager_engines_tokens_on_cuda(tiny_llama_dir) -> None:
+    """On CUDA the decode steps replay captured graphs (padded batches of 3, then 2 and 1 as
+    requests finish) and sample the tokens the eager engine samples, greedy, in fp32."""
+    from minivllm import LLM, SamplingParams
+
+    prompts = [[5, 6, 7, 8], [9] * 30, [3, 4]]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (12, 8, 4)]
+    tokens = {}
+    for eager in (True, False):
+        llm = LLM(
+            str(tiny_llama_dir),
+            device="cuda",
+            dtype="float32",
+            max_model_len=64,
+            max_num_seqs=8,
+            enforce_eager=eager,
+        )
+        assert (llm.llm_engine.model_runner.cuda_graphs is None) == eager
+        out = llm.generate(prompts, params, use_tqdm=False)
+        tokens[eager] = [o.outputs[0].token_ids for o in out]
+    assert tokens[True] == tokens[False]

@@ -109,6 +109,22 @@ def test_head_sizes(results: dict, head_dim: int) -> None:
     assert results[f"head_dim_{head_dim}"] is None
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="compiled Triton needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_every_case_compiled_on_cuda(dtype: torch.dtype) -> None:
+    """The same cases through the compiled kernel on a GPU, in the model's bf16 (the tiles of
+    `tl.dot` as the hardware runs them) and in fp32 (IEEE dots: the token-exact path)."""
+    pytest.importorskip("triton")
+    from support.triton_cases import compare
+
+    for name, case in CASES.items():
+        heads = tuple(case.get("heads", (2, 1)))
+        try:
+            compare(**{**case, "heads": heads}, device="cuda", dtype=dtype)
+        except AssertionError as error:
+            raise AssertionError(f"{name}: {error}") from error
+
+
 def test_decode_splits_by_default_only_for_long_small_batches() -> None:
     """Keys are split when a decode step launches few programs over long contexts, never into
     shares under MIN_KEYS_PER_SPLIT keys, and always a power of two."""

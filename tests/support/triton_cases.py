@@ -33,9 +33,12 @@ def compare(
     softcap: float | None = None,
     num_splits: int | None = None,
     seed: int = 0,
+    device: str = "cpu",
+    dtype: torch.dtype = torch.float32,
 ) -> None:
     """One step over a cache holding each sequence's context, in shuffled blocks (the rest of
-    the pool NaN, so a stray read shows), Triton against SDPA."""
+    the pool NaN, so a stray read shows), Triton in `dtype` on `device` against SDPA in fp32
+    on the CPU."""
     num_heads, num_kv_heads = heads
     gen = torch.Generator().manual_seed(seed)
     rng = random.Random(seed)
@@ -55,10 +58,17 @@ def compare(
     q = torch.randn(meta.num_tokens, num_heads, head_dim, generator=gen) * 2
     scale = head_dim**-0.5
     want = paged_attention_sdpa(q, k_cache, v_cache, meta, scale, window, softcap)
+    on_device, _ = make_attention_metadata(tables, context_lens, query_lens, block_size, device)
     got = triton_attention.paged_attention_triton(
-        q, k_cache, v_cache, meta, scale, window, softcap, num_splits=num_splits
+        *(t.to(device, dtype) for t in (q, k_cache, v_cache)),
+        on_device,
+        scale,
+        window,
+        softcap,
+        num_splits=num_splits,
     )
-    torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+    tolerance = 2e-5 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(got.cpu().float(), want, atol=tolerance, rtol=tolerance)
 
 
 def main(cases: dict[str, dict]) -> dict[str, str | None]:

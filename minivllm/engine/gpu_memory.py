@@ -65,24 +65,45 @@ def kv_budget_after_peak(
 CacheShape = tuple[int, int, int, int]  # [num_layers, block_size, KVH, D]
 
 
+def profile_batch(
+    config: EngineConfig, block_size: int, device: Any
+) -> tuple[AttentionMetadata, torch.Tensor]:
+    """The largest step the scheduler plans: `max_num_batched_tokens` new tokens as prompts
+    of `max_model_len` (at most `max_num_seqs` of them), every block-table entry block 0.
+    Returns its metadata and the tokens' positions."""
+    longest = config.max_model_len or config.max_num_batched_tokens
+    lens: list[int] = []
+    left = config.max_num_batched_tokens
+    while left > 0 and len(lens) < config.max_num_seqs:
+        lens.append(min(left, longest))
+        left -= lens[-1]
+    options = {"dtype": torch.int64, "device": device}
+    starts = [0]
+    for n in lens:
+        starts.append(starts[-1] + n)
+    meta = AttentionMetadata(
+        slot_mapping=torch.zeros(starts[-1], **options),
+        query_start_loc=torch.tensor(starts, **options),
+        seq_lens=torch.tensor(lens, **options),
+        block_tables=torch.zeros(len(lens), blocks_for(max(lens), block_size), **options),
+        query_lens_cpu=lens,
+        seq_lens_cpu=list(lens),
+        block_size=block_size,
+    )
+    positions = torch.cat([torch.arange(n, **options) for n in lens])  # [tokens]
+    return meta, positions
+
+
 def profile_activation_peak(
     model: Any, config: EngineConfig, cache_shape: CacheShape, dtype: torch.dtype, device: Any
 ) -> tuple[int, int]:
     """`(peak bytes above what was allocated before, tokens)` of one forward of the largest
     step, over a one-block cache `cache_shape` `[num_layers, block_size, KVH, D]` per layer."""
     num_layers, block_size, num_kv_heads, head_dim = cache_shape
-    tokens = min(config.max_num_batched_tokens, config.max_model_len or 1 << 62)
+    meta, positions = profile_batch(config, block_size, device)
+    tokens = meta.num_tokens
     rows = min(config.max_num_seqs, tokens)
     options = {"dtype": torch.int64, "device": device}
-    meta = AttentionMetadata(
-        slot_mapping=torch.zeros(tokens, **options),
-        query_start_loc=torch.tensor([0, tokens], **options),
-        seq_lens=torch.tensor([tokens], **options),
-        block_tables=torch.zeros(1, blocks_for(tokens, block_size), **options),  # all block 0
-        query_lens_cpu=[tokens],
-        seq_lens_cpu=[tokens],
-        block_size=block_size,
-    )
     torch.cuda.synchronize(device)
     before = torch.cuda.memory_allocated(device)
     torch.cuda.reset_peak_memory_stats(device)
@@ -90,7 +111,7 @@ def profile_activation_peak(
         block = (1, block_size, num_kv_heads, head_dim)
         caches = [(torch.zeros(block, dtype=dtype, device=device),) * 2 for _ in range(num_layers)]
         ids = torch.zeros(tokens, **options)
-        hidden = model(ids, torch.arange(tokens, device=device), caches, meta)
+        hidden = model(ids, positions, caches, meta)
         model.compute_logits(hidden[-rows:]).float().softmax(-1)  # the sampler's fp32 probs
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device) - before

@@ -47,8 +47,8 @@ def test_the_log_line_says_weights_peak_kv_bytes_and_blocks() -> None:
 
 
 def test_the_profiled_forward_runs_the_largest_step(tiny_llama_dir, monkeypatch) -> None:
-    """One forward of max_num_batched_tokens (capped by max_model_len) over a one-block
-    cache, the LM head over max_num_seqs rows; the peak is read from torch.cuda's counters
+    """One forward of max_num_batched_tokens (prompts of at most max_model_len) over a
+    one-block cache, the LM head over max_num_seqs rows; the peak is read from torch.cuda's counters
     (faked here: 3 GB allocated before, 5 GB at the peak)."""
     model, config = load_model(tiny_llama_dir, torch.float32, "cpu")
     allocated = iter([3 * 10**9, 3 * 10**9])  # before the profile (weights), before the step
@@ -70,6 +70,18 @@ def test_the_profiled_forward_runs_the_largest_step(tiny_llama_dir, monkeypatch)
     head_dim = config.hidden_size // config.num_attention_heads
     shape = (config.num_hidden_layers, 16, config.num_key_value_heads, head_dim)
     profile = gpu_memory.profile_gpu_memory(model, engine, shape, torch.float32, "cpu")
-    assert calls == [40] and profile.profiled_tokens == 40
+    assert calls == [48] and profile.profiled_tokens == 48
     assert profile.weights == 3 * 10**9 and profile.activation_peak == 2 * 10**9
     assert profile.other == 80 * 10**9 - 70 * 10**9 - 9 * 10**9
+
+
+def test_the_profiled_batch_is_the_largest_step_the_scheduler_plans() -> None:
+    """max_num_batched_tokens as prompts no longer than max_model_len, no more of them than
+    max_num_seqs, each from position 0, every block-table entry the one block."""
+    config = EngineConfig(model="x", max_num_batched_tokens=100, max_model_len=40, max_num_seqs=8)
+    meta, positions = gpu_memory.profile_batch(config, 16, "cpu")
+    assert meta.query_lens_cpu == [40, 40, 20] and meta.seq_lens_cpu == [40, 40, 20]
+    assert positions.tolist() == [*range(40), *range(40), *range(20)]
+    assert meta.block_tables.shape == (3, 3) and not meta.block_tables.any()
+    capped = EngineConfig(model="x", max_num_batched_tokens=100, max_model_len=40, max_num_seqs=2)
+    assert gpu_memory.profile_batch(capped, 16, "cpu")[0].query_lens_cpu == [40, 40]

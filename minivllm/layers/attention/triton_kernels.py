@@ -33,7 +33,15 @@ def _tanh(x):
 
 @triton.jit
 def _key_range(
-    context_len, seq_len, q_tile, split, window, BLOCK_Q, BLOCK_N, NUM_SPLITS, USE_WINDOW
+    context_len,
+    seq_len,
+    q_tile,
+    split,
+    window,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
 ):
     """`[begin, end)`: the positions any row of this tile sees (up to its last token, from its
     first token's window), or with splits this program's share of them in whole key tiles."""

@@ -23,7 +23,7 @@ from minivllm.distributed.heads import shard_heads
 from minivllm.engine import gpu_memory, memory
 from minivllm.engine.compiled_decode import CompiledDecode, compile_decode_step
 from minivllm.engine.cuda_graphs import CudaGraphDecode, capture_decode_graphs, use_cuda_graphs
-from minivllm.engine.device import resolve_device, resolve_dtype
+from minivllm.engine.device import resolve_device, resolve_dtype, staged
 from minivllm.engine.logits import compute_logits_in_slices, score_prompt_rows
 from minivllm.engine.runner_output import RunnerOutput, SampledToken
 from minivllm.engine.scheduler import ScheduledBatch
@@ -101,7 +101,7 @@ def prepare_inputs(
     prompt_runs = _prompt_logprob_runs(batch, starts, logits_indices)
 
     def tensor(values: list[int] | list[list[int]]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.int64).to(device, non_blocking=True)
+        return staged(values, device)
 
     meta = AttentionMetadata(
         slot_mapping=tensor(slots),

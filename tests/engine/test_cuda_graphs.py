@@ -26,6 +26,7 @@ from minivllm.engine.cuda_graphs import (
     padded_batch_size,
     use_cuda_graphs,
 )
+from minivllm.engine.device import staged
 from minivllm.models.loader import load_model
 
 BLOCK = 4
@@ -170,3 +171,13 @@ def test_graphs_give_the_eager_engines_tokens_on_cuda(tiny_llama_dir) -> None:
         out = llm.generate(prompts, params, use_tqdm=False)
         tokens[eager] = [o.outputs[0].token_ids for o in out]
     assert tokens[True] == tokens[False]
+
+
+def test_step_inputs_are_staged_for_their_device() -> None:
+    """The runner's step tensors: int64 with the values given, on the CPU as before (no pinned
+    memory, which a CPU-only torch cannot allocate); on CUDA copied from pinned host memory."""
+    got = staged([[1, 2], [3, 4]], torch.device("cpu"))
+    assert got.dtype == torch.int64 and got.tolist() == [[1, 2], [3, 4]]
+    if torch.cuda.is_available():
+        on_gpu = staged([5, 6, 7], torch.device("cuda"))
+        assert on_gpu.is_cuda and on_gpu.tolist() == [5, 6, 7]

@@ -50,8 +50,8 @@ CASES: dict[str, dict[str, Any]] = {
 
 
 @pytest.fixture(scope="module")
-def results() -> dict[str, str | None]:
-    """Every case, run once in an interpreted process."""
+def results(tiny_llama_dir: Path) -> dict[str, str | None]:
+    """Every case, and a tiny model's steps, run once in an interpreted process."""
     pytest.importorskip("triton", reason="triton is not installed: the kernel cannot run")
     tests = Path(__file__).resolve().parents[1]
     env = {
@@ -60,7 +60,12 @@ def results() -> dict[str, str | None]:
         "PYTHONPATH": os.pathsep.join([str(tests.parent), str(tests)]),
     }
     done = subprocess.run(
-        [sys.executable, "-m", "support.triton_cases", json.dumps(CASES)],
+        [
+            sys.executable,
+            "-m",
+            "support.triton_cases",
+            json.dumps({**CASES, "model_steps": {"model_dir": str(tiny_llama_dir)}}),
+        ],
         env=env,
         capture_output=True,
         text=True,
@@ -107,6 +112,12 @@ def test_sliding_window_and_soft_cap(results: dict) -> None:
 def test_head_sizes(results: dict, head_dim: int) -> None:
     """A power-of-two head size and 80 (padded to 128 in the kernel, the pad masked)."""
     assert results[f"head_dim_{head_dim}"] is None
+
+
+def test_a_models_steps_on_the_triton_backend(results: dict) -> None:
+    """A tiny Llama's chunked prefills and decodes with every layer on the Triton backend
+    give SDPA's hidden states: the backend as the layers call it."""
+    assert results["model_steps"] is None
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="compiled Triton needs a CUDA GPU")

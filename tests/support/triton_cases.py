@@ -19,7 +19,7 @@ import torch
 
 from minivllm.layers.attention import triton_attention
 from minivllm.layers.attention.sdpa import paged_attention_sdpa, store_kv
-from support.model_fixtures import make_attention_metadata
+from support.model_fixtures import allocate_kv_caches, make_attention_metadata
 
 
 def compare(
@@ -71,14 +71,48 @@ def compare(
     torch.testing.assert_close(got.cpu().float(), want, atol=tolerance, rtol=tolerance)
 
 
+def model_steps(model_dir: str) -> None:
+    """A tiny model's prefill (two prompts, one in two chunks) and decode steps with every
+    attention layer on the Triton backend, against the same steps on SDPA: the backend as the
+    layers call it (the step's K/V stored first, the output's shape and dtype)."""
+    from minivllm.layers.attention import Attention
+    from minivllm.layers.attention.backends import SDPA, TritonBackend
+    from minivllm.models.loader import load_model
+
+    model, config = load_model(model_dir, torch.float32, "cpu")
+    head_dim = config.hidden_size // config.num_attention_heads
+    layers = [m for m in model.modules() if isinstance(m, Attention)]
+    # each sequence's tokens over the steps: its prompt, then the tokens its decodes feed
+    tokens = [[(7 * i + 3) % config.vocab_size for i in range(22)], [5, 9, 11, 2, 8, 4, 6]]
+    tables = [[3, 0, 5], [1, 4]]
+    steps = [([0, 0], [12, 5]), ([12, 5], [9, 1]), ([21, 6], [1, 1])]  # (context, new)
+    hidden = {}
+    for backend in (SDPA, TritonBackend()):
+        for layer in layers:
+            layer.backend = backend
+        caches = allocate_kv_caches(
+            config.num_hidden_layers, 6, 8, config.num_key_value_heads, head_dim
+        )
+        outs = []
+        with torch.inference_mode():
+            for context, new in steps:
+                meta, positions = make_attention_metadata(tables, context, new, 8)
+                ids = [t for s, c, n in zip(tokens, context, new) for t in s[c : c + n]]
+                outs.append(model(torch.tensor(ids), positions, caches, meta))
+        hidden[backend.name] = outs
+    for want, got in zip(hidden["sdpa"], hidden["triton"], strict=True):
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
 def main(cases: dict[str, dict]) -> dict[str, str | None]:
-    """Each named case's `compare(**kwargs)`: None, or what failed."""
+    """Each named case's `compare(**kwargs)` (or `model_steps`, for a case with a
+    `model_dir`): None, or what failed."""
     results: dict[str, str | None] = {}
     for name, kwargs in cases.items():
         if "heads" in kwargs:
             kwargs = {**kwargs, "heads": tuple(kwargs["heads"])}
         try:
-            compare(**kwargs)
+            model_steps(**kwargs) if "model_dir" in kwargs else compare(**kwargs)
             results[name] = None
         except Exception as error:  # reported to the test, which fails with it
             results[name] = f"{type(error).__name__}: {error}"

@@ -147,7 +147,11 @@ class EngineConfig:
         "KV cache budget on the CPU, in GB (vLLM's kv_cache_memory_bytes; default: a "
         "quarter of the memory available after loading the weights, at most 2 GB)",
     )
-    gpu_memory_utilization: float = _option(0.9, "share of GPU memory the engine may use")
+    gpu_memory_utilization: float = _option(
+        0.9,
+        "share of GPU memory the engine may use; the KV cache gets what the weights and a "
+        "profiled largest step leave",
+    )
     device: str | None = _option(
         None, "cpu or cuda (default: cuda when available)", ("cpu", "cuda")
     )
@@ -169,7 +173,8 @@ class EngineConfig:
     enforce_eager: bool = _option(
         False,
         "run every step eagerly: skip compiling the decode step (torch.compile, done "
-        "on the CPU at start-up for steps of up to 4 sequences, cached on disk)",
+        "on the CPU at start-up for steps of up to 4 sequences, cached on disk) and, on "
+        "CUDA, capturing its CUDA graphs",
     )
     generation_config: str = _option(
         "auto",

@@ -32,6 +32,8 @@ fp32 with dense weights stays eager: it is the token-exact path, held to HF tran
 
 from __future__ import annotations
 
+import functools
+import inspect
 import logging
 import os
 import time
@@ -65,7 +67,23 @@ def compile_decode_step(
     weights is the token-exact path and stays eager."""
     stored = weight_kernel in ("qgemv", "blocks")
     precision = dtype == torch.bfloat16 or (dtype == torch.float32 and stored)
-    return not enforce_eager and device.type == "cpu" and tp_size == 1 and precision
+    wanted = not enforce_eager and device.type == "cpu" and tp_size == 1 and precision
+    return wanted and compiled_step_available()
+
+
+@functools.cache
+def compiled_step_available() -> bool:
+    """Whether this torch's `torch.compile` takes the options the step is compiled with
+    (`isolate_recompiles`: torch 2.13 has it, 2.11, a GPU image's, has not); where it does
+    not, the step steps aside with one log line and decode runs eagerly."""
+    if "isolate_recompiles" in inspect.signature(torch.compile).parameters:
+        return True
+    logger.info(
+        "the compiled decode step is off: torch %s's torch.compile has no isolate_recompiles "
+        "(torch 2.13 has); decode steps run eagerly",
+        torch.__version__,
+    )
+    return False
 
 
 def decode_metadata(meta: AttentionMetadata, paged: bool = False) -> DecodeMetadata:

@@ -1,5 +1,5 @@
 """Where and in what precision the model runs: the device and the compute dtype, decided once
-from the engine's config and the machine."""
+from the engine's config and the machine; and how a step's inputs reach that device."""
 
 from __future__ import annotations
 
@@ -30,3 +30,11 @@ def resolve_dtype(config: EngineConfig, device: torch.device) -> torch.dtype:
     if config.quantization == "int8" or not cpu_caps().native_bf16:
         return torch.float32
     return torch.bfloat16
+
+
+def staged(values: list[int] | list[list[int]], device: torch.device) -> torch.Tensor:
+    """`values` as int64 on `device`; on CUDA through pinned host memory (torch's caching host
+    allocator reuses it once the copy has run) and a non-blocking copy, so the host goes on
+    building the step while the transfer runs."""
+    pinned = device.type == "cuda"
+    return torch.tensor(values, dtype=torch.int64, pin_memory=pinned).to(device, non_blocking=True)

@@ -20,9 +20,10 @@ import torch
 from minivllm.config import EngineConfig
 from minivllm.distributed import parallel_state
 from minivllm.distributed.heads import shard_heads
-from minivllm.engine import memory
+from minivllm.engine import gpu_memory, memory
 from minivllm.engine.compiled_decode import CompiledDecode, compile_decode_step
-from minivllm.engine.device import resolve_device, resolve_dtype
+from minivllm.engine.cuda_graphs import CudaGraphDecode, capture_decode_graphs, use_cuda_graphs
+from minivllm.engine.device import resolve_device, resolve_dtype, staged
 from minivllm.engine.logits import compute_logits_in_slices, score_prompt_rows
 from minivllm.engine.runner_output import RunnerOutput, SampledToken
 from minivllm.engine.scheduler import ScheduledBatch
@@ -100,7 +101,7 @@ def prepare_inputs(
     prompt_runs = _prompt_logprob_runs(batch, starts, logits_indices)
 
     def tensor(values: list[int] | list[list[int]]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.int64).to(device, non_blocking=True)
+        return staged(values, device)
 
     meta = AttentionMetadata(
         slot_mapping=tensor(slots),
@@ -191,21 +192,28 @@ class ModelRunner:
         self.kv_dtype = self.dtype
         self.block_size = config.block_size
         torch.manual_seed(config.seed)
-        # Start-up, one named step each: load, quantize and pack, size the KV cache and
-        # allocate it, choose the attention backends, warm up the compiled decode step,
-        # measure the memory it all holds.
+        # Start-up, one named step each: load, quantize and pack, choose the attention
+        # backends, size the KV cache (on a GPU after a profiled peak) and allocate it, warm up
+        # the compiled decode step (CPU) or capture the decode graphs (CUDA), measure memory.
         self.model, self.hf_config = self._load_model(model_dir, tp_rank, tp_size)
         # the kernel of the weights kept as stored: "int4", "qgemv", "blocks" or None (dense)
         self.weight_kernel = self._quantize()
         self._read_model_shape(tp_rank, tp_size)
+        self.attention_backends = self._bind_attention()  # before sizing: its peak counts
         self.num_kv_blocks = self._size_kv_cache(tp_size)
+        # CUDA graphs' padding rows write to one more block, past the block manager's pool.
+        self.graphs_on = use_cuda_graphs(config.enforce_eager, self.device, tp_size)
         self.kv_caches = self._allocate_kv_cache()
-        self.attention_backends = self._bind_attention()
         self.sampler = Sampler(config.seed, self.device, config.eos_token_ids)
         # torch threads for one-sequence decode steps, None: torch's own setting. The server
         # leaves a core to its HTTP thread (see minivllm/server/serve.py).
         self.small_step_threads: int | None = None
         self.compiled_decode = self._warm_up_compiled_decode(tp_size)
+        self.cuda_graphs: CudaGraphDecode | None = None
+        if self.graphs_on:
+            self.cuda_graphs = capture_decode_graphs(
+                self.model, self.kv_caches, self.config, self.num_kv_blocks, self.attention_backends
+            )
         self.memory = self._measure_memory()
 
     def _read_model_shape(self, tp_rank: int, tp_size: int) -> None:
@@ -234,7 +242,8 @@ class ModelRunner:
 
     def _allocate_kv_cache(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """One (K, V) pair per layer, `[num_kv_blocks, block_size, num_kv_heads, head_dim]`."""
-        shape = (self.num_kv_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+        blocks = self.num_kv_blocks + int(self.graphs_on)
+        shape = (blocks, self.block_size, self.num_kv_heads, self.head_dim)
         # Zeros, not empty: padded gathers read unused slots, which must be finite.
         return [
             (
@@ -329,6 +338,11 @@ class ModelRunner:
         return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * element
 
     def _blocks_from_memory_budget(self) -> int:
+        if self.device.type == "cuda":  # what is left after a profiled peak (gpu_memory.py)
+            shape = (self.num_layers, self.block_size, self.num_kv_heads, self.head_dim)
+            return gpu_memory.kv_blocks_after_profiled_peak(
+                self.model, self.config, shape, self.kv_dtype, self.device, self._bytes_per_block()
+            )
         mapped = self.gguf.addresses() if self.gguf else range(0)
         budget = memory.kv_cache_budget(
             self.config, self.device, memory.weight_bytes(self.model, mapped)[1]
@@ -353,6 +367,8 @@ class ModelRunner:
         forward = self.model
         if self.compiled_decode is not None and self.compiled_decode.applies(inputs.meta):
             forward = self.compiled_decode
+        elif self.cuda_graphs is not None and self.cuda_graphs.applies(inputs.meta):
+            forward = self.cuda_graphs
         hidden = forward(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
         num_samples = len(inputs.sampling.params)  # rows: drafts add one each
         slices = compute_logits_in_slices(self.model, hidden, inputs.logits_indices)

@@ -16,7 +16,12 @@ import pytest
 import torch
 from support.model_fixtures import allocate_kv_caches, make_attention_metadata
 
-from minivllm.engine.compiled_decode import CompiledDecode, decode_metadata
+from minivllm.engine import compiled_decode
+from minivllm.engine.compiled_decode import (
+    CompiledDecode,
+    compiled_step_available,
+    decode_metadata,
+)
 from minivllm.engine.weight_policy import quantize_linear_int4
 from minivllm.layers.attention import Attention
 from minivllm.layers.cpu_kernels import cpu_kernels_available
@@ -24,6 +29,10 @@ from minivllm.layers.qgemv import QGemvWeight
 from minivllm.models.loader import load_model
 
 BLOCK = 4
+# A torch whose torch.compile lacks the step's options (a GPU image's 2.11) runs no such step.
+needs_compile = pytest.mark.skipif(
+    not compiled_step_available(), reason="this torch's torch.compile has no isolate_recompiles"
+)
 
 
 @pytest.mark.parametrize("window, softcap", [(None, None), (5, None), (None, 2.0), (5, 2.0)])
@@ -58,6 +67,7 @@ def _hidden_after_prefill(model, caches, prompt: list[int], compiled: CompiledDe
     return step(torch.tensor(prompt[n:]), positions, caches, meta)  # [1, hidden]
 
 
+@needs_compile
 @pytest.mark.parametrize("family", ["llama", "gemma2"])
 def test_the_compiled_step_matches_the_eager_one(family, tiny_llama_dir, tiny_family_dirs) -> None:
     model_dir = tiny_llama_dir if family == "llama" else tiny_family_dirs["gemma2"]
@@ -93,6 +103,7 @@ def _hidden_after_prefills(model, caches, prompts: list[list[int]], compiled):
     return step(torch.tensor([p[-1] for p in prompts]), positions, caches, meta)  # [S, hidden]
 
 
+@needs_compile
 @pytest.mark.skipif(not cpu_kernels_available(), reason="the paged kernel is for x86 CPUs")
 @pytest.mark.parametrize("family", ["llama", "gemma2"])
 def test_the_compiled_step_of_several_sequences_matches_the_eager_one(
@@ -138,6 +149,7 @@ def test_the_compiled_step_of_several_sequences_matches_the_eager_one(
             assert (got - want).norm() / want.norm() < 2e-2, num_seqs
 
 
+@needs_compile
 @pytest.mark.skipif(not cpu_kernels_available(), reason="the qgemv kernel is for x86 CPUs (AVX2)")
 def test_the_compiled_fp32_step_with_qgemv_weights_matches_the_eager_one(tiny_llama_dir):
     """fp32 activations, every linear layer's 4-bit weights through `minivllm::qgemv` inside
@@ -177,7 +189,7 @@ def test_the_runner_compiles_bf16_and_qgemv_decode_steps_only(options, compiled,
 
     llm = LLM(str(tiny_llama_dir), device="cpu", max_model_len=64, **options)
     runner = llm.llm_engine.model_runner
-    assert (runner.compiled_decode is not None) == compiled
+    assert (runner.compiled_decode is not None) == (compiled and compiled_step_available())
     out = llm.generate(
         [[5, 6, 7, 8]], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False
     )
@@ -214,6 +226,26 @@ def test_one_sequence_steps_run_on_the_servers_thread_share(tiny_llama_dir):
     assert seen[0] == (4, before) and all(s == (1, 1) for s in seen[1:]), seen
 
 
+def test_an_older_torch_steps_aside_with_one_log_line(monkeypatch, caplog) -> None:
+    """A torch.compile without `isolate_recompiles` (torch 2.11) turns the compiled step off,
+    said once in the log, instead of failing at start-up."""
+
+    def old_compile(model=None, *, fullgraph=False, dynamic=None, backend="inductor", options=None):
+        return model
+
+    monkeypatch.setattr(torch, "compile", old_compile)
+    compiled_step_available.cache_clear()
+    try:
+        with caplog.at_level("INFO", logger=compiled_decode.__name__):
+            for _ in range(2):
+                assert not compiled_decode.compile_decode_step(
+                    False, torch.device("cpu"), torch.bfloat16, 1
+                )
+    finally:
+        compiled_step_available.cache_clear()
+    assert caplog.text.count("compiled decode step is off") == 1
+
+
 def test_inductor_cache_is_per_cpu_kind_unless_the_user_chose_one(monkeypatch, tmp_path):
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
@@ -230,6 +262,7 @@ def test_inductor_cache_is_per_cpu_kind_unless_the_user_chose_one(monkeypatch, t
     assert inductor_cache_dir() == str(tmp_path / "mine")
 
 
+@needs_compile
 @pytest.mark.parametrize("family, kinds", [("llama", 1), ("gemma2", 2)])
 def test_each_step_goes_through_dynamo_once_per_layer_kind(
     family, kinds, tiny_llama_dir, tiny_family_dirs

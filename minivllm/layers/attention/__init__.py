@@ -5,6 +5,8 @@
 - `partition.py`: the batch split into groups of like sequences before the padded SDPA.
 - `sdpa.py`: the portable path (torch's `scaled_dot_product_attention`, any device).
 - `flash.py`: flash-attn's varlen kernel on CUDA.
+- `triton_attention.py`, `triton_kernels.py`: our Triton paged-attention kernel (CUDA without
+  flash-attn): prefill, decode with split keys, verify; tested under Triton's interpreter.
 - `decode.py`: a decode-only step's attention as plain tensor maths, for the compiled step.
 - `backends.py`: those paths as backends, one chosen per layer at load (`choose_backend`).
 - `layer.py`: the `Attention` module: stores the step's K/V, then calls its backend.

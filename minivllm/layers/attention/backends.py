@@ -21,6 +21,10 @@ from minivllm.layers.attention.flash import flash_attn_supported, paged_attentio
 from minivllm.layers.attention.metadata import AttentionMetadata
 from minivllm.layers.attention.paged_decode import paged_decode_attention, paged_decode_supported
 from minivllm.layers.attention.sdpa import causal_attention_sdpa, paged_attention_sdpa
+from minivllm.layers.attention.triton_attention import (
+    paged_attention_triton,
+    triton_attention_supported,
+)
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # (k_cache, v_cache), [blocks, block_size, KVH, D]
 
@@ -152,6 +156,36 @@ class FlashBackend:
         )
 
 
+class TritonBackend:
+    """Our Triton kernel on CUDA where flash-attn is not installed: every step (prefill over
+    cached context, decode with its keys split across programs, verify) straight from the
+    paged cache through the block tables, in the cache's dtype."""
+
+    name = "triton"
+
+    def supports(self, spec: AttentionSpec) -> bool:
+        return triton_attention_supported(spec.device, spec.kv_dtype, spec.head_dim)
+
+    def attend(
+        self,
+        layer: AttentionLayer,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        return paged_attention_triton(
+            q,
+            kv_cache[0],
+            kv_cache[1],
+            meta,
+            layer.scale,
+            layer.sliding_window,
+            layer.logit_softcap,
+        )
+
+
 class PagedDecodeBackend:
     """bf16 models on the CPU: decode-only steps through our kernel straight from the paged
     cache (no gathered copy); other steps through SDPA."""
@@ -186,7 +220,12 @@ class PagedDecodeBackend:
 
 SDPA = SdpaBackend()
 # In order of preference: the first that supports a layer's spec is its backend.
-BACKENDS: tuple[AttentionBackend, ...] = (FlashBackend(), PagedDecodeBackend(), SDPA)
+BACKENDS: tuple[AttentionBackend, ...] = (
+    FlashBackend(),
+    TritonBackend(),
+    PagedDecodeBackend(),
+    SDPA,
+)
 
 
 def choose_backend(spec: AttentionSpec) -> AttentionBackend:

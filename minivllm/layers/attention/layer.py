@@ -2,9 +2,9 @@
 
 A step writes its new K/V at `slot_mapping`, then every query token attends, causally, to its
 own sequence's cached-plus-new tokens through the layer's backend, chosen once at load
-(`backends.py`: flash-attn on CUDA, our CPU kernel for bf16 models' decode-only steps, else
-SDPA, one call per group of like sequences). The compiled decode step hands it a
-`DecodeMetadata` instead, and it attends with `decode.py`, traced into the step's graph.
+(`backends.py`: flash-attn on CUDA, else our Triton kernel; our CPU kernel for bf16 models'
+decode-only steps, else SDPA, one call per group of like sequences). The compiled decode step
+hands it a `DecodeMetadata` instead, and it attends with `decode.py`, traced into the step's graph.
 """
 
 import torch

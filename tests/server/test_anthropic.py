@@ -1,0 +1,242 @@
+"""Anthropic's Messages API (POST /v1/messages, /v1/messages/count_tokens) driven by the
+official `anthropic` SDK against a live server: create, the SDK's stream helpers (text and
+tool use), a two-turn tool loop, count_tokens, stop sequences, the max_tokens stop reason, and
+errors in Anthropic's shape raised as the SDK's exception classes.
+
+On the tiny random Llama answers are noise; only their shape, and where the grammar enforces
+it (a forced tool, a regex) their validity, are checked.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import anthropic
+import httpx
+import jsonschema
+import pytest
+
+from minivllm.engine.llm_engine import LLMEngine
+from minivllm.server import ServerThread, create_app
+from minivllm.server.anthropic.routes import error_response
+from minivllm.server.errors import APIError
+from minivllm.server.serving import OpenAIServer
+
+WEATHER = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 10}, "unit": {"enum": ["c", "f"]}},
+    "required": ["city", "unit"],
+    "additionalProperties": False,
+}
+TOOLS = [{"name": "get_weather", "description": "The weather in a city", "input_schema": WEATHER}]
+ASK = [{"role": "user", "content": "Weather in Paris?"}]
+
+
+@pytest.fixture(scope="module")
+def live(tiny_llama_long_dir: Path) -> Iterator[tuple[str, anthropic.Anthropic, OpenAIServer]]:
+    engine = LLMEngine.from_options(
+        model=str(tiny_llama_long_dir),
+        max_model_len=1024,
+        num_kv_blocks=256,
+        block_size=16,
+        device="cpu",
+    )
+    app = create_app(engine, "tiny", api_key="k")
+    with ServerThread(app) as thread:
+        client = anthropic.Anthropic(base_url=thread.base_url, api_key="k", max_retries=0)
+        yield thread.base_url, client, app.state.server
+        client.close()
+
+
+def test_create_answers_a_message_cut_by_max_tokens(live) -> None:
+    """The response object's fields; a system prompt as blocks; usage splits the prompt into
+    computed and cached tokens, which add up to count_tokens."""
+    _, client, _ = live
+    kw = dict(
+        model="tiny",
+        system=[{"type": "text", "text": "Be brief."}, {"type": "text", "text": "Be kind."}],
+        messages=[{"role": "user", "content": [{"type": "text", "text": "Hello"}]}],
+    )
+    m = client.messages.create(
+        max_tokens=5, metadata={"user_id": "u1"}, extra_body={"ignore_eos": True}, **kw
+    )
+    assert m.id.startswith("msg_") and m.type == "message" and m.role == "assistant"
+    assert m.model == "tiny" and m.stop_reason == "max_tokens" and m.stop_sequence is None
+    [block] = m.content
+    assert block.type == "text" and block.text
+    assert m.usage.output_tokens == 5
+    counted = client.messages.count_tokens(**kw).input_tokens
+    assert m.usage.input_tokens + m.usage.cache_read_input_tokens == counted > 5
+
+
+def test_the_stream_helpers_add_up_to_the_non_streamed_answer(live) -> None:
+    """`messages.stream`'s text_stream and get_final_message, at temperature 0, give the
+    create answer; the raw events come in Anthropic's order, ping included."""
+    base_url, client, _ = live
+    kw = dict(
+        model="tiny",
+        max_tokens=8,
+        messages=[{"role": "user", "content": "Hi"}],
+        extra_body={"temperature": 0.0, "top_k": 5, "top_p": 0.9},
+    )
+    whole = client.messages.create(**kw)
+    with client.messages.stream(**kw) as stream:
+        text = "".join(stream.text_stream)
+        final = stream.get_final_message()
+    assert text == final.content[0].text == whole.content[0].text
+    assert final.stop_reason == whole.stop_reason and final.usage.output_tokens > 0
+    assert final.id.startswith("msg_")
+    body = {"model": "tiny", "max_tokens": 3, "stream": True, "messages": kw["messages"]}
+    r = httpx.post(f"{base_url}/v1/messages", json=body, headers={"x-api-key": "k"})
+    names = [line[7:] for line in r.text.splitlines() if line.startswith("event: ")]
+    assert names[:3] == ["message_start", "ping", "content_block_start"]
+    assert names[-3:] == ["content_block_stop", "message_delta", "message_stop"]
+    assert set(names[3:-3]) == {"content_block_delta"}
+
+
+def test_a_tool_use_stream_is_assembled_by_the_sdk(live) -> None:
+    """A forced tool streams its input as input_json_delta events, which the SDK assembles
+    into a tool_use block valid for the tool's schema."""
+    _, client, _ = live
+    for seed in range(2):
+        with client.messages.stream(
+            model="tiny",
+            max_tokens=60,
+            messages=ASK,
+            tools=TOOLS,
+            tool_choice={"type": "tool", "name": "get_weather"},
+            extra_body={"seed": seed},
+        ) as stream:
+            deltas = [
+                e.delta.partial_json
+                for e in stream
+                if e.type == "content_block_delta" and e.delta.type == "input_json_delta"
+            ]
+            final = stream.get_final_message()
+        [use] = final.content
+        assert use.type == "tool_use" and use.name == "get_weather" and use.id.startswith("toolu_")
+        assert final.stop_reason == "tool_use" and len(deltas) > 1
+        assert json.loads("".join(deltas)) == use.input
+        jsonschema.validate(use.input, WEATHER)
+
+
+def test_a_two_turn_tool_loop(live) -> None:
+    """tool_choice any gives a tool_use; its tool_result goes back with the assistant turn
+    as the SDK returned it, and the next answer reads the first turn from the prefix cache."""
+    _, client, _ = live
+    first = client.messages.create(
+        model="tiny",
+        max_tokens=80,
+        messages=ASK,
+        tools=TOOLS,
+        tool_choice={"type": "any", "disable_parallel_tool_use": True},
+    )
+    [use] = first.content
+    assert use.type == "tool_use" and first.stop_reason == "tool_use"
+    jsonschema.validate(use.input, WEATHER)
+    result = {"type": "tool_result", "tool_use_id": use.id, "content": "21 C, sunny"}
+    second = client.messages.create(
+        model="tiny",
+        max_tokens=4,
+        tools=TOOLS,
+        messages=[
+            *ASK,
+            {"role": "assistant", "content": first.content},
+            {"role": "user", "content": [result]},
+        ],
+    )
+    assert second.stop_reason in ("end_turn", "max_tokens", "tool_use")
+    assert second.usage.cache_read_input_tokens > 0
+    total = second.usage.input_tokens + second.usage.cache_read_input_tokens
+    assert total > first.usage.input_tokens + first.usage.cache_read_input_tokens
+
+
+def test_count_tokens_counts_the_tools_and_the_system_prompt(live) -> None:
+    _, client, _ = live
+    plain = client.messages.count_tokens(model="tiny", messages=ASK).input_tokens
+    system = client.messages.count_tokens(model="tiny", messages=ASK, system="Be brief.")
+    tools = client.messages.count_tokens(model="tiny", messages=ASK, tools=TOOLS)
+    assert 0 < plain < system.input_tokens < tools.input_tokens
+
+
+def test_a_stop_sequence_ends_the_message_and_is_named(live) -> None:
+    """A regex makes the random model write the stop sequence: stop_reason stop_sequence,
+    the sequence named, and cut from the text, whole and streamed."""
+    _, client, _ = live
+    kw = dict(
+        model="tiny",
+        max_tokens=30,
+        messages=ASK,
+        stop_sequences=["never", "XYZ"],
+        extra_body={"structured_outputs": {"regex": "[a-z]{3}XYZ[a-z]{3}"}},
+    )
+    m = client.messages.create(**kw)
+    assert (m.stop_reason, m.stop_sequence) == ("stop_sequence", "XYZ")
+    assert len(m.content[0].text) == 3
+    with client.messages.stream(**kw) as stream:
+        text = "".join(stream.text_stream)
+        final = stream.get_final_message()
+    assert len(text) == 3 and (final.stop_reason, final.stop_sequence) == ("stop_sequence", "XYZ")
+
+
+def _error(exc_info: pytest.ExceptionInfo, kind: str) -> str:
+    body = exc_info.value.body
+    assert body["type"] == "error" and body["error"]["type"] == kind
+    return body["error"]["message"]
+
+
+def _post(client: anthropic.Anthropic, body: dict) -> object:
+    return client.post("/v1/messages", body=body, cast_to=anthropic.types.Message)
+
+
+@pytest.mark.parametrize(
+    "body, names",
+    [
+        ({"model": "tiny", "messages": ASK}, "max_tokens"),
+        ({"messages": [{"role": "system", "content": "x"}]}, "messages.0.role"),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]},
+            "messages[0].content[0].type",
+        ),
+        ({"messages": ASK, "thinking": {"type": "enabled", "budget_tokens": 2000}}, "thinking"),
+        ({"messages": ASK, "container": "c"}, "container"),
+        ({"messages": ASK, "tools": [{"type": "web_search_20250305"}]}, "tools[0].type"),
+        ({"messages": [*ASK, {"role": "assistant", "content": "Sure,"}]}, "messages[1].role"),
+        ({"messages": ASK, "output_config": {"effort": "high"}}, "output_config.effort"),
+    ],
+)
+def test_bad_input_is_a_400_naming_the_field(live, body, names) -> None:
+    """Each field this server cannot honour is refused by name, never silently ignored."""
+    _, client, _ = live
+    full = {"model": "tiny", "max_tokens": 4, **body}
+    if names == "max_tokens":
+        full.pop("max_tokens")
+    with pytest.raises(anthropic.BadRequestError) as info:
+        _post(client, full)
+    assert names in _error(info, "invalid_request_error")
+
+
+def test_unknown_model_bad_key_and_overload_are_anthropic_errors(live, tiny_llama_long_dir) -> None:
+    """404 not_found_error, 401 authentication_error (x-api-key or a bearer token both work),
+    529 overloaded_error when the waiting queue is full."""
+    base_url, client, server = live
+    with pytest.raises(anthropic.NotFoundError) as info:
+        client.messages.create(model="nope", max_tokens=2, messages=ASK)
+    assert "nope" in _error(info, "not_found_error")
+    bad = anthropic.Anthropic(base_url=base_url, api_key="wrong", max_retries=0)
+    with pytest.raises(anthropic.AuthenticationError) as info:
+        bad.messages.create(model="tiny", max_tokens=2, messages=ASK)
+    _error(info, "authentication_error")
+    bearer = anthropic.Anthropic(base_url=base_url, auth_token="k", max_retries=0)
+    assert bearer.messages.count_tokens(model="tiny", messages=ASK).input_tokens > 0
+    limit = server.engine.max_waiting_requests
+    server.engine.max_waiting_requests = 0
+    try:
+        with pytest.raises(anthropic.OverloadedError) as info:
+            client.messages.create(model="tiny", max_tokens=2, messages=ASK)
+        _error(info, "overloaded_error")
+    finally:
+        server.engine.max_waiting_requests = limit
+    assert json.loads(error_response(APIError(500, "boom")).body)["error"]["type"] == "api_error"

@@ -12,17 +12,20 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Literal
 
 import anthropic
 import httpx
 import jsonschema
 import pytest
+from pydantic import BaseModel
+from support.server_helpers import wait_idle
 
 from minivllm.engine.llm_engine import LLMEngine
 from minivllm.server import ServerThread, create_app
 from minivllm.server.anthropic.routes import error_response
 from minivllm.server.errors import APIError
-from minivllm.server.serving import OpenAIServer
+from minivllm.server.serving import ChatOptions, OpenAIServer
 
 WEATHER = {
     "type": "object",
@@ -43,7 +46,7 @@ def live(tiny_llama_long_dir: Path) -> Iterator[tuple[str, anthropic.Anthropic, 
         block_size=16,
         device="cpu",
     )
-    app = create_app(engine, "tiny", api_key="k")
+    app = create_app(engine, "tiny", api_key="k", chat=ChatOptions(reasoning_parser="qwen3"))
     with ServerThread(app) as thread:
         client = anthropic.Anthropic(base_url=thread.base_url, api_key="k", max_retries=0)
         yield thread.base_url, client, app.state.server
@@ -151,6 +154,80 @@ def test_a_two_turn_tool_loop(live) -> None:
     assert second.usage.cache_read_input_tokens > 0
     total = second.usage.input_tokens + second.usage.cache_read_input_tokens
     assert total > first.usage.input_tokens + first.usage.cache_read_input_tokens
+
+
+def test_auto_tools_read_hermes_calls_into_text_and_tool_use_blocks(live) -> None:
+    """With tool_choice auto the output's `<tool_call>` blocks (written here under a regex)
+    become tool_use blocks after the text, whole and streamed; disable_parallel_tool_use
+    keeps the first."""
+    _, client, _ = live
+    call = (
+        '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "c"}}</tool_call>'
+    )
+    regex = "ok " + "".join(f"\\{c}" if c in "{}" else c for c in call * 2)
+    kw = dict(
+        model="tiny",
+        max_tokens=200,
+        messages=ASK,
+        tools=TOOLS,
+        tool_choice={"type": "auto", "disable_parallel_tool_use": True},
+        extra_body={"structured_outputs": {"regex": regex}},
+    )
+    m = client.messages.create(**kw)
+    text, use = m.content
+    assert text.type == "text" and text.text == "ok" and m.stop_reason == "tool_use"
+    assert use.type == "tool_use" and use.input == {"city": "Oslo", "unit": "c"}
+    with client.messages.stream(**kw) as stream:
+        streamed = "".join(stream.text_stream)
+        final = stream.get_final_message()
+    assert streamed.strip() == "ok" and final.stop_reason == "tool_use"
+    assert [b.type for b in final.content] == ["text", "tool_use"]
+    assert final.content[1].input == use.input and final.content[1].id != use.id
+
+
+def test_thinking_is_left_out_of_the_answer(live) -> None:
+    """With --reasoning-parser, the model's `<think>` part is not shown (Anthropic shows no
+    thinking unless asked, and this server does not take `thinking`), whole or streamed."""
+    _, client, _ = live
+    kw = dict(
+        model="tiny",
+        max_tokens=40,
+        messages=ASK,
+        extra_body={
+            "temperature": 0.0,
+            "structured_outputs": {"regex": "<think>[a-z]{3}</think>[a-z]{2}"},
+        },
+    )
+    m = client.messages.create(**kw)
+    assert len(m.content[0].text) == 2 and "think" not in m.content[0].text
+    with client.messages.stream(**kw) as stream:
+        assert "".join(stream.text_stream) == m.content[0].text
+
+
+def test_a_client_that_leaves_a_stream_aborts_its_request(live) -> None:
+    base_url, client, _ = live
+    with client.messages.stream(
+        model="tiny", max_tokens=900, messages=ASK, extra_body={"ignore_eos": True}
+    ) as stream:
+        for _, _event in zip(range(6), stream):
+            pass
+    assert wait_idle(base_url, timeout=10)["minivllm:num_requests_running"] == 0
+
+
+class City(BaseModel):
+    name: Literal["Paris", "Oslo"]  # the SDK's schema transform drops maxLength
+    sunny: bool
+
+
+def test_parse_a_pydantic_model_through_output_config(live) -> None:
+    """`messages.parse(output_format=...)` sends `output_config.format`: the chat path's
+    response_format, so the text is valid for the model's schema."""
+    _, client, _ = live
+    m = client.messages.parse(
+        model="tiny", max_tokens=60, messages=ASK, output_format=City, extra_body={"seed": 1}
+    )
+    assert m.stop_reason == "end_turn", m.content
+    assert isinstance(m.parsed_output, City)
 
 
 def test_count_tokens_counts_the_tools_and_the_system_prompt(live) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
@@ -19,6 +20,7 @@ import httpx
 import jsonschema
 import pytest
 from pydantic import BaseModel
+from support.faults import FaultyRunner
 from support.server_helpers import wait_idle
 
 from minivllm.engine.llm_engine import LLMEngine
@@ -37,8 +39,16 @@ TOOLS = [{"name": "get_weather", "description": "The weather in a city", "input_
 ASK = [{"role": "user", "content": "Weather in Paris?"}]
 
 
+@dataclass
+class Live:
+    base_url: str
+    client: anthropic.Anthropic
+    server: OpenAIServer
+    engine: LLMEngine
+
+
 @pytest.fixture(scope="module")
-def live(tiny_llama_long_dir: Path) -> Iterator[tuple[str, anthropic.Anthropic, OpenAIServer]]:
+def live(tiny_llama_long_dir: Path) -> Iterator[Live]:
     engine = LLMEngine.from_options(
         model=str(tiny_llama_long_dir),
         max_model_len=1024,
@@ -49,14 +59,14 @@ def live(tiny_llama_long_dir: Path) -> Iterator[tuple[str, anthropic.Anthropic, 
     app = create_app(engine, "tiny", api_key="k", chat=ChatOptions(reasoning_parser="qwen3"))
     with ServerThread(app) as thread:
         client = anthropic.Anthropic(base_url=thread.base_url, api_key="k", max_retries=0)
-        yield thread.base_url, client, app.state.server
+        yield Live(thread.base_url, client, app.state.server, engine)
         client.close()
 
 
 def test_create_answers_a_message_cut_by_max_tokens(live) -> None:
     """The response object's fields; a system prompt as blocks; usage splits the prompt into
     computed and cached tokens, which add up to count_tokens."""
-    _, client, _ = live
+    client = live.client
     kw = dict(
         model="tiny",
         system=[{"type": "text", "text": "Be brief."}, {"type": "text", "text": "Be kind."}],
@@ -77,7 +87,7 @@ def test_create_answers_a_message_cut_by_max_tokens(live) -> None:
 def test_the_stream_helpers_add_up_to_the_non_streamed_answer(live) -> None:
     """`messages.stream`'s text_stream and get_final_message, at temperature 0, give the
     create answer; the raw events come in Anthropic's order, ping included."""
-    base_url, client, _ = live
+    base_url, client = live.base_url, live.client
     kw = dict(
         model="tiny",
         max_tokens=8,
@@ -102,7 +112,7 @@ def test_the_stream_helpers_add_up_to_the_non_streamed_answer(live) -> None:
 def test_a_tool_use_stream_is_assembled_by_the_sdk(live) -> None:
     """A forced tool streams its input as input_json_delta events, which the SDK assembles
     into a tool_use block valid for the tool's schema."""
-    _, client, _ = live
+    client = live.client
     for seed in range(2):
         with client.messages.stream(
             model="tiny",
@@ -128,7 +138,7 @@ def test_a_tool_use_stream_is_assembled_by_the_sdk(live) -> None:
 def test_a_two_turn_tool_loop(live) -> None:
     """tool_choice any gives a tool_use; its tool_result goes back with the assistant turn
     as the SDK returned it, and the next answer reads the first turn from the prefix cache."""
-    _, client, _ = live
+    client = live.client
     first = client.messages.create(
         model="tiny",
         max_tokens=80,
@@ -160,7 +170,7 @@ def test_auto_tools_read_hermes_calls_into_text_and_tool_use_blocks(live) -> Non
     """With tool_choice auto the output's `<tool_call>` blocks (written here under a regex)
     become tool_use blocks after the text, whole and streamed; disable_parallel_tool_use
     keeps the first."""
-    _, client, _ = live
+    client = live.client
     call = (
         '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "c"}}</tool_call>'
     )
@@ -188,7 +198,7 @@ def test_auto_tools_read_hermes_calls_into_text_and_tool_use_blocks(live) -> Non
 def test_thinking_is_left_out_of_the_answer(live) -> None:
     """With --reasoning-parser, the model's `<think>` part is not shown (Anthropic shows no
     thinking unless asked, and this server does not take `thinking`), whole or streamed."""
-    _, client, _ = live
+    client = live.client
     kw = dict(
         model="tiny",
         max_tokens=40,
@@ -205,7 +215,7 @@ def test_thinking_is_left_out_of_the_answer(live) -> None:
 
 
 def test_a_client_that_leaves_a_stream_aborts_its_request(live) -> None:
-    base_url, client, _ = live
+    base_url, client = live.base_url, live.client
     with client.messages.stream(
         model="tiny", max_tokens=900, messages=ASK, extra_body={"ignore_eos": True}
     ) as stream:
@@ -222,7 +232,7 @@ class City(BaseModel):
 def test_parse_a_pydantic_model_through_output_config(live) -> None:
     """`messages.parse(output_format=...)` sends `output_config.format`: the chat path's
     response_format, so the text is valid for the model's schema."""
-    _, client, _ = live
+    client = live.client
     m = client.messages.parse(
         model="tiny", max_tokens=60, messages=ASK, output_format=City, extra_body={"seed": 1}
     )
@@ -231,7 +241,7 @@ def test_parse_a_pydantic_model_through_output_config(live) -> None:
 
 
 def test_count_tokens_counts_the_tools_and_the_system_prompt(live) -> None:
-    _, client, _ = live
+    client = live.client
     plain = client.messages.count_tokens(model="tiny", messages=ASK).input_tokens
     system = client.messages.count_tokens(model="tiny", messages=ASK, system="Be brief.")
     tools = client.messages.count_tokens(model="tiny", messages=ASK, tools=TOOLS)
@@ -241,7 +251,7 @@ def test_count_tokens_counts_the_tools_and_the_system_prompt(live) -> None:
 def test_a_stop_sequence_ends_the_message_and_is_named(live) -> None:
     """A regex makes the random model write the stop sequence: stop_reason stop_sequence,
     the sequence named, and cut from the text, whole and streamed."""
-    _, client, _ = live
+    client = live.client
     kw = dict(
         model="tiny",
         max_tokens=30,
@@ -286,7 +296,7 @@ def _post(client: anthropic.Anthropic, body: dict) -> object:
 )
 def test_bad_input_is_a_400_naming_the_field(live, body, names) -> None:
     """Each field this server cannot honour is refused by name, never silently ignored."""
-    _, client, _ = live
+    client = live.client
     full = {"model": "tiny", "max_tokens": 4, **body}
     if names == "max_tokens":
         full.pop("max_tokens")
@@ -298,7 +308,7 @@ def test_bad_input_is_a_400_naming_the_field(live, body, names) -> None:
 def test_unknown_model_bad_key_and_overload_are_anthropic_errors(live, tiny_llama_long_dir) -> None:
     """404 not_found_error, 401 authentication_error (x-api-key or a bearer token both work),
     529 overloaded_error when the waiting queue is full."""
-    base_url, client, server = live
+    base_url, client, server = live.base_url, live.client, live.server
     with pytest.raises(anthropic.NotFoundError) as info:
         client.messages.create(model="nope", max_tokens=2, messages=ASK)
     assert "nope" in _error(info, "not_found_error")
@@ -317,3 +327,22 @@ def test_unknown_model_bad_key_and_overload_are_anthropic_errors(live, tiny_llam
     finally:
         server.engine.max_waiting_requests = limit
     assert json.loads(error_response(APIError(500, "boom")).body)["error"]["type"] == "api_error"
+
+
+def test_an_engine_fault_is_an_api_error_whole_and_streamed(live, monkeypatch) -> None:
+    """A runner fault ends the request: non-streamed a 500 api_error, streamed an `error`
+    event the SDK raises; the server goes on serving."""
+    tokenizer = live.engine.tokenizer
+    faulty = FaultyRunner(
+        live.engine.model_runner,
+        fail_when=lambda s: "poison" in tokenizer.decode(s.prompt_token_ids),
+    )
+    monkeypatch.setattr(live.engine, "model_runner", faulty)
+    kw = dict(model="tiny", max_tokens=4, messages=[{"role": "user", "content": "poison"}])
+    with pytest.raises(anthropic.InternalServerError) as info:
+        live.client.messages.create(**kw)
+    assert "injected fault" in _error(info, "api_error")
+    with pytest.raises(anthropic.APIStatusError, match="injected fault"):
+        with live.client.messages.stream(**kw) as stream:
+            list(stream)
+    assert live.client.messages.create(model="tiny", max_tokens=2, messages=ASK).content

@@ -150,7 +150,9 @@ def add_serve_parser(sub: Any) -> None:
     )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
+    p.add_argument(
+        "--api-key", default=None, help="require 'Authorization: Bearer KEY' (or 'x-api-key: KEY')"
+    )
     p.add_argument(
         "--served-model-name",
         default=None,

@@ -2,7 +2,8 @@
 
 Routes: GET /v1/models, POST /v1/completions, POST /v1/chat/completions, the Responses API
 (POST /v1/responses, GET, DELETE /v1/responses/{id}, POST /v1/responses/{id}/cancel,
-`responses_api.py`), POST /tokenize,
+`responses_api.py`), Anthropic's POST /v1/messages and /v1/messages/count_tokens (`anthropic/`,
+errors in Anthropic's shape), POST /tokenize,
 POST /detokenize, GET /version (vLLM's), GET /health, GET /metrics, and with `lab=True` the
 live Engine Lab (GET /lab, /lab/api/*: the engine recorded between steps,
 `minivllm/lab/live.py`). Every error has OpenAI's shape `{"error": {message, type, param,
@@ -32,6 +33,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from minivllm.engine.llm_engine import LLMEngine
 from minivllm.server import responses
+from minivllm.server.anthropic import anthropic_routes
 from minivllm.server.chat import create_chat_completion
 from minivllm.server.completions import create_completion
 from minivllm.server.engine_client import EngineClient, client_for
@@ -93,6 +95,7 @@ def create_app(
     app.include_router(openai_routes(server))
     app.state.responses = ResponsesAPI(server, response_store)
     app.include_router(app.state.responses.routes())
+    app.include_router(anthropic_routes(server))
     if recorder is not None:
         from minivllm.lab.live_routes import live_routes
 

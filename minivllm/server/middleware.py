@@ -60,17 +60,20 @@ class BodySizeLimitMiddleware:
 
 
 def check_auth(request: Request, api_key: str | None) -> None:
-    """401 unless the request carries `Authorization: Bearer <api_key>` (when one is set)."""
+    """401 unless the request carries `Authorization: Bearer <api_key>` or, as Anthropic's
+    clients send it, `x-api-key: <api_key>` (when one is set)."""
     if api_key is None:
         return
-    header = request.headers.get("authorization", "")
-    scheme, _, token = header.partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(
-        token.strip().encode(), api_key.encode()
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    bearer = token.strip() if scheme.lower() == "bearer" else None
+    if not any(
+        hmac.compare_digest(key.encode(), api_key.encode())
+        for key in (bearer, request.headers.get("x-api-key"))
+        if key is not None
     ):
         raise APIError(
             401,
-            "missing or wrong API key: send 'Authorization: Bearer <key>'",
+            "missing or wrong API key: send 'Authorization: Bearer <key>' or 'x-api-key: <key>'",
             type="authentication_error",
             code="invalid_api_key",
         )

@@ -40,7 +40,7 @@ from minivllm.structured import GrammarError, compile_grammar
 
 logger = logging.getLogger("minivllm.server")
 
-R = TypeVar("R", bound=protocol._Request)
+R = TypeVar("R", bound=BaseModel)
 
 
 @dataclass(frozen=True)

@@ -219,7 +219,7 @@ class ModelRegistry:
                 remaining = deadline - time.monotonic()
                 try:
                     await asyncio.wait_for(asyncio.shield(task), max(remaining, 0.0))
-                except TimeoutError:
+                except asyncio.TimeoutError:  # TimeoutError itself from Python 3.11
                     raise ModelUnavailableError(
                         f"the model {entry.name!r} did not load within "
                         f"{self.limits.load_timeout_s:g} s"
@@ -323,7 +323,7 @@ class ModelRegistry:
                     "no room: every loaded model is busy (raise --max-loaded-models or "
                     "--models-memory-gb)"
                 )
-            with contextlib.suppress(TimeoutError):
+            with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._changed.wait(), remaining)
 
     def _victims(self, entry: ModelEntry) -> list[ModelEntry] | None:

@@ -61,12 +61,15 @@ class ModelRouter:
         self.chat = chat
         self.servers: dict[str, OpenAIServer] = {}
         registry.on_loaded = self._loaded
-        registry.on_unloaded = lambda name: self.servers.pop(name, None)
+        registry.on_unloaded = self._unloaded
 
     def _loaded(self, name: str, client: EngineClient) -> None:
         self.servers[name] = OpenAIServer(
             client, name, self.api_key, self.max_waiting_requests, self.chat
         )
+
+    def _unloaded(self, name: str) -> None:
+        self.servers.pop(name, None)
 
     def metric_registries(self) -> dict[str, CollectorRegistry]:
         return {name: server.metrics.registry for name, server in self.servers.items()}

@@ -226,3 +226,45 @@ def test_models_dir_names_files_and_reads_models_json(tmp_path: Path) -> None:
     (tmp_path / "models.json").write_text(json.dumps({"x": {"path": "hf", "bogus": 1}}))
     with pytest.raises(ValueError, match="'x'.*bogus"):
         model_specs([], str(tmp_path), {})
+
+
+def test_cli_one_model_is_todays_server_several_are_the_multi_model_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`minivllm serve --model A` still reaches the one-model server with model=A (a string);
+    `--model A --model B` and `--models-dir` reach the multi-model server, with its limits."""
+    import importlib
+
+    from minivllm import cli
+    from minivllm.server import multi_serve
+
+    serve = importlib.import_module("minivllm.server.serve")  # the package exports a `serve`
+
+    calls: list[tuple[str, Any]] = []
+    monkeypatch.setattr(serve, "serve", lambda args, options: calls.append(("one", options)))
+    monkeypatch.setattr(
+        multi_serve, "serve_models", lambda args, options: calls.append(("multi", args))
+    )
+    parser = cli.build_parser()
+    for argv in (["serve", "--model", "a.gguf"], ["serve", "a.gguf"], ["serve"]):
+        args = parser.parse_args(argv)
+        args.func(args)
+    assert calls == [("one", {"model": "a.gguf"}), ("one", {"model": "a.gguf"}), ("one", {})]
+    calls.clear()
+    args = parser.parse_args(
+        [
+            "serve",
+            "a.gguf",
+            "--model",
+            "b.gguf",
+            "--max-loaded-models",
+            "1",
+            "--models-memory-gb",
+            "2",
+        ]
+    )
+    args.func(args)
+    ((kind, got),) = calls
+    assert kind == "multi" and got.model == ["a.gguf", "b.gguf"]
+    limits = multi_serve.registry_limits(got)
+    assert limits.max_loaded_models == 1 and limits.memory_bytes == 2_000_000_000

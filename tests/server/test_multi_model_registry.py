@@ -251,18 +251,8 @@ def test_cli_one_model_is_todays_server_several_are_the_multi_model_one(
         args.func(args)
     assert calls == [("one", {"model": "a.gguf"}), ("one", {"model": "a.gguf"}), ("one", {})]
     calls.clear()
-    args = parser.parse_args(
-        [
-            "serve",
-            "a.gguf",
-            "--model",
-            "b.gguf",
-            "--max-loaded-models",
-            "1",
-            "--models-memory-gb",
-            "2",
-        ]
-    )
+    argv = "serve --model a.gguf --model b.gguf --max-loaded-models 1 --models-memory-gb 2"
+    args = parser.parse_args(argv.split())
     args.func(args)
     ((kind, got),) = calls
     assert kind == "multi" and got.model == ["a.gguf", "b.gguf"]

@@ -377,10 +377,16 @@ class ModelRegistry:
         period = min(1.0, idle_s / 4) if idle_s is not None else 1.0
         while True:
             await asyncio.sleep(period)
-            now = time.monotonic()
-            for entry in list(self.entries.values()):
-                if not self._check_alive(entry) or not entry.idle or idle_s is None:
-                    continue
-                if now - entry.last_used >= idle_s:
-                    logger.info("model %r idle for %g s: unloading", entry.name, idle_s)
-                    await self._stop(self._detach(entry, ModelState.UNLOADED))
+            try:
+                await self._unload_idle(idle_s)
+            except Exception:  # the watcher outlives one bad round
+                logger.exception("watching the models failed")
+
+    async def _unload_idle(self, idle_s: float | None) -> None:
+        now = time.monotonic()
+        for entry in list(self.entries.values()):
+            if not self._check_alive(entry) or not entry.idle or idle_s is None:
+                continue
+            if now - entry.last_used >= idle_s:
+                logger.info("model %r idle for %g s: unloading", entry.name, idle_s)
+                await self._stop(self._detach(entry, ModelState.UNLOADED))

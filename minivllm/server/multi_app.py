@@ -28,6 +28,7 @@ from minivllm.server.engine_client import EngineClient
 from minivllm.server.errors import APIError, bad_request, install_error_handlers
 from minivllm.server.middleware import BodySizeLimitMiddleware, check_auth
 from minivllm.server.model_registry import (
+    Lease,
     ModelBusyError,
     ModelEntry,
     ModelRegistry,
@@ -96,7 +97,7 @@ class ModelRouter:
             lease.release()
         return response
 
-    async def lease(self, name: object) -> Any:
+    async def lease(self, name: object) -> Lease:
         try:
             return await self.registry.acquire(name)
         except UnknownModelError as exc:

@@ -55,7 +55,8 @@ def main() -> None:
                 switch[name].append(_complete(server.base_url, name))
                 load[name].append(registry.entries[name].last_load_s or 0.0)
                 loaded[name].append(_complete(server.base_url, name))
-    for name in names:
+                print(f"  {name}: switch {switch[name][-1]:.2f} s, load {load[name][-1]:.2f} s")
+    for name in names:  # the summary
         print(
             f"{name}: switch to it {statistics.median(switch[name]):.2f} s (load "
             f"{statistics.median(load[name]):.2f} s), 1-token request when loaded "

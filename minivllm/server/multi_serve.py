@@ -42,10 +42,7 @@ def serve_models(args: argparse.Namespace, engine_options: dict[str, Any]) -> in
         ("--no-engine-process", not getattr(args, "engine_process", True)),
     ]:
         if value:
-            raise SystemExit(
-                f"{flag} serves one model: give one --model, or name the models in a "
-                "models.json of --models-dir"
-            )
+            raise SystemExit(f"{flag} serves one model: give one --model")
     try:
         specs = model_specs(list(args.model or []), args.models_dir, engine_options)
         registry = ModelRegistry(specs, registry_limits(args))

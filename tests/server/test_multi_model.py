@@ -140,10 +140,16 @@ def test_a_busy_model_is_never_evicted(server: tuple[str, Any]) -> None:
     idle, a third model evicts qwen, not llama."""
     base, _ = server
     assert _states(base) == {"llama": "loaded", "qwen": "loaded", "llama-copy": "unloaded"}
-    with _busy(base, "llama"):
-        assert _complete(base, "qwen").status_code == 200  # llama is now the LRU model
-        assert _complete(base, "llama-copy").status_code == 200
-        assert _states(base) == {"llama": "loaded", "qwen": "unloaded", "llama-copy": "loaded"}
+    with ThreadPoolExecutor(1) as pool:
+        with _busy(base, "llama"):
+            assert _complete(base, "qwen").status_code == 200  # llama is now the LRU model
+            pending = pool.submit(_complete, base, "llama-copy")
+            deadline = time.monotonic() + 60
+            while _states(base)["qwen"] != "unloaded" and time.monotonic() < deadline:
+                time.sleep(0.05)  # the victim is chosen (and detached) as the load starts
+            assert _states(base)["llama"] == "loaded"
+        assert pending.result().status_code == 200  # the stream gone, the load has the CPU
+    assert _states(base) == {"llama": "loaded", "qwen": "unloaded", "llama-copy": "loaded"}
 
 
 def test_load_and_unload_endpoints(server: tuple[str, Any]) -> None:

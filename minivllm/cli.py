@@ -22,9 +22,9 @@ DEMO_QUESTIONS = [
 _TYPES = {"bool": bool, "int": int, "float": float}
 
 
-def add_engine_options(parser: argparse.ArgumentParser) -> None:
+def add_engine_options(parser: argparse.ArgumentParser, repeatable: tuple[str, ...] = ()) -> None:
     """The EngineConfig options, one `--flag` per field (help and choices from the field), for
-    every subcommand that builds an engine."""
+    every subcommand that builds an engine; the `repeatable` ones collect a list."""
     g = parser.add_argument_group("engine")
     for f in engine_fields():
         flag = cli_flag(f.name)
@@ -45,7 +45,12 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
             )
             continue
         g.add_argument(
-            flag, type=kind, default=None, choices=f.metadata["choices"], help=f.metadata["help"]
+            flag,
+            type=kind,
+            default=None,
+            choices=f.metadata["choices"],
+            help=f.metadata["help"] + (" (repeat it for several)" if f.name in repeatable else ""),
+            action="append" if f.name in repeatable else "store",
         )
 
 
@@ -110,8 +115,13 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    from minivllm.server.multi_serve import is_multi_model, serve_models
     from minivllm.server.serve import serve
 
+    if is_multi_model(args):  # --model A --model B ... or --models-dir DIR
+        args.model = [args.model_tag] * (args.model_tag is not None) + (args.model or [])
+        return serve_models(args, engine_options(args))
+    args.model = args.model[0] if args.model else None
     if args.model_tag is not None:
         if args.model is not None and args.model != args.model_tag:
             raise SystemExit(f"two models given: {args.model_tag!r} and --model {args.model!r}")
@@ -171,9 +181,33 @@ def add_serve_parser(sub: Any) -> None:
         help="answer 413 to a request body larger than this",
     )
     _add_serving_options(p)
+    _add_multi_model_options(p)
     _add_ray_options(p)
-    add_engine_options(p)
+    add_engine_options(p, repeatable=("model",))
     p.set_defaults(func=cmd_serve)
+
+
+def _add_multi_model_options(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("several models (docs/multi-model.md)")
+    g.add_argument(
+        "--models-dir",
+        default=None,
+        help="serve each .gguf file and HF directory in DIR (or those its models.json/yaml "
+        "names), loaded on demand",
+    )
+    g.add_argument("--max-loaded-models", type=int, default=None, help="most models loaded")
+    g.add_argument(
+        "--models-memory-gb", type=float, default=None, help="memory the loaded models may take"
+    )
+    g.add_argument(
+        "--idle-unload-seconds", type=float, default=None, help="unload a model idle this long"
+    )
+    g.add_argument(
+        "--model-load-timeout",
+        type=float,
+        default=None,
+        help="seconds a request waits for its model to load (default 600)",
+    )
 
 
 def _add_serving_options(p: argparse.ArgumentParser) -> None:

@@ -5,12 +5,11 @@ the row offsets of each sequence in a batched step, mean pooling carried across 
 prefill and across preemption, cls pooling, and a cached prefix never pooled from nothing.
 """
 
-import functools
 from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModel
+from support.hf_reference import hf_embedding
 
 from minivllm import LLM, PoolingParams, SamplingParams
 
@@ -20,20 +19,6 @@ PROMPTS = [
     "A scheduler mixes prefill chunks with decode steps in one batch, and",
 ]
 COSINE = 0.999
-
-
-@functools.cache
-def hf_model(model_dir: Path) -> torch.nn.Module:
-    return AutoModel.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
-
-
-def hf_embedding(model_dir: Path, ids: list[int], method: str) -> torch.Tensor:
-    """HF's final hidden states of `ids`, pooled by `method` and L2-normalized."""
-    model = hf_model(model_dir)
-    with torch.no_grad():
-        hidden = model(torch.tensor([ids])).last_hidden_state[0]  # [len, hidden]
-    pooled = {"last": hidden[-1], "mean": hidden.mean(0), "cls": hidden[0]}[method]
-    return torch.nn.functional.normalize(pooled, dim=0)
 
 
 def make_llm(model_dir: Path, **options) -> LLM:
@@ -50,7 +35,7 @@ def check_against_hf(llm: LLM, model_dir: Path, method: str, prompts: list[str])
         ours = torch.tensor(out.outputs.embedding)
         assert out.outputs.hidden_size == 64
         assert abs(ours.norm().item() - 1.0) < 1e-5
-        cosine = torch.dot(ours, hf_embedding(model_dir, ids, method)).item()
+        cosine = torch.dot(ours, hf_embedding(str(model_dir), ids, method)).item()
         assert cosine >= COSINE, (method, prompt, cosine)
 
 
@@ -82,7 +67,7 @@ def test_embed_with_preemption(tiny_llama_dir: Path) -> None:
     while engine.has_unfinished_requests():
         finals += [o for o in engine.step() if o.finished and o.embedding is not None]
     assert engine.scheduler.num_preemptions > 0 and seq.num_preemptions > 0
-    hf = hf_embedding(tiny_llama_dir, seq.prompt_token_ids, "mean")
+    hf = hf_embedding(str(tiny_llama_dir), seq.prompt_token_ids, "mean")
     assert torch.dot(torch.tensor(finals[0].embedding), hf).item() >= COSINE
 
 
@@ -107,8 +92,7 @@ def test_embed_options(tiny_llama_dir: Path) -> None:
     assert llm.llm_engine.config.pooling == "last"
     ids = llm.get_tokenizer().encode(PROMPTS[1])
     raw = llm.embed([ids], PoolingParams(method="mean", normalize=False), use_tqdm=False)[0]
-    with torch.no_grad():
-        expected = hf_model(tiny_llama_dir)(torch.tensor([ids])).last_hidden_state[0].mean(0)
+    expected = hf_embedding(str(tiny_llama_dir), ids, "mean", normalize=False)
     torch.testing.assert_close(torch.tensor(raw.outputs.embedding), expected, atol=1e-4, rtol=0)
     with pytest.raises(ValueError, match="max_model_len"):
         llm.embed([[5] * 129], use_tqdm=False)

@@ -21,6 +21,7 @@ from transformers import AutoTokenizer
 
 from minivllm.engine.llm_engine import LLMEngine
 from minivllm.server import ServerThread, create_app
+from minivllm.server.engine_process import EngineProcess
 
 TEXTS = ["The quick brown fox jumps over the lazy dog. Paged attention", "Hello, world!"]
 MAX_MODEL_LEN = 64
@@ -113,3 +114,27 @@ def test_token_id_outside_the_vocabulary(server) -> None:
         client.embeddings.create(model="tiny", input=[[1, 10**6]])
     with pytest.raises(openai.NotFoundError):
         client.embeddings.create(model="other", input="hi")
+
+
+@pytest.mark.slow  # a process of its own loads the model: tens of seconds on a busy machine
+def test_through_the_engine_process(server) -> None:
+    """`minivllm serve`'s default, the engine loop in a process of its own: the pooling
+    request and its vector cross the pipe (cls pooling, the option passed through)."""
+    _, _, model_dir = server
+    engine = EngineProcess(
+        {
+            "model": str(model_dir),
+            "device": "cpu",
+            "dtype": "float32",
+            "pooling": "cls",
+            "enforce_eager": True,
+        }
+    )
+    with ServerThread(create_app(engine, "tiny")) as thread:
+        client = openai.OpenAI(base_url=f"{thread.base_url}/v1", api_key="x", max_retries=0)
+        out = client.embeddings.create(model="tiny", input=[[5, 6, 7]], encoding_format="float")
+        client.close()
+    cosine = torch.dot(
+        torch.tensor(out.data[0].embedding), hf_embedding(str(model_dir), [5], "cls")
+    )
+    assert cosine.item() >= COSINE

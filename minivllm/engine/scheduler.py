@@ -18,6 +18,9 @@ the sequence's acceptance so far. The commit appends the accepted drafts and the
 and advances `num_cached_tokens` by accepted + 1; a rejected draft's slot is overwritten by a
 later step.
 
+Embedding requests (`Sequence.pooling`) are prefill-only: never sampled, no cached prefix
+taken, finished by the commit that brings their pooled vector.
+
 Pure Python: no torch here.
 """
 

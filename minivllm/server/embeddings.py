@@ -11,7 +11,7 @@ import base64
 import struct
 import time
 import uuid
-from typing import Literal
+from typing import Literal, cast
 
 from fastapi import Request
 from fastapi.responses import Response
@@ -82,11 +82,13 @@ async def create_embedding(server: OpenAIServer, request: Request) -> Response:
 
 def _items(value: EmbeddingInput) -> list[str | list[int]]:
     """The inputs one by one: a string or a token-id list is one input."""
-    if isinstance(value, str) or (value and isinstance(value[0], int)):
-        return [value]  # type: ignore[list-item]
     if not value:
         raise bad_request("input is empty: give a string, token ids, or a list of them", "input")
-    return list(value)  # type: ignore[arg-type]
+    if isinstance(value, str):
+        return [value]
+    if all(isinstance(v, int) for v in value):
+        return [cast(list[int], value)]
+    return cast(list[str | list[int]], list(value))
 
 
 async def _token_ids(server: OpenAIServer, item: str | list[int]) -> PromptInput:

@@ -72,7 +72,8 @@ def test_strings_float_and_base64(server) -> None:
 
 
 def test_token_id_inputs(server) -> None:
-    """Token ids, one list or several, are prompts as given (no special tokens added)."""
+    """Token ids, one list or several, are prompts as given (no special tokens added); a
+    prompt may fill max_model_len."""
     _, client, model_dir = server
     one = client.embeddings.create(model="tiny", input=[5, 6, 7], encoding_format="float")
     assert one.usage.prompt_tokens == 3
@@ -82,6 +83,9 @@ def test_token_id_inputs(server) -> None:
     )
     assert many.data[0].embedding == pytest.approx(one.data[0].embedding, abs=1e-5)
     assert_matches_hf(model_dir, [9] * MAX_MODEL_LEN, many.data[1].embedding)
+    # one token alone: a step of query length 1, shaped as a decode
+    single = client.embeddings.create(model="tiny", input=[5], encoding_format="float")
+    assert_matches_hf(model_dir, [5], single.data[0].embedding)
 
 
 @pytest.mark.parametrize(

@@ -22,8 +22,14 @@ COSINE = 0.999
 
 
 def make_llm(model_dir: Path, **options) -> LLM:
-    options = {"max_model_len": 128, "num_kv_blocks": 64, "block_size": 4, **options}
-    return LLM(str(model_dir), device="cpu", dtype="float32", enforce_eager=True, **options)
+    options = {
+        "max_model_len": 128,
+        "num_kv_blocks": 64,
+        "block_size": 4,
+        "dtype": "float32",
+        **options,
+    }
+    return LLM(str(model_dir), device="cpu", enforce_eager=True, **options)
 
 
 def check_against_hf(llm: LLM, model_dir: Path, method: str, prompts: list[str]) -> None:
@@ -99,3 +105,17 @@ def test_embed_options(tiny_llama_dir: Path) -> None:
     assert len(llm.embed([[5] * 128], use_tqdm=False)[0].outputs.embedding) == 64
     with pytest.raises(ValueError, match="pooling method"):
         PoolingParams(method="max")
+
+
+@pytest.mark.slow  # the decode step's compile at start-up: tens of seconds
+def test_compiled_decode_step_pools_the_same_rows(tiny_llama_dir: Path) -> None:
+    """A one-token prompt runs as a decode-shaped step, which bf16 on the CPU runs through the
+    compiled decode step: its rows pool as the eager step's do."""
+    compiled = LLM(str(tiny_llama_dir), device="cpu", dtype="bfloat16", max_model_len=64)
+    assert compiled.llm_engine.model_runner.compiled_decode is not None
+    eager = make_llm(tiny_llama_dir, dtype="bfloat16")
+    ours, ref = (
+        torch.tensor(llm.embed([[5]], use_tqdm=False)[0].outputs.embedding)
+        for llm in (compiled, eager)
+    )
+    assert torch.dot(ours, ref).item() >= 0.999

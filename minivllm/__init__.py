@@ -1,10 +1,19 @@
 """minivllm: a small, fast, readable LLM inference engine."""
 
 from minivllm.logprobs import Logprob
-from minivllm.outputs import CompletionOutput, RequestOutput
+from minivllm.outputs import CompletionOutput, EmbeddingRequestOutput, RequestOutput
+from minivllm.pooling_params import PoolingParams
 from minivllm.sampling_params import SamplingParams
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob"]
+__all__ = [
+    "LLM",
+    "SamplingParams",
+    "PoolingParams",
+    "RequestOutput",
+    "CompletionOutput",
+    "EmbeddingRequestOutput",
+    "Logprob",
+]
 
 
 def __getattr__(name: str):

@@ -189,6 +189,12 @@ class EngineConfig:
         '(prompt lookup) or \'{"model": "draft.gguf", "num_speculative_tokens": 4}\' (a '
         "draft model with the target's vocabulary); greedy and sampled requests",
     )
+    pooling: str | None = _option(
+        None,
+        "how embedding requests pool the final hidden states: last token, mean or cls "
+        "(default: the model's sentence-transformers config, else last), L2-normalized",
+        ("last", "mean", "cls"),
+    )
     # filled from the model when the engine is built
     eos_token_ids: tuple[int, ...] = _option((), "end-of-sequence token ids", cli=False)
 
@@ -223,6 +229,8 @@ class EngineConfig:
             raise ValueError(
                 f"quantization must be None, 'int4', 'int8' or 'none', got {self.quantization!r}"
             )
+        if self.pooling not in (None, "last", "mean", "cls"):
+            raise ValueError(f"pooling must be 'last', 'mean' or 'cls', got {self.pooling!r}")
         # A dict or JSON string (the Python API's and the CLI's shape) becomes the frozen
         # SpeculativeConfig once, here, during construction.
         object.__setattr__(

@@ -11,7 +11,13 @@ from tqdm import tqdm
 from minivllm.engine import requests
 from minivllm.engine.llm_engine import LLMEngine, PromptInput
 from minivllm.engine.requests import Message
-from minivllm.outputs import CompletionOutput, RequestOutput
+from minivllm.outputs import (
+    CompletionOutput,
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
+    RequestOutput,
+)
+from minivllm.pooling_params import PoolingParams
 from minivllm.sampling_params import SamplingParams
 
 
@@ -81,6 +87,31 @@ class LLM:
             else:
                 results[i].outputs.append(completion)  # type: ignore[union-attr]
         return [r for r in results if r is not None]
+
+    def embed(
+        self,
+        prompts: PromptInput | Seq[PromptInput],
+        pooling_params: PoolingParams | None = None,
+        use_tqdm: bool = True,
+    ) -> list[EmbeddingRequestOutput]:
+        """Each prompt's pooled final hidden state (the engine's `pooling`: last token, mean
+        or cls; L2-normalized unless `pooling_params.normalize` is False), in input order.
+        The prompts run through the engine's scheduler as prefill-only requests."""
+        prompt_list = requests.as_prompt_list(prompts)
+        params = pooling_params or PoolingParams()
+        if not isinstance(params, PoolingParams):
+            raise TypeError(f"pooling_params must be PoolingParams, got {params!r}")
+        request_ids = [str(i) for i in range(len(prompt_list))]
+        requests.add_all(self.llm_engine, [(p, params) for p in prompt_list], request_ids)
+        finals = self._run(len(prompt_list), use_tqdm)
+        results = []
+        for request_id in request_ids:
+            out = finals[request_id]
+            if out.embedding is None:
+                raise RuntimeError(f"prompt {request_id} failed: {out.error}")
+            embedding = EmbeddingOutput(out.embedding)
+            results.append(EmbeddingRequestOutput(request_id, embedding, out.prompt_token_ids))
+        return results
 
     def chat(
         self,

@@ -1,4 +1,5 @@
-"""What the engine returns, in vLLM's shape: a RequestOutput per request."""
+"""What the engine returns, in vLLM's shape: a RequestOutput per request (an
+EmbeddingRequestOutput per prompt from `LLM.embed`)."""
 
 from __future__ import annotations
 
@@ -43,3 +44,26 @@ class RequestOutput:
     # prompt token, token id -> Logprob (the top-N plus the prompt's own token). vLLM's shape.
     prompt_logprobs: PromptLogprobs | None = None
     error: str | None = None  # why the request failed, when finish_reason is "error"
+    # An embedding request's pooled vector (PoolingParams), once finished; else None.
+    embedding: list[float] | None = None
+
+
+@dataclass
+class EmbeddingOutput:
+    """One prompt's pooled vector (vLLM's `EmbeddingOutput`)."""
+
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """What `LLM.embed` returns per prompt (vLLM's `EmbeddingRequestOutput`)."""
+
+    request_id: str
+    outputs: EmbeddingOutput
+    prompt_token_ids: list[int]
+    finished: bool = True

@@ -30,8 +30,8 @@ from typing import Any, Protocol
 import torch
 
 from minivllm.config import EngineConfig
-from minivllm.engine.sequence import blocks_for
 from minivllm.layers.attention import AttentionMetadata
+from minivllm.paging import blocks_for
 
 logger = logging.getLogger(__name__)
 

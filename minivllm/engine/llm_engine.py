@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 from minivllm.config import EngineConfig
@@ -22,6 +22,7 @@ from minivllm.engine.spec_decode import Proposer
 from minivllm.engine.tracing import NullTracer
 from minivllm.logprobs import TokenTexts
 from minivllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from minivllm.pooling_params import PoolingParams
 from minivllm.sampling_params import SamplingParams
 from minivllm.structured import GrammarMatcher, StructuredOutputs
 
@@ -94,13 +95,14 @@ class LLMEngine:
         from minivllm.engine.draft_model import load_draft_proposer, resolve_draft
         from minivllm.engine.memory import fit_max_model_len
         from minivllm.engine.model_runner import ModelRunner
+        from minivllm.engine.pooling_config import with_pooling
         from minivllm.engine.spec_cost import with_measured_draft_cost
         from minivllm.models.config import load_tokenizer, resolve_config
 
         config = EngineConfig.from_options(**options)
         config, model_dir, hf_config = resolve_config(config)
         tokenizer = load_tokenizer(model_dir)
-        config = with_eos_token_ids(config, tokenizer, model_dir)
+        config = with_pooling(with_eos_token_ids(config, tokenizer, model_dir), model_dir)
         draft = resolve_draft(config, hf_config)  # a bad draft fails before any weight is read
         defaults = default_sampling_params(config.generation_config, model_dir)
         if config.tensor_parallel_size > 1:
@@ -130,10 +132,15 @@ class LLMEngine:
     def add_request(
         self,
         prompt: PromptInput,
-        sampling_params: SamplingParams | None = None,
+        sampling_params: SamplingParams | PoolingParams | None = None,
         request_id: str | None = None,
     ) -> Sequence:
-        """Queue a request; ValueError if it is malformed or could never fit."""
+        """Queue a request; ValueError if it is malformed or could never fit. With
+        PoolingParams it is an embedding request: its prompt runs, pooled, and it ends."""
+        pooling = None
+        if isinstance(sampling_params, PoolingParams):  # the engine's method unless it names one
+            method = sampling_params.method or self.config.pooling or "last"
+            pooling, sampling_params = replace(sampling_params, method=method), None
         sampling_params = sampling_params or SamplingParams()
         if not isinstance(sampling_params, SamplingParams):
             raise TypeError(f"sampling_params must be SamplingParams, got {sampling_params!r}")
@@ -148,6 +155,7 @@ class LLMEngine:
         seq_id = self._next_seq_id
         with self.tracer.phase("add"):
             seq = self.tracer.new_sequence(seq_id, token_ids, sampling_params)
+            seq.pooling = pooling
             self.scheduler.add(seq)
         self._next_seq_id += 1
         request_id = str(seq_id) if request_id is None else request_id
@@ -359,6 +367,7 @@ class LLMEngine:
             num_cached_prompt_tokens=request.num_cached_prompt_tokens or 0,
             prompt_logprobs=prompt_logprobs,
             error=request.error,
+            embedding=seq.embedding,
         )
 
     def _decode_logprobs(self, request: _Request) -> None:

@@ -25,6 +25,7 @@ from minivllm.engine.compiled_decode import CompiledDecode, compile_decode_step
 from minivllm.engine.cuda_graphs import CudaGraphDecode, capture_decode_graphs, use_cuda_graphs
 from minivllm.engine.device import resolve_device, resolve_dtype, staged
 from minivllm.engine.logits import compute_logits_in_slices, score_prompt_rows
+from minivllm.engine.pooler import pool_batch
 from minivllm.engine.runner_output import RunnerOutput, SampledToken
 from minivllm.engine.scheduler import ScheduledBatch
 from minivllm.engine.sequence import Sequence
@@ -355,15 +356,15 @@ class ModelRunner:
         (within `token_bitmask`'s allowed tokens, one row per `sample_seqs`, if given)."""
         inputs = prepare_inputs(batch, self.block_size, self.device, token_bitmask)
         if self.small_step_threads is None or inputs.meta.num_tokens != 1:
-            return self._run(inputs)
+            return self._run(inputs, batch)
         threads = torch.get_num_threads()
         torch.set_num_threads(self.small_step_threads)
         try:
-            return self._run(inputs)
+            return self._run(inputs, batch)
         finally:
             torch.set_num_threads(threads)
 
-    def _run(self, inputs: StepInputs) -> RunnerOutput:
+    def _run(self, inputs: StepInputs, batch: ScheduledBatch) -> RunnerOutput:
         forward = self.model
         if self.compiled_decode is not None and self.compiled_decode.applies(inputs.meta):
             forward = self.compiled_decode
@@ -373,6 +374,7 @@ class ModelRunner:
         num_samples = len(inputs.sampling.params)  # rows: drafts add one each
         slices = compute_logits_in_slices(self.model, hidden, inputs.logits_indices)
         output = RunnerOutput()
+        output.pooled, output.embeddings = pool_batch(batch, hidden)  # embedding requests'
         if inputs.prompt_logprob_runs:
             logits = score_prompt_rows(
                 slices, inputs.prompt_logprob_runs, num_samples, output.prompt_logprobs

@@ -18,10 +18,12 @@ from typing import Any, cast
 
 from minivllm.engine.llm_engine import LLMEngine, PromptInput
 from minivllm.engine.sequence import Sequence
+from minivllm.pooling_params import PoolingParams
 from minivllm.sampling_params import SamplingParams
 
 Message = dict[str, Any]
-Choice = tuple[PromptInput, SamplingParams]  # one request of n=1: its prompt and sampling
+# One request of n=1: its prompt and sampling (PoolingParams: an embedding request).
+Choice = tuple[PromptInput, SamplingParams | PoolingParams]
 
 
 class NoChatTemplateError(ValueError):

@@ -11,6 +11,7 @@ Pure Python: no torch here.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from minivllm.logprobs import Logprob
 
@@ -38,6 +39,11 @@ class RunnerOutput:
     # For sequences that asked for prompt logprobs: seq_id -> (first prompt position covered,
     # one {token_id: Logprob} per position from there); a recompute may repeat positions.
     prompt_logprobs: dict[int, tuple[int, list[dict[int, Logprob]]]] = field(default_factory=dict)
+    # For the embedding sequences of the plan (`Sequence.pooling` set): seq_id -> the partial
+    # pool over their positions so far (opaque to the engine: the runner's tensor), for those
+    # whose prompt is not complete yet; seq_id -> the final pooled vector, for those whose is.
+    pooled: dict[int, Any] = field(default_factory=dict)
+    embeddings: dict[int, list[float]] = field(default_factory=dict)
 
     @property
     def sampled_token_ids(self) -> list[int]:

@@ -18,6 +18,9 @@ the sequence's acceptance so far. The commit appends the accepted drafts and the
 and advances `num_cached_tokens` by accepted + 1; a rejected draft's slot is overwritten by a
 later step.
 
+Embedding requests (`Sequence.pooling`) are prefill-only: never sampled, no cached prefix
+taken, finished by the commit that brings their pooled vector.
+
 Pure Python: no torch here.
 """
 
@@ -48,7 +51,8 @@ class ScheduledBatch:
 
     seqs: list[Sequence] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
-    # The sequences whose prompt is complete after this step: they get a sampled token.
+    # The sequences whose prompt is complete after this step: they get a sampled token
+    # (embedding sequences never do: they get their pooled vector instead).
     # Fixed when the plan is made, because committing changes the counters it is read from.
     sample_seqs: list[Sequence] = field(init=False)
 
@@ -57,6 +61,7 @@ class ScheduledBatch:
             s
             for s in self.seqs
             if s.num_cached_tokens + s.num_scheduled_tokens == s.num_tokens + len(s.spec_token_ids)
+            and s.pooling is None
         ]
 
     @property
@@ -117,6 +122,8 @@ class Scheduler:
     # ---- requests -------------------------------------------------------------------
 
     def max_completion_tokens(self, seq: Sequence) -> int:
+        if seq.pooling is not None:  # an embedding request ends with its prompt
+            return 0
         max_tokens = seq.sampling_params.max_tokens
         return self.max_model_len - seq.num_prompt_tokens if max_tokens is None else max_tokens
 
@@ -126,16 +133,20 @@ class Scheduler:
             raise ValueError("the prompt is empty: give at least one token")
         completion = self.max_completion_tokens(seq)
         total = seq.num_prompt_tokens + completion
-        if seq.num_prompt_tokens >= self.max_model_len or total > self.max_model_len:
+        # A generating prompt leaves room for one token; an embedding's may fill the window.
+        longest = self.max_model_len if seq.pooling is not None else self.max_model_len - 1
+        if seq.num_prompt_tokens > longest or total > self.max_model_len:
             raise ValueError(
                 f"prompt ({seq.num_prompt_tokens} tokens) + max_tokens ({completion}) = {total} "
                 f"exceeds max_model_len ({self.max_model_len})"
             )
-        # The last sampled token is never fed back, so its KV never needs a slot.
-        need = blocks_for(total - 1, self.config.block_size)
+        # The last sampled token is never fed back, so its KV never needs a slot (an embedding
+        # request samples none: all of its prompt's KV is written).
+        kv_tokens = total if seq.pooling is not None else total - 1
+        need = blocks_for(kv_tokens, self.config.block_size)
         if need > self.block_manager.num_blocks:
             raise ValueError(
-                f"request needs {need} KV blocks ({total - 1} tokens at block_size "
+                f"request needs {need} KV blocks ({kv_tokens} tokens at block_size "
                 f"{self.config.block_size}) but the pool has only "
                 f"{self.block_manager.num_blocks}"
             )
@@ -187,7 +198,9 @@ class Scheduler:
             and len(self.running) < self.config.max_num_seqs
         ):
             seq = self.waiting[0]
-            hits = self.block_manager.match_prefix(seq)
+            # An embedding request takes no cached prefix: a cached block's positions would have
+            # no hidden states this step to pool (its own blocks still enter the cache).
+            hits = self.block_manager.match_prefix(seq) if seq.pooling is None else []
             num_new = min(seq.num_tokens - len(hits) * self.config.block_size, budget)
             if not self.block_manager.can_allocate(seq, num_new, hits):
                 break
@@ -245,6 +258,7 @@ class Scheduler:
         seq.num_cached_tokens = 0
         seq.num_scheduled_tokens = 0
         seq.spec_token_ids = []
+        seq.pooled = None  # recomputed from the first position
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
@@ -286,9 +300,23 @@ class Scheduler:
                 # A recompute after preemption covers positions already committed: skip them.
                 skip = 1 + len(seq.prompt_logprobs) - first
                 seq.prompt_logprobs.extend(entries[max(skip, 0) :])
+            if seq.pooling is not None:
+                reason = self._commit_pooling(seq, output)
             if reason is not None:
                 self.finish(seq, reason)
         return batch.seqs
+
+    def _commit_pooling(self, seq: Sequence, output: RunnerOutput) -> FinishReason | None:
+        """Take an embedding sequence's partial pool, or its vector once its prompt has run
+        (then it is done: "stop")."""
+        if seq.num_cached_tokens < seq.num_tokens:
+            seq.pooled = output.pooled.get(seq.seq_id)
+            return None
+        embedding = output.embeddings.get(seq.seq_id)
+        if embedding is None:
+            raise ValueError(f"the runner gave no embedding for {seq}")
+        seq.pooled, seq.embedding = None, embedding
+        return FinishReason.STOP
 
     def _append(
         self, seq: Sequence, sample: SampledToken, drafts: list[int]

@@ -10,6 +10,11 @@ Who writes each field (the tutorial chapter's rule: scheduled is not cached):
 - `num_cached_tokens`: committed KV progress, advanced only by `Scheduler.postprocess` after the
   ModelRunner has executed the plan (and, once, by a prefix-cache hit at admission).
 - `block_table`: the BlockManager, when the plan needs blocks and when the sequence frees them.
+- `pooling`: an embedding request's PoolingParams (None: a generation request), set by the
+  engine before the Scheduler admits it. Such a sequence samples nothing: it finishes when its
+  prompt has run. `pooled` is the runner's partial pool over the committed positions (mean
+  pooling's running sum), taken from each step's output by the commit and reset by
+  preemption; `embedding` is the final vector, written by the commit that finishes it.
 - `status`: the Scheduler (WAITING -> RUNNING on admission, RUNNING -> WAITING on preemption,
   -> FINISHED on a stop condition or abort).
 
@@ -20,9 +25,11 @@ from __future__ import annotations
 
 import time
 from enum import Enum
+from typing import Any
 
 from minivllm.logprobs import Logprob
 from minivllm.paging import blocks_for
+from minivllm.pooling_params import PoolingParams
 from minivllm.sampling_params import SamplingParams
 
 
@@ -73,6 +80,9 @@ class Sequence:
         # order, {token_id: Logprob} of the prompt's own token plus the top-N.
         self.prompt_logprobs: list[dict[int, Logprob]] = []
         self.num_preemptions = 0
+        self.pooling: PoolingParams | None = None
+        self.pooled: Any = None  # opaque here: the runner's tensor
+        self.embedding: list[float] | None = None
 
     def __repr__(self) -> str:
         return (

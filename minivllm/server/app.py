@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP server: the app factory and its routes over an EngineClient.
 
-Routes: GET /v1/models, POST /v1/completions, POST /v1/chat/completions, the Responses API
+Routes: GET /v1/models, POST /v1/completions, POST /v1/chat/completions, POST /v1/embeddings
+(`embeddings.py`), the Responses API
 (POST /v1/responses, GET, DELETE /v1/responses/{id}, POST /v1/responses/{id}/cancel,
 `responses_api.py`), Anthropic's POST /v1/messages and /v1/messages/count_tokens (`anthropic/`,
 errors in Anthropic's shape), POST /tokenize,
@@ -36,6 +37,7 @@ from minivllm.server import responses
 from minivllm.server.anthropic import anthropic_routes
 from minivllm.server.chat import create_chat_completion
 from minivllm.server.completions import create_completion
+from minivllm.server.embeddings import create_embedding
 from minivllm.server.engine_client import EngineClient, client_for
 from minivllm.server.errors import APIError, install_error_handlers
 from minivllm.server.middleware import BodySizeLimitMiddleware
@@ -130,6 +132,10 @@ def openai_routes(server: OpenAIServer) -> APIRouter:
     @router.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         return await create_chat_completion(server, request)
+
+    @router.post("/v1/embeddings")
+    async def embeddings(request: Request) -> Response:
+        return await create_embedding(server, request)
 
     @router.post("/tokenize")
     async def tokenize_route(request: Request) -> Response:

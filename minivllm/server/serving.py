@@ -220,7 +220,10 @@ class OpenAIServer:
         """Add n choices per prompt (seed + i for choice i when seeded), all or none."""
         for prompt in prompts:
             self.check_prompt(prompt)
-        choices = requests.fan_out(list(prompts), [params] * len(prompts))
+        return await self.add(request_id, requests.fan_out(list(prompts), [params] * len(prompts)))
+
+    async def add(self, request_id: str, choices: list[requests.Choice]) -> RequestStream:
+        """Add the choices as one request, all or none; the engine's refusals as HTTP errors."""
         try:
             return await self.engine.add_request(request_id, choices)
         except QueueFullError as exc:

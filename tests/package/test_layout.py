@@ -144,6 +144,7 @@ HELPERS = {
     "logprobs",
     "outputs",
     "paging",
+    "pooling_params",
     "sampling_params",
     "structured",
 }

@@ -7,7 +7,7 @@ from __future__ import annotations
 import functools
 
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModel, AutoModelForCausalLM
 
 from minivllm import SamplingParams
 
@@ -58,3 +58,18 @@ def hf_prompt_logprobs(model_dir: str, prompt: tuple[int, ...]) -> torch.Tensor:
     model = hf_model(model_dir)
     with torch.inference_mode():
         return model(torch.tensor([prompt])).logits[0, :-1].float().log_softmax(-1)
+
+
+@functools.cache
+def hf_base_model(model_dir: str):
+    """HF's `AutoModel`: the decoder without its LM head (`last_hidden_state`)."""
+    return AutoModel.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+@torch.inference_mode()
+def hf_embedding(model_dir: str, ids: list[int], method: str, normalize: bool = True):
+    """HF's final hidden states of `ids` pooled by `method` (last, mean, cls), L2-normalized
+    unless `normalize` is False: what an embedding request must give."""
+    hidden = hf_base_model(model_dir)(torch.tensor([ids])).last_hidden_state[0]  # [len, hidden]
+    pooled = {"last": hidden[-1], "mean": hidden.mean(0), "cls": hidden[0]}[method]
+    return torch.nn.functional.normalize(pooled, dim=0) if normalize else pooled

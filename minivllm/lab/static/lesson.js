@@ -84,7 +84,7 @@ export function codeLinks(chapter) {
   return [h("h3", { text: t("read_code") }), h("div", { class: "code-links" },
     entry.code.map((link) => h("button", {
       type: "button", class: "code-link", "data-testid": "code-link",
-      onclick: () => { S.codeLoc = link.location; render(); },
+      onclick: () => { S.codeLoc = link.location; render(); $("code-pane").scrollIntoView({ block: "nearest" }); },
     }, h("code", { text: link.function }), " ",
     h("span", { class: "hint", text: link.location.replace(/^minivllm\//, "") }))))];
 }

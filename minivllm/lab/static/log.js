@@ -58,12 +58,12 @@ function clauses(stage, ch, seq) {
     out.push(t("n_kv", { a: ch.kv_written.before, b: ch.kv_written.after - 1 }));
     const drafts = seq ? seq.spec_token_ids.length : 0;
     if (ch.sampled_token && drafts) out.push(t("n_verified", { k: drafts, tok: ch.sampled_token.after }));
-    else out.push(ch.sampled_token ? t("n_sampled", { n: 1, tok: ch.sampled_token.after }) : t("n_no_sample"));
+    else out.push(ch.sampled_token ? t("n_sampled", { tok: ch.sampled_token.after }) : t("n_no_sample"));
   }
   if (stage === "commit") {
     if (cached && cached.b !== cached.a) out.push(t("n_cached", cached));
     const tokens = moved("num_tokens");
-    if (tokens) out.push(t("n_appended", { ...tokens, n: tokens.b - tokens.a }));
+    if (tokens) out.push(t(tokens.b - tokens.a === 1 ? "n_appended" : "n_appended_many", { ...tokens, n: tokens.b - tokens.a }));
     else if (cached) out.push(t("n_no_append"));
     if (status && status.b === "FINISHED") out.push(t("n_finished", { reason: seq ? seq.finish_reason : "" }));
   }

@@ -32,12 +32,21 @@ function absorb(data, replace, follow = true) {
   S.codeLoc = null;
 }
 
+/** Once the engine has answered the lesson, its verdict is brought into view: it may land
+ *  below the window (the state, the Run buttons), and an answer out of sight seems missing. */
+function showVerdict() {
+  const verdict = document.querySelector("[data-testid=predict-feedback]");
+  if (verdict) verdict.scrollIntoView({ block: "nearest" });
+}
+
 async function act(path, body, replace = false) {
   if (S.busy) return false;
   S.busy = true;
   renderButtons();
+  const answered = Boolean(S.lesson && S.lesson.result);
   try {
     absorb(await post(path, body), replace);
+    if (!replace && !answered && S.lesson && S.lesson.result) requestAnimationFrame(showVerdict);
     return true;
   } catch (err) {
     toast(errorText(err));

@@ -259,6 +259,11 @@ def test_a_speculative_step_commits_accepted_plus_one(lab_client: TestClient) ->
     assert (verdict["accepted"], verdict["rejected"], verdict["appended"]) == (2, 1, 3)
     slots = execute["step_inputs"]["slot_mapping"]
     assert said(lesson, "spec_rejected") == {"rejected": 1, "slots": str(slots[3])}
+    # The pool shows it: after the commit the slot still holds the rejected draft's KV.
+    bs = commit["block_size"]
+    slot = commit["blocks"][slots[3] // bs]["slots"][slots[3] % bs]
+    assert slot["state"] == "written"
+    assert slot["owners"][0]["draft"] and slot["owners"][0]["token_id"] == a["spec_token_ids"][2]
     # The next step's execute writes over the rejected draft's slot.
     later = [f for f in frames[frames.index(execute) + 1 :] if f["frame"]["stage"] == "execute"]
     assert any(slots[3] in f["step_inputs"]["slot_mapping"] for f in later)

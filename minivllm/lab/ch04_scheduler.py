@@ -47,6 +47,7 @@ def _budget_ask(start: State) -> dict:
         "running": len(running),
         "decoding": decoding,
         "prefilling": len(running) - decoding,
+        "variant": "decoding" if decoding == len(running) else "mixed",
     }
 
 

@@ -112,6 +112,7 @@ def test_budget_goes_to_decodes_first_then_the_waiting_prompt(lab_client: TestCl
         "running": 2,
         "decoding": 2,
         "prefilling": 0,
+        "variant": "decoding",
     }
     assert said(lesson, "budget_sum") == {"budget": 8, "used": 2, "left": 6, "c": 2, "got": 6}
     assert said(lesson, "budget_rest") == {"rest": 4} and lesson["result"]["premise"] is None

@@ -26,6 +26,7 @@ from test_lab_browser import (  # the same server, browser flags and layout chec
     lab_url,  # noqa: F401  (a fixture)
     no_horizontal_overflow,
     open_lab_page,
+    pick_scenario,
     set_language,
     tid,
     verdict_in_view,
@@ -76,7 +77,7 @@ def lesson_page(lab_url: str):  # noqa: F811
 def open_scenario(page, name: str) -> None:
     from playwright.sync_api import expect
 
-    tid(page, f"scenario-{name}").click()
+    pick_scenario(page, name)
     expect(tid(page, f"scenario-{name}")).to_have_class(re.compile(r"\bcurrent\b"))
     expect(page.locator("#guide-title")).to_contain_text(CHAPTER_OF[name])
 

@@ -132,7 +132,13 @@ function renderScenarios() {
   h("span", { class: "chapter-tabs" }, g.names.map((name) => h("button", {
     type: "button", class: `scenario ${name === current ? "current" : ""}`,
     "data-testid": `scenario-${name}`, onclick: () => resetScenario(name),
-  }, t(`s_${name}_tab`)))))));
+  }, t(`s_${name}_tab`)))))),
+  // On a phone the other chapters fold into this menu (CSS shows one or the other).
+  h("select", {
+    class: "chapter-menu", id: "chapter-menu", "data-testid": "chapter-menu", "aria-label": t("menu_chapters"),
+    onchange: (e) => resetScenario(e.target.value),
+  }, groups.map((g) => h("optgroup", { label: `${g.chapter} · ${t(`chapter_${g.chapter}`)}` },
+    g.names.map((name) => h("option", { value: name, selected: name === current }, t(`s_${name}_tab`)))))));
   $("subtitle").textContent = t(`subtitle_${chapterOf(current)}`);
   const f = last();
   $("real").textContent = t(f.model.runner === "ModelRunner" ? "real_note" : "real_fake",

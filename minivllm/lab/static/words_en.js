@@ -358,4 +358,5 @@ export const EN = {
   menu_chapters: "Chapters",
   n_verified: "the model verified {k} {k|draft|drafts} and chose its own next token {tok}; the accepted drafts and it are appended at the commit",
   n_appended_many: "{n} tokens appended (the accepted drafts and the model's own next token), num_tokens {a} → {b}",
+  s_budget_intro_decoding: "{running} {running|sequence is|sequences are} decoding. A new prompt of {prompt} tokens is waiting (seq {c}). One step may schedule at most {budget} tokens (max_num_batched_tokens).",
 };

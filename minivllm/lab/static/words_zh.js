@@ -359,4 +359,5 @@ export const ZH = {
   menu_chapters: "章节",
   n_verified: "模型验证了 {k} 个草稿，并选出自己的下一个 token {tok}；被接受的草稿和它在提交时追加",
   n_appended_many: "追加了 {n} 个 token（被接受的草稿和模型自己的下一个 token），num_tokens {a} → {b}",
+  s_budget_intro_decoding: "{running} 个序列正在 decode。一个 {prompt} token 的新 prompt 在等待（序列 {c}）。每一步最多安排 {budget} 个 token（max_num_batched_tokens）。",
 };

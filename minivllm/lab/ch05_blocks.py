@@ -54,7 +54,7 @@ def _cached_observe(run: Run) -> Observed | None:
     shared = b["block_table"][: b["num_cached_tokens"] // bs]
     story = [
         line(
-            "cached_took",
+            "cached_took" if shared else "cached_none",
             b=b["seq_id"],
             cached=b["num_cached_tokens"],
             prompt=b["num_prompt_tokens"],

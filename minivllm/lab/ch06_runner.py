@@ -142,7 +142,9 @@ def _read_observe(run: Run) -> Observed | None:
             step=frame["step"],
         )
     ]
-    premise = None if query == 1 else line("pre_read_prefill", a=a, query=query)
+    seq = next(s for s in frame["sequences"] if s["seq_id"] == a)
+    decoding = seq["num_cached_tokens"] >= seq["num_prompt_tokens"]
+    premise = None if decoding else line("pre_read_prefill", a=a, query=query)
     return Observed(str(len(slots)), {"n": len(slots)}, story, premise, inputs)
 
 
@@ -181,6 +183,7 @@ def _logits_observe(run: Run) -> Observed | None:
             rows=len(inputs["input_ids"]),
             split=" + ".join(map(str, inputs["query_lens"])),
             logits=ids(inputs["logits_indices"]) or "-",
+            nl=len(inputs["logits_indices"]),
             step=frame["step"],
         )
     ]

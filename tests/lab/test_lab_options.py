@@ -80,9 +80,10 @@ def post(client: TestClient, path: str, body: object = None) -> tuple[int, dict]
     return r.status_code, r.json()
 
 
-def drive(client: TestClient, name: str, options: dict) -> dict | None:
+def drive(client: TestClient, name: str, options: dict, frames: list | None = None) -> dict | None:
     """Reset `name` with `options` and Plan / Commit until the lesson answers: the result, or
-    None when the options were refused with a clear message or the run ended unanswered."""
+    None when the options were refused with a clear message or the run ended unanswered.
+    `frames` collects the frames the learner's clicks recorded."""
     status, state = post(client, "reset", {"scenario": name, **options})
     if status != 200:
         assert state["code"] and state["error"], state
@@ -92,6 +93,8 @@ def drive(client: TestClient, name: str, options: dict) -> dict | None:
         if status != 200:
             assert state["code"] in ("all_finished", "nothing_fits"), state
             return None
+        if frames is not None:
+            frames += state["frames"]
         if state["lesson"]["result"] is not None:
             return state["lesson"]["result"]
     return None
@@ -131,3 +134,58 @@ def test_no_option_set_breaks_a_lesson(clients: dict[int, TestClient], name: str
             check_words(result)
             answered += 1
     assert answered >= len(grid) // 2, f"{name}: only {answered} of {len(grid)} runs answered"
+
+
+# scenario: options under which its situation does not arise, and the line that says so
+PREMISE_FAILS = {
+    "budget": ({"max_num_batched_tokens": 20}, "pre_budget_fits"),
+    "chunks": ({"max_num_batched_tokens": 64}, "pre_chunks_none"),
+    "max_seqs": ({"max_num_seqs": 4}, "pre_seqs_none"),
+    "victim": ({"num_kv_blocks": 8}, "pre_victim_none"),
+    "chain": ({"max_num_batched_tokens": 4}, "pre_not_admitted"),
+    "reuse": ({"max_num_seqs": 1}, "pre_not_admitted"),
+    "partial": ({"max_num_batched_tokens": 4}, "pre_not_admitted"),
+    "lru": ({"num_kv_blocks": 4}, "pre_not_admitted"),
+    "slot": ({"max_num_batched_tokens": 2}, "pre_not_first"),
+    "read": ({"max_num_batched_tokens": 1}, "pre_read_prefill"),
+    "logits": ({"max_num_batched_tokens": 64}, "pre_logits_whole"),
+}
+OTHER = {"max_num_batched_tokens": 16, "num_kv_blocks": 8}
+
+
+def check_plan_lines(result: dict, frames: list[dict]) -> None:
+    """Each "seq N: k tokens" / "seq N: nothing" line says what the first plan frame shows."""
+    plan = next(f for f in frames if f["frame"]["stage"] == "plan")
+    scheduled = {s["seq_id"]: s["num_scheduled_tokens"] for s in plan["sequences"]}
+    for item in result["story"]:
+        if item["key"] == "l_sched":
+            assert scheduled[item["params"]["seq"]] == item["params"]["n"], item
+        if item["key"] == "l_none":
+            assert scheduled[item["params"]["seq"]] == 0, item
+
+
+@pytest.mark.parametrize("name", LESSONS)
+def test_the_verdict_says_when_the_lesson_did_not_arise(
+    clients: dict[int, TestClient], name: str
+) -> None:
+    """Under the scenario's own options the lesson's situation arises and the page tells its
+    rule; under options where it cannot (nobody waits, nobody is preempted, no prompt cut)
+    the page says so and names options under which it does, instead of the default story;
+    under a third set the text still holds. The engine's answer is in the verdict each time,
+    and the per-sequence lines match the plan frame."""
+    client = clients[4]
+    fails = PREMISE_FAILS.get(name)
+    runs = [({}, None), (OTHER, "any"), *([fails] if fails else [])]
+    for options, premise in runs:
+        frames: list[dict] = []
+        result = drive(client, name, options, frames)
+        assert result is not None, (name, options)
+        check_words(result)
+        check_plan_lines(result, frames)
+        if premise is None:
+            assert result["premise"] is None, (name, result["premise"])
+        elif premise != "any":
+            assert result["premise"]["key"] == premise, (name, options, result["premise"])
+    if name == "spec":  # the chapter's lesson: a draft written and never committed
+        result = drive(client, name, {})
+        assert any(line["key"] == "spec_rejected" for line in result["story"])

@@ -308,7 +308,7 @@ def test_phone_layout_chunked_narration_and_chinese(page) -> None:
     expect(story).not_to_contain_text("append")
     no_horizontal_overflow(page)
     if os.environ.get("MINIVLLM_LAB_SCREENSHOT") == "1" or not (DOCS / "lab-phone.png").exists():
-        page.evaluate("scrollTo(0, document.querySelector('.timebar').offsetTop - 8)")
+        page.evaluate("scrollTo(0, document.querySelector('#flow-run').offsetTop - 8)")
         page.screenshot(path=str(DOCS / "lab-phone.png"))
 
     set_language(page, "zh")

@@ -129,6 +129,9 @@ export function tokenState(frame, seq, pos) {
   const slot = slotOf(frame, seq, pos);
   if (!slot) return "uncached";
   if (slot.state === "reserved") return "uncached";
+  // A rejected draft's KV still sits in this position's slot: the token shown here has none.
+  const mine = slot.owners.find((o) => o.seq_id === seq.seq_id && o.pos === pos);
+  if (mine && mine.draft && pos < seq.num_tokens) return "uncached";
   return slot.state === "cached" || slot.state === "free" ? "uncached" : slot.state;
 }
 

@@ -144,6 +144,9 @@ def test_a_learner_plays_each_chapter_wrong_then_right(lesson_page) -> None:
         assert f"The engine: {shown(right)}." in text, (name, text)
         if name == "victim":
             assert "WAITING" in text and "→ 0" in text
+        if name == "spec":  # accepted + 1 appended; the rejected draft's slot, uncommitted
+            expect(tid(page, "narr-story")).to_contain_text("3 tokens appended")
+            expect(page.locator(".kvslot.written.draft")).to_have_count(1)
         chapter = CHAPTER_OF[name]
         if SHOT_OF[chapter] == name:
             path = IMG / f"lab-ch{chapter}.png"

@@ -30,7 +30,10 @@ function narrate(stage, events, f) {
   const bySeq = new Map();
   for (const e of events) {
     if (!bySeq.has(e.seq_id)) bySeq.set(e.seq_id, {});
-    bySeq.get(e.seq_id)[e.field] = e;
+    const fields = bySeq.get(e.seq_id);
+    // A field changed several times in one phase (a commit appending accepted drafts and the
+    // model's token) reads as one change, from its first value to its last.
+    fields[e.field] = fields[e.field] ? { ...e, before: fields[e.field].before } : e;
   }
   const lines = [];
   for (const [id, ch] of bySeq) {

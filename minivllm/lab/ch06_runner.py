@@ -107,7 +107,9 @@ def _slot_observe(run: Run) -> Observed | None:
         ),
         line("slot_row", row=flat, rows=len(inputs["input_ids"]), step=frame["step"]),
     ]
-    return Observed(str(slot), {"slot": slot}, story, _first_plan_wait(run, b), inputs)
+    return Observed(
+        str(slot), {"slot": slot, "step": frame["step"]}, story, _first_plan_wait(run, b), inputs
+    )
 
 
 # ---- read: which slots a decode's attention reads ---------------------------------------------
@@ -145,7 +147,9 @@ def _read_observe(run: Run) -> Observed | None:
     seq = next(s for s in frame["sequences"] if s["seq_id"] == a)
     decoding = seq["num_cached_tokens"] >= seq["num_prompt_tokens"]
     premise = None if decoding else line("pre_read_prefill", a=a, query=query)
-    return Observed(str(len(slots)), {"n": len(slots)}, story, premise, inputs)
+    return Observed(
+        str(len(slots)), {"n": len(slots), "step": frame["step"]}, story, premise, inputs
+    )
 
 
 # ---- logits: a chunk that does not end the prompt samples nothing ------------------------------
@@ -194,7 +198,9 @@ def _logits_observe(run: Run) -> Observed | None:
         premise = _first_plan_wait(run, b)
     else:
         story.append(line("logits_chunk", b=b))
-    return Observed(str(len(sampled)), {"n": len(sampled)}, story, premise, inputs)
+    return Observed(
+        str(len(sampled)), {"n": len(sampled), "step": frame["step"]}, story, premise, inputs
+    )
 
 
 CHAPTER_06 = [

@@ -69,6 +69,8 @@ def check_words(result: dict) -> dict[str, str]:
                 if isinstance(value, int):
                     assert str(value) in say(item, lang), (item, lang)
         assert "{" not in text and "[]" not in text and "undefined" not in text, text
+    if result["inputs"] is not None:  # the pinned table's caption names its step
+        assert isinstance(result["params"]["step"], int), result["params"]
         assert not SINGULAR_AS_PLURAL.search(text), text
         texts[lang] = text
     return texts

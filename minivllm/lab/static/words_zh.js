@@ -58,7 +58,7 @@ export const ZH = {
   state_cached: "空闲，仍缓存（有 hash）",
   state_free: "空闲",
   tok_pending: "已采样，尚未追加",
-  tok_completion: "completion",
+  tok_completion: "生成的 token",
   tok_uncached: "不在 KV Cache 中",
   click_slot: "点击一个槽位，查看它属于哪个序列的哪个位置。",
   slot_is: "槽位 {slot} = block {block}，偏移 {offset}",

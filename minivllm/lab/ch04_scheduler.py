@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from minivllm.lab.lesson import Lesson, Observed, Run, State
 from minivllm.lab.scenarios import Driver, EngineShape, Scenario
+from minivllm.lab.story import ids, kind, line, plan_lines, split
 
 TEXTS = (
     "Decodes come first in every step of the scheduler",
@@ -37,10 +38,16 @@ def _budget_setup(lab: Driver) -> None:
 
 
 def _budget_ask(start: State) -> dict:
+    running = [s for s in start["sequences"] if s["status"] == "RUNNING"]
+    decoding = sum(1 for s in running if kind({**s, "num_scheduled_tokens": 1}) == "decode")
     return {
         "budget": start["budget"]["max_num_batched_tokens"],
         "prompt": Run.seq(start, 2)["num_prompt_tokens"],
-        "running": len(start["running"]),
+        "c": Run.seq(start, 2)["seq_id"],
+        "running": len(running),
+        "decoding": decoding,
+        "prefilling": len(running) - decoding,
+        "variant": "decoding" if decoding == len(running) else "mixed",
     }
 
 
@@ -48,10 +55,20 @@ def _budget_observe(run: Run) -> Observed | None:
     plan = run.first("plan")
     if plan is None:
         return None
-    a, b, c = _scheduled(plan)
-    return Observed(
-        str(c), {"a": a, "b": b, "c": c, "budget": plan["budget"]["max_num_batched_tokens"]}
-    )
+    c = Run.seq(plan, 2)
+    budget = plan["budget"]["max_num_batched_tokens"]
+    first = sum(s["num_scheduled_tokens"] for s in plan["sequences"][:2])
+    got = c["num_scheduled_tokens"]
+    story = [
+        *plan_lines(plan),
+        line("budget_sum", budget=budget, used=first, left=budget - first, c=c["seq_id"], got=got),
+    ]
+    if 0 < got < c["num_prompt_tokens"]:
+        story.append(line("budget_rest", rest=c["num_prompt_tokens"] - got))
+    premise = None
+    if got >= c["num_prompt_tokens"]:
+        premise = line("pre_budget_fits", c=c["seq_id"], need=first + got - 1)
+    return Observed(str(got), {"c": c["seq_id"], "got": got, "budget": budget}, story, premise)
 
 
 # ---- chunks: how many steps until the second prompt is whole ---------------------------------
@@ -68,23 +85,34 @@ def _chunks_ask(start: State) -> dict:
         "budget": start["budget"]["max_num_batched_tokens"],
         "p": Run.seq(start, 0)["num_prompt_tokens"],
         "q": Run.seq(start, 1)["num_prompt_tokens"],
+        "p_id": Run.seq(start, 0)["seq_id"],
+        "q_id": Run.seq(start, 1)["seq_id"],
     }
 
 
 def _chunks_observe(run: Run) -> Observed | None:
     """The number of committed steps until Q's whole prompt is cached, and each step's split."""
-    splits = []
+    plans: list[State] = []
     for frame in run.frames:
         if frame["frame"]["stage"] == "plan":
-            splits.append(_scheduled(frame))
+            plans.append(frame)
         q = Run.seq(frame, 1)
         if frame["frame"]["stage"] == "commit" and q["num_cached_tokens"] >= q["num_prompt_tokens"]:
+            story = [line("chunk_step", i=i + 1, split=split(p)) for i, p in enumerate(plans)]
+            story.append(line("chunks_done", q=q["seq_id"], steps=len(plans)))
+            premise = None
+            if not any(
+                kind(s) == "chunk"
+                for p in plans
+                for s in p["sequences"]
+                if s["num_scheduled_tokens"]
+            ):
+                total = q["num_prompt_tokens"] + Run.seq(frame, 0)["num_prompt_tokens"]
+                premise = line("pre_chunks_none", need=total - 1)
+            else:
+                story.append(line("chunks_rule"))
             return Observed(
-                str(len(splits)),
-                {
-                    "steps": len(splits),
-                    "splits": " | ".join(f"P {p} + Q {q}" for p, q in splits),
-                },
+                str(len(plans)), {"steps": len(plans), "q": q["seq_id"]}, story, premise
             )
     return None
 
@@ -111,15 +139,17 @@ def _seqs_observe(run: Run) -> Observed | None:
     if plan is None:
         return None
     ran = [s["seq_id"] for s in plan["sequences"] if s["num_scheduled_tokens"] > 0]
-    left = plan["budget"]["max_num_batched_tokens"] - plan["budget"]["planned_tokens"]
-    return Observed(
-        str(len(ran)),
-        {
-            "ran": ", ".join(map(str, ran)),
-            "left": left,
-            "max_num_seqs": plan["budget"]["max_num_seqs"],
-        },
-    )
+    budget = plan["budget"]
+    left = budget["max_num_batched_tokens"] - budget["planned_tokens"]
+    most = budget["max_num_seqs"]
+    story = [*plan_lines(plan), line("seqs_sum", n=len(ran), ran=ids(ran) or "-", left=left)]
+    waiting = len(plan["sequences"]) - len(ran)
+    premise = None
+    if waiting == 0:
+        premise = line("pre_seqs_none", n=len(ran), most=most, need=len(ran) - 1)
+    elif len(plan["running"]) < most:
+        premise = line("pre_seqs_budget", most=most)
+    return Observed(str(len(ran)), {"ran": ids(ran), "left": left, "most": most}, story, premise)
 
 
 # ---- preemption: who is sent back when a decode needs a block --------------------------------
@@ -139,29 +169,42 @@ def _victim_choices(start: State) -> list[str]:
 
 
 def _victim_ask(start: State) -> dict:
-    ids = [s["seq_id"] for s in start["sequences"]]
-    return {"a": ids[0], "b": ids[1], "c": ids[2], "free": start["num_free_blocks"]}
+    ids_ = [s["seq_id"] for s in start["sequences"]]
+    free, n = start["num_free_blocks"], len(start["blocks"])
+    return {
+        "a": ids_[0],
+        "b": ids_[1],
+        "c": ids_[2],
+        "free": free,
+        "held": n - free,
+        "n": n,
+        "variant": "full" if free == 0 else "room",
+    }
 
 
 def _victim_observe(run: Run) -> Observed | None:
-    for frame in run.frames:
-        if frame["frame"]["stage"] != "plan":
-            continue
-        before = {s["seq_id"]: s for s in run.start["sequences"]}
-        for e in frame["events"][len(run.start["events"]) :]:
-            if e["field"] == "status" and e["before"] == "RUNNING" and e["after"] == "WAITING":
-                lost = before[e["seq_id"]]
-                return Observed(
-                    str(e["seq_id"]),
-                    {
-                        "victim": e["seq_id"],
-                        "lost": lost["num_cached_tokens"],
-                        "blocks": ", ".join(map(str, lost["block_table"])),
-                        "actor": e["actor"],
-                    },
-                )
-        return Observed("none", {"victim": "none", "lost": 0, "blocks": "", "actor": ""})
-    return None
+    plan = run.first("plan")
+    if plan is None:
+        return None
+    before = {s["seq_id"]: s for s in run.start["sequences"]}
+    for e in plan["events"][len(run.start["events"]) :]:
+        if e["field"] == "status" and e["before"] == "RUNNING" and e["after"] == "WAITING":
+            lost = before[e["seq_id"]]
+            blocks = ids(lost["block_table"])
+            story = [
+                line(
+                    "victim_done",
+                    victim=e["seq_id"],
+                    lost=lost["num_cached_tokens"],
+                    blocks=blocks,
+                    n=len(lost["block_table"]),
+                ),
+                *plan_lines(plan),
+            ]
+            return Observed(str(e["seq_id"]), {"victim": e["seq_id"]}, story)
+    free, n = run.start["num_free_blocks"], len(run.start["blocks"])
+    premise = line("pre_victim_none", free=free, n=n, need=max(1, n - free))
+    return Observed("none", {"victim": "none"}, plan_lines(plan), premise)
 
 
 CHAPTER_04 = [

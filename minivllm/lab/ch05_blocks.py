@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from minivllm.lab.lesson import Lesson, Observed, Run, State
 from minivllm.lab.scenarios import Driver, EngineShape, Scenario
+from minivllm.lab.story import Line, ids, line, why_waiting
 
 SHARED_TEXT = "The quick brown fox jumps over the lazy dog and runs into the woods"
 OTHER_TEXT = "Paged attention keeps the KV cache in blocks"
@@ -27,6 +28,22 @@ def _b_at_plan(run: Run) -> tuple[State, State] | None:
     return plan, plan["sequences"][-1]
 
 
+def _premise(run: Run, plan: State, b: State) -> Line | None:
+    """Why the prefix story may not arise under these options: B was not admitted at this
+    plan, or A's prompt was not wholly prefilled (and hashed) before B came."""
+    if b["status"] == "WAITING":
+        return line("pre_not_admitted", b=b["seq_id"], reason=why_waiting(plan))
+    a = run.start["sequences"][0]
+    if a["status"] != "FINISHED" and a["num_cached_tokens"] < a["num_prompt_tokens"]:
+        return line(
+            "pre_a_partial",
+            a=a["seq_id"],
+            cached=a["num_cached_tokens"],
+            prompt=a["num_prompt_tokens"],
+        )
+    return None
+
+
 def _cached_observe(run: Run) -> Observed | None:
     """B's num_cached_tokens right after the plan admitted it, and the blocks it took."""
     found = _b_at_plan(run)
@@ -35,15 +52,23 @@ def _cached_observe(run: Run) -> Observed | None:
     plan, b = found
     bs = plan["block_size"]
     shared = b["block_table"][: b["num_cached_tokens"] // bs]
+    story = [
+        line(
+            "cached_took" if shared else "cached_none",
+            b=b["seq_id"],
+            cached=b["num_cached_tokens"],
+            prompt=b["num_prompt_tokens"],
+            n=len(shared),
+            shared=ids(shared) or "-",
+            refs=ids([Run.block(plan, i)["ref_count"] for i in shared]) or "-",
+            scheduled=b["num_scheduled_tokens"],
+        )
+    ]
     return Observed(
         str(b["num_cached_tokens"]),
-        {
-            "cached": b["num_cached_tokens"],
-            "scheduled": b["num_scheduled_tokens"],
-            "prompt": b["num_prompt_tokens"],
-            "shared": ", ".join(map(str, shared)) or "-",
-            "refs": ", ".join(str(Run.block(plan, i)["ref_count"]) for i in shared) or "-",
-        },
+        {"cached": b["num_cached_tokens"]},
+        story,
+        _premise(run, plan, b),
     )
 
 
@@ -97,14 +122,20 @@ def _reuse_observe(run: Run) -> Observed | None:
         return None
     plan, b = found
     first = run.start["sequences"][0]["block_table"][0]
-    holders = Run.block(plan, first)["seq_ids"]
+    block = Run.block(plan, first)
+    story = [
+        line(
+            "reuse_held",
+            block=first,
+            holders=ids(block["seq_ids"]),
+            n=len(block["seq_ids"]),
+            ref=block["ref_count"],
+            b=b["seq_id"],
+            cached=b["num_cached_tokens"],
+        )
+    ]
     return Observed(
-        str(Run.block(plan, first)["ref_count"]),
-        {
-            "block": first,
-            "holders": ", ".join(map(str, holders)),
-            "cached": b["num_cached_tokens"],
-        },
+        str(block["ref_count"]), {"ref": block["ref_count"]}, story, _premise(run, plan, b)
     )
 
 

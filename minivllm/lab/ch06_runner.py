@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from minivllm.lab.lesson import Lesson, Observed, Run, State
 from minivllm.lab.scenarios import Driver, EngineShape, Scenario
+from minivllm.lab.story import Line, ids, line, why_waiting
 
 DECODE_TEXT = "The runner flattens every sequence of the plan"
 PROMPT_TEXT = "Slots are computed from the block table and the position of each token"
@@ -25,16 +26,20 @@ def _mixed_setup(lab: Driver) -> None:
     lab.add_tokens(lab.prompt(PROMPT_TEXT, 7), max_tokens=4)
 
 
-def _inputs(run: Run) -> tuple[State, dict] | None:
-    """The first executed step's frame and its runner inputs."""
-    frame = run.first("execute")
-    if frame is None or frame["step_inputs"] is None:
-        return None
-    return frame, frame["step_inputs"]
+def _executed(run: Run, seq_id: int) -> tuple[State, dict, int] | None:
+    """The first executed step that ran `seq_id`: its frame, runner inputs and the sequence's
+    row in them. Under small budgets or max_num_seqs a sequence may wait a step or more."""
+    for frame in run.frames:
+        inputs = frame["step_inputs"]
+        if frame["frame"]["stage"] == "execute" and inputs and seq_id in inputs["seq_ids"]:
+            return frame, inputs, inputs["seq_ids"].index(seq_id)
+    return None
 
 
-def _row(inputs: dict, seq_id: int) -> int:
-    return inputs["seq_ids"].index(seq_id)
+def _token_rows(inputs: dict, row: int) -> range:
+    """The flat rows of the batch that belong to the sequence at `row`."""
+    start = sum(inputs["query_lens"][:row])
+    return range(start, start + inputs["query_lens"][row])
 
 
 # ---- slot: where one token's KV is written --------------------------------------------------
@@ -51,31 +56,59 @@ def _slot_ask(start: State) -> dict:
     }
 
 
-def _slot_observe(run: Run) -> Observed | None:
-    found = _inputs(run)
-    if found is None:
+def _writes(run: Run, seq_id: int, pos: int) -> tuple[State, dict, int, int] | None:
+    """The executed step that wrote `seq_id`'s KV at `pos`: frame, inputs, the sequence's row
+    of the batch and the flat row of that token."""
+    for frame in run.frames:
+        inputs = frame["step_inputs"]
+        if frame["frame"]["stage"] != "execute" or not inputs or seq_id not in inputs["seq_ids"]:
+            continue
+        row = inputs["seq_ids"].index(seq_id)
+        for flat in _token_rows(inputs, row):
+            if inputs["positions"][flat] == pos:
+                return frame, inputs, row, flat
+    return None
+
+
+def _first_plan_wait(run: Run, seq_id: int) -> Line | None:
+    """Why the first plan gave `seq_id` nothing, or only part of its prompt (None if all)."""
+    plan = run.first("plan")
+    if plan is None:
         return None
-    frame, inputs = found
+    seq = next(s for s in plan["sequences"] if s["seq_id"] == seq_id)
+    if seq["num_scheduled_tokens"] == 0:
+        return line("pre_not_first", seq=seq_id, reason=why_waiting(plan))
+    if seq["num_cached_tokens"] + seq["num_scheduled_tokens"] < seq["num_prompt_tokens"]:
+        return line("pre_chunked", seq=seq_id, n=seq["num_scheduled_tokens"])
+    return None
+
+
+def _slot_observe(run: Run) -> Observed | None:
     b = run.start["sequences"][1]["seq_id"]
     pos = run.start["sequences"][1]["num_prompt_tokens"] - 1
-    table = inputs["block_tables"][_row(inputs, b)]
-    start = sum(inputs["query_lens"][: _row(inputs, b)])
-    rows = inputs["positions"][start : start + inputs["query_lens"][_row(inputs, b)]]
-    slot = inputs["slot_mapping"][start + rows.index(pos)]
+    found = _writes(run, b, pos)
+    if found is None:
+        return None
+    frame, inputs, row, flat = found
+    table = inputs["block_tables"][row]
+    slot = inputs["slot_mapping"][flat]
     bs = frame["block_size"]
+    used = -(-inputs["seq_lens"][row] // bs)  # the rest of the row is padding
+    story = [
+        line(
+            "slot_formula",
+            b=b,
+            pos=pos,
+            bs=bs,
+            block=table[pos // bs],
+            offset=pos % bs,
+            slot=slot,
+            table=ids(table[:used]),
+        ),
+        line("slot_row", row=flat, rows=len(inputs["input_ids"]), step=frame["step"]),
+    ]
     return Observed(
-        str(slot),
-        {
-            "slot": slot,
-            "pos": pos,
-            "bs": bs,
-            "block": table[pos // bs],
-            "offset": pos % bs,
-            "index": pos // bs,
-            "table": ", ".join(map(str, table)),
-            "row": start + rows.index(pos),
-            "rows": len(inputs["input_ids"]),
-        },
+        str(slot), {"slot": slot, "step": frame["step"]}, story, _first_plan_wait(run, b), inputs
     )
 
 
@@ -93,20 +126,29 @@ def _read_ask(start: State) -> dict:
 
 
 def _read_observe(run: Run) -> Observed | None:
-    found = _inputs(run)
+    a = run.start["sequences"][0]["seq_id"]
+    found = _executed(run, a)
     if found is None:
         return None
-    _, inputs = found
-    a = run.start["sequences"][0]["seq_id"]
-    slots = inputs["read_slots"][_row(inputs, a)]
+    frame, inputs, row = found
+    slots = inputs["read_slots"][row]
+    query = inputs["query_lens"][row]
+    story = [
+        line(
+            "read_slots",
+            n=len(slots),
+            slots=ids(slots),
+            seq_len=inputs["seq_lens"][row],
+            last=inputs["seq_lens"][row] - 1,
+            query=query,
+            step=frame["step"],
+        )
+    ]
+    seq = next(s for s in frame["sequences"] if s["seq_id"] == a)
+    decoding = seq["num_cached_tokens"] >= seq["num_prompt_tokens"]
+    premise = None if decoding else line("pre_read_prefill", a=a, query=query)
     return Observed(
-        str(len(slots)),
-        {
-            "n": len(slots),
-            "slots": ", ".join(map(str, slots)),
-            "seq_len": inputs["seq_lens"][_row(inputs, a)],
-            "query_len": inputs["query_lens"][_row(inputs, a)],
-        },
+        str(len(slots)), {"n": len(slots), "step": frame["step"]}, story, premise, inputs
     )
 
 
@@ -131,20 +173,33 @@ def _logits_ask(start: State) -> dict:
 
 
 def _logits_observe(run: Run) -> Observed | None:
-    found = _inputs(run)
+    a, b = (s["seq_id"] for s in run.start["sequences"])
+    found = _executed(run, a) or _executed(run, b)
     if found is None:
         return None
-    _, inputs = found
+    frame, inputs, _ = found
     sampled = inputs["sample_seq_ids"]
+    story = [
+        line(
+            "logits_rows",
+            n=len(sampled),
+            sampled=ids(sampled) or "-",
+            rows=len(inputs["input_ids"]),
+            split=" + ".join(map(str, inputs["query_lens"])),
+            logits=ids(inputs["logits_indices"]) or "-",
+            nl=len(inputs["logits_indices"]),
+            step=frame["step"],
+        )
+    ]
+    premise = None
+    if b in sampled:
+        premise = line("pre_logits_whole", b=b, need=run.start["sequences"][1]["num_prompt_tokens"])
+    elif b not in inputs["seq_ids"]:
+        premise = _first_plan_wait(run, b)
+    else:
+        story.append(line("logits_chunk", b=b))
     return Observed(
-        str(len(sampled)),
-        {
-            "n": len(sampled),
-            "sampled": ", ".join(map(str, sampled)) or "-",
-            "rows": len(inputs["input_ids"]),
-            "query_lens": " + ".join(map(str, inputs["query_lens"])),
-            "logits_rows": ", ".join(map(str, inputs["logits_indices"])) or "-",
-        },
+        str(len(sampled)), {"n": len(sampled), "step": frame["step"]}, story, premise, inputs
     )
 
 

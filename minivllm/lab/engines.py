@@ -52,7 +52,7 @@ class SharedModelEngines:
             max_num_seqs=shape.max_num_seqs,
             speculative_config=shape.speculative_config,
         )
-        return LLMEngine(config, view, self.base.tokenizer, tracer)
+        return LLMEngine(config, view, self.base.tokenizer, tracer, proposer=shape.make_proposer())
 
 
 @lru_cache(maxsize=4)

@@ -13,8 +13,10 @@ Pure Python: no torch here.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
+
+from minivllm.lab.story import Line
 
 State = dict[str, Any]
 MAX_NUMBER = 1_000_000  # a numeric prediction above this is a typo, not a guess
@@ -44,11 +46,16 @@ class Run:
 
 @dataclass(frozen=True)
 class Observed:
-    """The engine's answer (compared with the prediction as text) and the numbers the page's
-    explanation names."""
+    """The engine's answer (compared with the prediction as text), its numbers, and the
+    explanation built from the frames: `story` (lines, see `story.py`), `premise` (a line
+    saying the lesson's situation did not arise under these options, and which options make
+    it arise; None when it did), `inputs` (the runner's inputs of the step it describes)."""
 
     answer: str
     params: dict[str, Any]
+    story: list[Line] = field(default_factory=list)
+    premise: Line | None = None
+    inputs: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -121,7 +128,14 @@ class LessonState:
         result = None
         if observed is not None:
             correct = None if self.prediction is None else self.prediction == observed.answer
-            result = {"answer": observed.answer, "correct": correct, "params": observed.params}
+            result = {
+                "answer": observed.answer,
+                "correct": correct,
+                "params": observed.params,
+                "story": observed.story,
+                "premise": observed.premise,
+                "inputs": observed.inputs,
+            }
         return {
             "chapter": self.chapter,
             "kind": self.lesson.kind,

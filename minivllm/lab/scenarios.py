@@ -47,6 +47,14 @@ class EngineShape:
     max_num_batched_tokens: int
     max_num_seqs: int = 16
     speculative_config: SpeculativeConfig | None = None  # chapter 07's engine speculates
+    # The draft source the engine gets (default: the one speculative_config names).
+    proposer: Callable[[SpeculativeConfig], Any] | None = None
+
+    def make_proposer(self) -> Any:
+        """A fresh draft source for one engine, or None for the config's own."""
+        if self.proposer is None or self.speculative_config is None:
+            return None
+        return self.proposer(self.speculative_config)
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,9 @@ field names are the engine's own (`num_cached_tokens`, `block_table`, ...).
 A KV slot's state says how far its token has come: `reserved` (allocated, nothing planned),
 `planned` (in this step's plan), `written` (the runner wrote its KV, not committed yet),
 `committed` (postprocess counted it as cached), or, in a free block, `cached` (a prefix-cache
-entry that can still be reused) or `free`.
+entry that can still be reused) or `free`. A speculative step's draft tokens own the slots
+after the sequence's tokens (`"draft": true`); a rejected draft's slot stays `written` after the
+commit, holding the draft's KV, until a later step writes over it.
 
 Pure Python: no torch here.
 """
@@ -35,6 +37,9 @@ class Snapshotter:
 
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
+        # seq_id -> (num_tokens, drafts) of its latest plan with drafts: the commit clears the
+        # drafts, but a rejected one's KV is still in its slot.
+        self._drafts: dict[int, tuple[int, list[int]]] = {}
         self._text = None if engine.tokenizer is None else TokenPieces(engine.tokenizer)
         self._code = {
             "Sequence.__init__": source_of(Sequence.__init__),
@@ -159,6 +164,9 @@ class Snapshotter:
         written = self._written()
         slots: dict[int, State] = {}
         for seq in seqs:
+            if seq.spec_token_ids:
+                self._drafts[seq.seq_id] = (seq.num_tokens, list(seq.spec_token_ids))
+            base, drafts = self._drafts.get(seq.seq_id, (seq.num_tokens, []))
             for logical, block_id in enumerate(seq.block_table):
                 for offset in range(bs):
                     pos = logical * bs + offset
@@ -166,8 +174,12 @@ class Snapshotter:
                     slot = slots.setdefault(block_id * bs + offset, {"state": state, "owners": []})
                     if _SLOT_ORDER[state] > _SLOT_ORDER[slot["state"]]:
                         slot["state"] = state
-                    token = seq.token_ids[pos] if pos < seq.num_tokens else None
-                    slot["owners"].append({"seq_id": seq.seq_id, "pos": pos, "token_id": token})
+                    owner = {"seq_id": seq.seq_id, "pos": pos, "token_id": None}
+                    if state in ("planned", "written") and 0 <= pos - base < len(drafts):
+                        owner.update(token_id=drafts[pos - base], draft=True)
+                    elif pos < seq.num_tokens:
+                        owner["token_id"] = seq.token_ids[pos]
+                    slot["owners"].append(owner)
         return slots
 
     def _this_step(self) -> list[TraceEvent]:
@@ -187,4 +199,6 @@ def slot_state(seq: Sequence, pos: int, written: tuple[int, int] | None) -> str:
         if written is not None and written[0] <= pos < written[1]:
             return "written"  # the runner wrote its KV; postprocess has not committed it
         return "planned"
+    if written is not None and written[0] <= pos < written[1]:
+        return "written"  # a rejected draft's KV: written this step, never committed
     return "reserved"

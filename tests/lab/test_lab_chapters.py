@@ -49,6 +49,13 @@ def graded(
     return lesson, frames
 
 
+def said(lesson: dict, key: str) -> dict:
+    """The numbers of the explanation's line `key` (built from the frames, see story.py)."""
+    result = lesson["result"]
+    lines = [*result["story"], *([result["premise"]] if result["premise"] else [])]
+    return next(line["params"] for line in lines if line["key"] == key)
+
+
 def stage(frames: list[dict], name: str) -> dict:
     return next(f for f in frames if f["frame"]["stage"] == name)
 
@@ -98,18 +105,30 @@ def test_scenarios_carry_their_chapter_and_code_links(lab_client: TestClient) ->
 def test_budget_goes_to_decodes_first_then_the_waiting_prompt(lab_client: TestClient) -> None:
     lesson, frames = graded(lab_client, "budget", "8", "6", ["plan"])
     assert scheduled(stage(frames, "plan")) == [1, 1, 6]  # two decodes, then what is left
-    assert lesson["question"] == {"budget": 8, "prompt": 10, "running": 2}
-    assert lesson["result"]["params"] == {"a": 1, "b": 1, "c": 6, "budget": 8}
-    # The learner's own budget: 20 leaves room for C's whole prompt.
+    assert lesson["question"] == {
+        "budget": 8,
+        "prompt": 10,
+        "c": 2,
+        "running": 2,
+        "decoding": 2,
+        "prefilling": 0,
+        "variant": "decoding",
+    }
+    assert said(lesson, "budget_sum") == {"budget": 8, "used": 2, "left": 6, "c": 2, "got": 6}
+    assert said(lesson, "budget_rest") == {"rest": 4} and lesson["result"]["premise"] is None
+    # The learner's own budget: 20 leaves room for the whole prompt, and the page says so.
     lesson, frames = play(lab_client, "budget", "10", ["plan"], max_num_batched_tokens=20)
     assert scheduled(stage(frames, "plan")) == [1, 1, 10] and lesson["result"]["correct"]
+    assert said(lesson, "pre_budget_fits") == {"c": 2, "need": 11}
 
 
 def test_chunks_a_prompt_where_the_budget_ends(lab_client: TestClient) -> None:
     lesson, frames = graded(lab_client, "chunks", "1", "2", ["step", "plan", "commit"])
     plans = [scheduled(f) for f in frames if f["frame"]["stage"] == "plan"]
     assert plans == [[10, 2], [1, 4]]  # Q: a 2-token chunk, then its last 4 after P's decode
-    assert lesson["result"]["params"]["splits"] == "P 10 + Q 2 | P 1 + Q 4"
+    splits = [line["params"]["split"] for line in lesson["result"]["story"][:2]]
+    assert splits == ["seq 0: 10 + seq 1: 2", "seq 0: 1 + seq 1: 4"]
+    assert said(lesson, "chunks_done") == {"q": 1, "steps": 2}
 
 
 def test_max_num_seqs_leaves_a_prompt_waiting_with_budget_left(lab_client: TestClient) -> None:
@@ -117,8 +136,10 @@ def test_max_num_seqs_leaves_a_prompt_waiting_with_budget_left(lab_client: TestC
     plan = stage(frames, "plan")
     assert scheduled(plan) == [4, 4, 0] and plan["waiting"] == [2]
     assert lesson["result"]["params"]["left"] == 56
+    assert said(lesson, "l_none") == {"seq": 2, "reason": "seqs"}
     lesson, _ = play(lab_client, "max_seqs", "3", ["plan"], max_num_seqs=3)
     assert lesson["result"]["correct"] is True
+    assert said(lesson, "pre_seqs_none") == {"n": 3, "most": 3, "need": 2}
 
 
 def test_preemption_sends_back_the_most_recently_admitted(lab_client: TestClient) -> None:
@@ -129,11 +150,14 @@ def test_preemption_sends_back_the_most_recently_admitted(lab_client: TestClient
     a, b, c = plan["sequences"]
     assert (a["status"], b["status"], c["status"]) == ("RUNNING", "RUNNING", "WAITING")
     assert c["num_cached_tokens"] == 0 and c["block_table"] == []  # its progress is gone
-    assert lesson["result"]["params"]["lost"] == 2 * BS - 1
-    assert lesson["result"]["params"]["actor"] == "Scheduler._preempt"
-    # With more blocks nobody is preempted.
+    freed = ", ".join(
+        map(str, post(lab_client, "reset", {"scenario": "victim"})["sequences"][2]["block_table"])
+    )
+    assert said(lesson, "victim_done") == {"victim": 2, "lost": 2 * BS - 1, "blocks": freed, "n": 2}
+    # With more blocks nobody is preempted, and the page says which pool would preempt.
     lesson, _ = play(lab_client, "victim", "none", ["plan"], num_kv_blocks=8)
     assert lesson["result"]["correct"] is True
+    assert said(lesson, "pre_victim_none") == {"free": 2, "n": 8, "need": 6}
 
 
 # ---- 05 · BlockManager and the prefix cache -------------------------------------------------
@@ -156,7 +180,7 @@ def test_a_shared_prefix_is_taken_with_its_ref_count(lab_client: TestClient) -> 
     assert b["block_table"][:3] == a["block_table"][:3]
     assert [plan["blocks"][i]["ref_count"] for i in a["block_table"][:3]] == [2, 2, 2]
     assert b["num_cached_tokens"] == 3 * BS  # cached grew at plan time
-    assert lesson["result"]["params"]["holders"] == "0, 1"
+    assert said(lesson, "reuse_held")["holders"] == "0, 1"
 
 
 def test_a_partial_last_block_is_never_shared(lab_client: TestClient) -> None:
@@ -166,7 +190,7 @@ def test_a_partial_last_block_is_never_shared(lab_client: TestClient) -> None:
     assert b["block_table"][:2] == a["block_table"][:2]
     assert b["block_table"][2] != a["block_table"][2]
     assert b["num_scheduled_tokens"] == 2
-    assert lesson["result"]["params"]["shared"] == ", ".join(map(str, a["block_table"][:2]))
+    assert said(lesson, "cached_took")["shared"] == ", ".join(map(str, a["block_table"][:2]))
 
 
 def test_freed_hashed_blocks_stay_cached(lab_client: TestClient) -> None:
@@ -191,7 +215,8 @@ def test_a_tokens_slot_comes_from_its_block_table(lab_client: TestClient) -> Non
     pos = 6
     expected = b["block_table"][pos // BS] * BS + pos % BS
     assert inputs["slot_mapping"][1 + pos] == expected == 14
-    assert lesson["result"]["params"]["row"] == 7
+    assert said(lesson, "slot_row") == {"row": 7, "rows": 8, "step": 2}
+    assert lesson["result"]["inputs"] == inputs  # the table the verdict shows is its step's
 
 
 def test_a_decode_reads_every_slot_of_its_context(lab_client: TestClient) -> None:
@@ -200,7 +225,7 @@ def test_a_decode_reads_every_slot_of_its_context(lab_client: TestClient) -> Non
     a = stage(frames, "plan")["sequences"][0]
     assert inputs["seq_lens"][0] == 6 and inputs["query_lens"][0] == 1
     assert inputs["read_slots"][0] == [a["block_table"][p // BS] * BS + p % BS for p in range(6)]
-    assert lesson["result"]["params"]["slots"] == "0, 1, 2, 3, 4, 5"
+    assert said(lesson, "read_slots")["slots"] == "0, 1, 2, 3, 4, 5"
 
 
 def test_a_chunk_that_does_not_end_the_prompt_samples_nothing(lab_client: TestClient) -> None:
@@ -217,8 +242,10 @@ def test_a_chunk_that_does_not_end_the_prompt_samples_nothing(lab_client: TestCl
 
 def test_a_speculative_step_commits_accepted_plus_one(lab_client: TestClient) -> None:
     """The first plan with drafts schedules k + 1 tokens, the runner writes k + 1 slots, and
-    only the commit advances cached, by accepted + 1 (the fake model accepts all three)."""
-    lesson, frames = graded(lab_client, "spec", "1", "4", ["step"] * 6)
+    only the commit advances cached, by accepted + 1; the chapter's draft source swaps the
+    last draft, so one is rejected and its slot stays written, uncommitted, until the next
+    step writes over it."""
+    lesson, frames = graded(lab_client, "spec", "4", "3", ["step"] * 8)
     plan = next(
         f for f in frames if f["frame"]["stage"] == "plan" and f["sequences"][0]["spec_token_ids"]
     )
@@ -228,16 +255,19 @@ def test_a_speculative_step_commits_accepted_plus_one(lab_client: TestClient) ->
     assert a["num_scheduled_tokens"] == 1 + len(a["spec_token_ids"]) == 4
     assert execute["step_inputs"]["query_lens"] == [4]
     assert execute["sequences"][0]["num_cached_tokens"] == a["num_cached_tokens"]  # not yet
-    assert commit["sequences"][0]["num_cached_tokens"] == a["num_cached_tokens"] + 4
-    p = lesson["result"]["params"]
-    assert (p["scheduled"], p["written"], p["grew"], p["accepted"], p["rejected"]) == (
-        4,
-        4,
-        4,
-        3,
-        0,
-    )
-    assert len(p["slots"].split(", ")) == 4
+    assert commit["sequences"][0]["num_cached_tokens"] == a["num_cached_tokens"] + 3
+    verdict = said(lesson, "spec_verdict")
+    assert (verdict["accepted"], verdict["rejected"], verdict["appended"]) == (2, 1, 3)
+    slots = execute["step_inputs"]["slot_mapping"]
+    assert said(lesson, "spec_rejected") == {"rejected": 1, "slots": str(slots[3])}
+    # The pool shows it: after the commit the slot still holds the rejected draft's KV.
+    bs = commit["block_size"]
+    slot = commit["blocks"][slots[3] // bs]["slots"][slots[3] % bs]
+    assert slot["state"] == "written"
+    assert slot["owners"][0]["draft"] and slot["owners"][0]["token_id"] == a["spec_token_ids"][2]
+    # The next step's execute writes over the rejected draft's slot.
+    later = [f for f in frames[frames.index(execute) + 1 :] if f["frame"]["stage"] == "execute"]
+    assert any(slots[3] in f["step_inputs"]["slot_mapping"] for f in later)
 
 
 # ---- refusals -------------------------------------------------------------------------------

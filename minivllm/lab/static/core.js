@@ -38,10 +38,16 @@ export function t(key, params) {
   let s = I18N[S.lang][key];
   if (s === undefined) s = I18N.en[key];
   if (s === undefined) return key;
-  if (typeof s === "string" && params) {
-    s = s.replace(/\{(\w+)\}/g, (_, k) => (params[k] === undefined ? "" : String(params[k])));
-  }
+  if (typeof s === "string" && params) s = fillWords(s, params);
   return s;
+}
+
+/** Fill `{name}` with params.name, and `{name|one|other}` with the form for that count
+ *  ("1 token", "2 tokens"; the Chinese words need no plural). */
+export function fillWords(text, params) {
+  return text
+    .replace(/\{(\w+)\|([^|}]*)\|([^}]*)\}/g, (_, k, one, other) => (Number(params[k]) === 1 ? one : other))
+    .replace(/\{(\w+)\}/g, (_, k) => (params[k] === undefined ? "" : String(params[k])));
 }
 
 /** node.replaceChildren, skipping null/false children (they would render as text). */

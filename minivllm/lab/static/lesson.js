@@ -3,7 +3,7 @@
 // the engine has answered, the answer and the numbers the explanation names); this module
 // only draws it and sends the learner's prediction and engine options.
 
-import { S, $, api, errorText, fill, h, last, render, t, toast, view } from "./core.js";
+import { S, $, api, errorText, fill, fillWords, h, last, render, t, toast, view } from "./core.js";
 
 let typed = ""; // the number being typed, kept across redraws of one experiment
 let typedFor = null; // the experiment it was typed in
@@ -84,35 +84,68 @@ export function codeLinks(chapter) {
   return [h("h3", { text: t("read_code") }), h("div", { class: "code-links" },
     entry.code.map((link) => h("button", {
       type: "button", class: "code-link", "data-testid": "code-link",
-      onclick: () => { S.codeLoc = link.location; render(); },
+      onclick: () => { S.codeLoc = link.location; render(); $("code-pane").scrollIntoView({ block: "nearest" }); },
     }, h("code", { text: link.function }), " ",
     h("span", { class: "hint", text: link.location.replace(/^minivllm\//, "") }))))];
 }
 
-/** The runner's inputs of the step on screen (chapter 06): one row per token. */
-function inputsTable(f) {
-  const x = f.step_inputs;
+/** A story line of the server's explanation in the page's words: `kind` and `reason` are
+ *  themselves words. */
+function storyText(item) {
+  const p = { ...item.params };
+  if (p.kind !== undefined) p.kind = t(`kind_${p.kind}`);
+  if (p.reason !== undefined) p.reason = t(`reason_${p.reason}`);
+  return t(item.key, p);
+}
+
+/** The runner's inputs of one step (chapters 06-07): one row per token, numbered as the
+ *  explanation counts them; a block table's padding shown as padding. */
+function inputsTable(x, caption) {
   if (!x) return null;
   const seqOf = [];
   x.seq_ids.forEach((id, i) => { for (let k = 0; k < x.query_lens[i]; k++) seqOf.push(id); });
-  const head = h("tr", {}, ["seq", "input_ids", "positions", "slot_mapping"].map((c) => h("th", { text: c })));
+  const head = h("tr", {}, ["#", "seq", "input_ids", "positions", "slot_mapping"].map((c) => h("th", { text: c })));
   const rows = x.input_ids.map((id, i) => h("tr", { class: x.logits_indices.includes(i) ? "sampled" : "" },
-    h("td", { text: String(seqOf[i]) }), h("td", { text: String(id) }),
+    h("td", { class: "row-index", text: String(i) }), h("td", { text: String(seqOf[i]) }), h("td", { text: String(id) }),
     h("td", { text: String(x.positions[i]) }), h("td", { text: String(x.slot_mapping[i]) })));
-  const tables = x.seq_ids.map((id, i) => h("li", {},
-    h("code", { text: `seq ${id}: block_table [${x.block_tables[i].join(", ")}]  q=${x.query_lens[i]}  seq_len=${x.seq_lens[i]}` })));
+  const tables = x.seq_ids.map((id, i) => {
+    const used = Math.ceil(x.seq_lens[i] / last().block_size);
+    const cells = x.block_tables[i].map((b, j) => (j < used ? String(b) : "·"));
+    return h("li", {},
+      h("code", { text: `seq ${id}: block_table [${cells.join(", ")}]  q=${x.query_lens[i]}  seq_len=${x.seq_lens[i]}` }));
+  });
   return h("div", { class: "step-inputs", "data-testid": "step-inputs" },
-    h("h3", { text: t("inputs_title") }),
+    h("h3", { text: caption }),
     h("div", { class: "slot-scroll" }, h("table", { class: "slots" }, head, rows)),
     h("ul", { class: "bt-list" }, tables),
     h("p", { class: "hint", text: t("inputs_hint") }));
+}
+
+/** The verdict: the engine's answer, what the frames show, then the chapter's rule, or, if
+ *  the lesson's situation did not arise under these options, that, with options where it does. */
+function verdict(name, lesson) {
+  const r = lesson.result;
+  const cls = r.correct === null ? "" : r.correct ? "ok" : "bad";
+  const head = r.correct === null ? t("observed") : r.correct ? t("correct") : t("wrong");
+  const shown = (x) => (lesson.kind === "choice" ? choiceLabel(x) : x);
+  const diff = r.correct === false ? t("diff", { x: shown(lesson.prediction), y: shown(r.answer) })
+    : t("engine_said", { y: shown(r.answer) });
+  const rule = t(`s_${name}_rule`);
+  const why = [...r.story.map(storyText), r.premise || rule === `s_${name}_rule` ? "" : rule]
+    .filter(Boolean).join(" ");
+  return h("div", { class: `verdict ${cls}`, "data-testid": "predict-feedback" },
+    h("strong", { text: head }), " ", h("span", { text: diff }), " ",
+    h("span", { "data-testid": "predict-why", text: why }),
+    r.premise ? h("p", { class: "premise", "data-testid": "predict-premise" },
+      h("strong", { text: t("premise_title") }), " ", storyText(r.premise)) : null);
 }
 
 export function renderLesson(name, lesson) {
   if (typedFor !== last().experiment) { typed = ""; typedFor = last().experiment; }
   const p = params(lesson);
   $("guide-title").textContent = `${lesson.chapter} · ${t(`s_${name}_title`)}`;
-  $("guide-intro").textContent = t(`s_${name}_intro`, p);
+  const variant = `s_${name}_intro_${p.variant}`;
+  $("guide-intro").textContent = t(t(variant) === variant ? `s_${name}_intro` : variant, p);
   $("predict-question").textContent = t(`s_${name}_q`, p);
   fill($("predict-choices"), ...predictPart(name, lesson));
   let note = "";
@@ -120,8 +153,7 @@ export function renderLesson(name, lesson) {
   else if (lesson.result) note = t("no_prediction");
   $("predict-note").textContent = note;
 
-  const fillIn = (text) => text.replace(/\{(\w+)\}/g, (m, k) => (p[k] === undefined ? m : String(p[k])));
-  fill($("run-steps"), ...t(`s_${name}_steps`).map(fillIn).map((text, i) => h("li", { class: lesson.result ? "done" : "" },
+  fill($("run-steps"), ...t(`s_${name}_steps`).map((text) => fillWords(text, p)).map((text, i) => h("li", { class: lesson.result ? "done" : "" },
     h("span", { class: "tick", text: lesson.result ? "✓" : String(i + 1) }), text)));
   $("flow-predict").classList.toggle("active", lesson.prediction === null && !lesson.result);
   $("flow-run").classList.toggle("active", lesson.prediction !== null && !lesson.result);
@@ -131,18 +163,16 @@ export function renderLesson(name, lesson) {
   if (!lesson.result) {
     parts.push(h("p", { class: "hint", text: lesson.prediction === null ? t("not_answered") : t("run_first") }));
   } else {
-    const r = lesson.result;
-    const cls = r.correct === null ? "" : r.correct ? "ok" : "bad";
-    const head = r.correct === null ? t("observed") : r.correct ? t("correct") : t("wrong");
-    const diff = r.correct === false ? t("diff", { x: lesson.prediction, y: r.answer })
-      : t("engine_said", { y: r.answer });
-    parts.push(h("div", { class: `verdict ${cls}`, "data-testid": "predict-feedback" },
-      h("strong", { text: head }), " ", h("span", { text: diff }), " ",
-      h("span", { "data-testid": "predict-why", text: t(`s_${name}_why`, p) })));
+    parts.push(verdict(name, lesson));
   }
   const f = view();
-  if (lesson.chapter === "06" || lesson.chapter === "07") parts.push(inputsTable(f));
-  if (lesson.chapter === "04") parts.push(...knobs(name));
+  if (lesson.chapter === "06" || lesson.chapter === "07") {
+    // Pinned to the step the verdict describes; before it, the step on screen.
+    const pinned = lesson.result && lesson.result.inputs;
+    parts.push(pinned ? inputsTable(pinned, t("verdict_step", { step: lesson.result.params.step }))
+      : inputsTable(f.step_inputs, t("inputs_title")));
+  }
+  parts.push(...knobs(name)); // every lesson holds under any options: its verdict says what happened
   parts.push(...codeLinks(lesson.chapter));
   fill($("explain-body"), ...parts);
 }

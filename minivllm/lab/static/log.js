@@ -30,7 +30,10 @@ function narrate(stage, events, f) {
   const bySeq = new Map();
   for (const e of events) {
     if (!bySeq.has(e.seq_id)) bySeq.set(e.seq_id, {});
-    bySeq.get(e.seq_id)[e.field] = e;
+    const fields = bySeq.get(e.seq_id);
+    // A field changed several times in one phase (a commit appending accepted drafts and the
+    // model's token) reads as one change, from its first value to its last.
+    fields[e.field] = fields[e.field] ? { ...e, before: fields[e.field].before } : e;
   }
   const lines = [];
   for (const [id, ch] of bySeq) {
@@ -56,12 +59,14 @@ function clauses(stage, ch, seq) {
   }
   if (stage === "execute" && ch.kv_written) {
     out.push(t("n_kv", { a: ch.kv_written.before, b: ch.kv_written.after - 1 }));
-    out.push(ch.sampled_token ? t("n_sampled", { tok: ch.sampled_token.after }) : t("n_no_sample"));
+    const drafts = seq ? seq.spec_token_ids.length : 0;
+    if (ch.sampled_token && drafts) out.push(t("n_verified", { k: drafts, tok: ch.sampled_token.after }));
+    else out.push(ch.sampled_token ? t("n_sampled", { tok: ch.sampled_token.after }) : t("n_no_sample"));
   }
   if (stage === "commit") {
     if (cached && cached.b !== cached.a) out.push(t("n_cached", cached));
     const tokens = moved("num_tokens");
-    if (tokens) out.push(t("n_appended", tokens));
+    if (tokens) out.push(t(tokens.b - tokens.a === 1 ? "n_appended" : "n_appended_many", { ...tokens, n: tokens.b - tokens.a }));
     else if (cached) out.push(t("n_no_append"));
     if (status && status.b === "FINISHED") out.push(t("n_finished", { reason: seq ? seq.finish_reason : "" }));
   }

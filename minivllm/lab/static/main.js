@@ -32,12 +32,21 @@ function absorb(data, replace, follow = true) {
   S.codeLoc = null;
 }
 
+/** Once the engine has answered the lesson, its verdict is brought into view: it may land
+ *  below the window (the state, the Run buttons), and an answer out of sight seems missing. */
+function showVerdict() {
+  const verdict = document.querySelector("[data-testid=predict-feedback]");
+  if (verdict) verdict.scrollIntoView({ block: "nearest" });
+}
+
 async function act(path, body, replace = false) {
   if (S.busy) return false;
   S.busy = true;
   renderButtons();
+  const answered = Boolean(S.lesson && S.lesson.result);
   try {
     absorb(await post(path, body), replace);
+    if (!replace && !answered && S.lesson && S.lesson.result) requestAnimationFrame(showVerdict);
     return true;
   } catch (err) {
     toast(errorText(err));
@@ -123,7 +132,13 @@ function renderScenarios() {
   h("span", { class: "chapter-tabs" }, g.names.map((name) => h("button", {
     type: "button", class: `scenario ${name === current ? "current" : ""}`,
     "data-testid": `scenario-${name}`, onclick: () => resetScenario(name),
-  }, t(`s_${name}_tab`)))))));
+  }, t(`s_${name}_tab`)))))),
+  // On a phone the other chapters fold into this menu (CSS shows one or the other).
+  h("select", {
+    class: "chapter-menu", id: "chapter-menu", "data-testid": "chapter-menu", "aria-label": t("menu_chapters"),
+    onchange: (e) => resetScenario(e.target.value),
+  }, groups.map((g) => h("optgroup", { label: `${g.chapter} · ${t(`chapter_${g.chapter}`)}` },
+    g.names.map((name) => h("option", { value: name, selected: name === current }, t(`s_${name}_tab`)))))));
   $("subtitle").textContent = t(`subtitle_${chapterOf(current)}`);
   const f = last();
   $("real").textContent = t(f.model.runner === "ModelRunner" ? "real_note" : "real_fake",

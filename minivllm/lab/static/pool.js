@@ -47,7 +47,8 @@ export function renderPool(f) {
   h("div", { class: "kv-slots" }, b.slots.map((s) => {
     const piece = s.token_id === null ? "" : showPiece(pieceOf(f, s, pieces)) ?? s.token_id;
     return h("button", {
-      type: "button", class: `kvslot ${s.state} ${S.pickSlot === s.slot ? "picked" : ""} ${reads.has(s.slot) ? "read" : ""}`,
+      type: "button",
+      class: `kvslot ${s.state} ${S.pickSlot === s.slot ? "picked" : ""} ${reads.has(s.slot) ? "read" : ""} ${s.owners.some((o) => o.draft) ? "draft" : ""}`,
       "data-testid": `kv-slot-${s.slot}`, title: `slot ${s.slot}`,
       onclick: () => { S.pickSlot = s.slot; if (s.owners.length) { S.selected = s.owners[0].seq_id; S.pickPos = s.owners[0].pos; } render(); },
     }, h("span", { class: "kv-n", text: s.slot }), h("span", { class: "kv-t", text: piece }));
@@ -59,7 +60,10 @@ export function renderPool(f) {
     reads.size ? h("div", { class: "hint", "data-testid": "pool-reads",
                             text: t("reads_slots", { seq: sel, n: reads.size }) }) : null,
     h("div", { class: "pool-grid" }, blocks));
-  fill($("kv-legend"), ...SLOT_STATES.map((s) => h("span", { class: `key kv-key ${s}` }, t(`state_${s}`))));
+  const drafts = f.blocks.some((b) => b.slots.some((s) => s.owners.some((o) => o.draft)));
+  fill($("kv-legend"), ...SLOT_STATES.map((s) => h("span", { class: `key kv-key ${s}` }, t(`state_${s}`))),
+    drafts ? h("span", { class: "key kv-key draft" }, t("state_draft")) : null,
+    reads.size ? h("span", { class: "key kv-key read", "data-testid": "legend-read" }, t("state_read")) : null);
 
   const info = $("slot-info");
   const picked = S.pickSlot === null ? null : f.blocks[Math.floor(S.pickSlot / bs)]?.slots[S.pickSlot % bs];
@@ -68,7 +72,7 @@ export function renderPool(f) {
   let what;
   if (picked.owners.length) {
     const piece = showPiece(pieceOf(f, picked, pieces));
-    what = picked.owners.map((o) => t("slot_holds", {
+    what = picked.owners.map((o) => (o.draft ? `${t("tok_draft")}: ` : "") + t("slot_holds", {
       seq: o.seq_id, pos: o.pos,
       token: o.token_id === null ? "—" : `${o.token_id}${piece ? " " + t("quoted", { x: piece }) : ""}`,
     })).join(t("list_sep")) + ` — ${t(`state_${picked.state}`)}`;

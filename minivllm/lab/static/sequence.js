@@ -2,8 +2,8 @@
 // calculator.
 
 import {
-  FIELDS, S, TOKEN_STATES, $, breakable, fill, h, last, render, scrollWithin, selectedId,
-  showPiece, t,
+  FIELDS, S, TOKEN_STATES, $, breakable, fill, h, last, piecesOf, render, scrollWithin,
+  selectedId, showPiece, t,
 } from "./core.js";
 
 // The function whose code explains each field when it has not changed: where it is written.
@@ -129,6 +129,9 @@ export function tokenState(frame, seq, pos) {
   const slot = slotOf(frame, seq, pos);
   if (!slot) return "uncached";
   if (slot.state === "reserved") return "uncached";
+  // A rejected draft's KV still sits in this position's slot: the token shown here has none.
+  const mine = slot.owners.find((o) => o.seq_id === seq.seq_id && o.pos === pos);
+  if (mine && mine.draft && pos < seq.num_tokens) return "uncached";
   return slot.state === "cached" || slot.state === "free" ? "uncached" : slot.state;
 }
 
@@ -143,6 +146,18 @@ export function renderTokens(f, seq) {
     }, h("span", { class: "tok-pos", text: pos }), h("span", { class: "tok-text", text: piece ?? id }),
     h("span", { class: "tok-id", text: piece !== null ? id : "" }));
   });
+  // A plan's drafts: positions after the sequence's tokens, planned (or written) like any
+  // token, but not the sequence's until the commit accepts them.
+  const pieces = piecesOf(f);
+  seq.spec_token_ids.forEach((id, i) => {
+    const pos = seq.num_tokens + i;
+    const piece = pieces.has(id) ? showPiece(pieces.get(id)) : null;
+    cells.push(h("div", {
+      class: `tok draft ${tokenState(f, seq, pos)}`, "data-testid": "draft-token",
+      title: `pos ${pos} · token ${id} · ${t("state_draft")}`,
+    }, h("span", { class: "tok-pos", text: pos }), h("span", { class: "tok-text", text: piece ?? id }),
+    h("span", { class: "tok-id", text: piece !== null ? `${t("tok_draft")} ${id}` : t("tok_draft") })));
+  });
   if (seq.sampled_token !== null) {
     cells.push(h("div", { class: "tok sampled", title: t("tok_pending") },
       h("span", { class: "tok-pos", text: "+" }),
@@ -156,7 +171,8 @@ export function renderTokens(f, seq) {
   ]));
   const legend = [...TOKEN_STATES.map((s) => h("span", { class: `key tok-key ${s}` },
     t(s === "uncached" ? "tok_uncached" : `state_${s}`))),
-    h("span", { class: "key tok-key completion-key" }, t("tok_completion"))];
+    h("span", { class: "key tok-key completion-key" }, t("tok_completion")),
+    seq.spec_token_ids.length ? h("span", { class: "key tok-key draft" }, t("state_draft")) : null];
   fill($("token-legend"), ...legend);
 }
 

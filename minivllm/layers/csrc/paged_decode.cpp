@@ -15,8 +15,8 @@
 //
 // An int8 row is read as its codes, never dequantized into a copy: a key's scale multiplies
 // its dot product (<q, c * k> = k * <q, c>), a value's its softmax weight (p * (k * c) =
-// (p * k) * c), so the inner loops only widen the codes. A float8 row is widened through a
-// 256-entry table (one gather per 8 values).
+// (p * k) * c), so the inner loops only widen the codes. A float8 row is widened with integer
+// shifts (see its load8).
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Float8_e4m3fn.h>
@@ -27,7 +27,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <array>
 #include <limits>
 #include <optional>
 #include <vector>
@@ -45,21 +44,21 @@ inline __m256 load8(const int8_t* p) {
   const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes));
 }
-// Every e4m3 byte's float value, built once from c10's conversion.
-const std::array<float, 256>& fp8_table() {
-  static const std::array<float, 256> table = [] {
-    std::array<float, 256> t{};
-    for (int b = 0; b < 256; ++b) {
-      t[b] = static_cast<float>(c10::Float8_e4m3fn(static_cast<uint8_t>(b),
-                                                   c10::Float8_e4m3fn::from_bits()));
-    }
-    return t;
-  }();
-  return table;
-}
+// 8 float8 e4m3 bytes widened: a normal byte's exponent and mantissa bits, moved to a float's
+// places, need only the exponent bias changed (7 -> 127: + 120 << 23); a subnormal one (exponent
+// 0) is its mantissa times 2^-9; then the sign. No table: a gather per 8 values cost ten times
+// the bf16 loop on this project's AMD machine.
 inline __m256 load8(const c10::Float8_e4m3fn* p) {
-  const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
-  return _mm256_i32gather_ps(fp8_table().data(), _mm256_cvtepu8_epi32(bytes), 4);
+  const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  const __m256i magnitude = _mm256_and_si256(b, _mm256_set1_epi32(0x7f));
+  const __m256 normal = _mm256_castsi256_ps(
+      _mm256_add_epi32(_mm256_slli_epi32(magnitude, 20), _mm256_set1_epi32(120 << 23)));
+  const __m256 subnormal =
+      _mm256_mul_ps(_mm256_cvtepi32_ps(magnitude), _mm256_set1_ps(1.0f / 512.0f));
+  const __m256 is_normal = _mm256_castsi256_ps(_mm256_cmpgt_epi32(magnitude, _mm256_set1_epi32(7)));
+  const __m256 value = _mm256_blendv_ps(subnormal, normal, is_normal);
+  const __m256i sign = _mm256_slli_epi32(_mm256_and_si256(b, _mm256_set1_epi32(0x80)), 24);
+  return _mm256_or_ps(value, _mm256_castsi256_ps(sign));
 }
 
 // The 8 lanes' sums of 8 vectors: {sum(a[0]), ..., sum(a[7])}.
@@ -331,7 +330,6 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache,
   } else if (kind == at::kChar) {
     attend<int8_t>(q, k_cache, v_cache, tp, lp, max_blocks, window, sc, cap, ks, vs, out);
   } else {
-    fp8_table();  // built before the threads start
     attend<c10::Float8_e4m3fn>(q, k_cache, v_cache, tp, lp, max_blocks, window, sc, cap, ks,
                                vs, out);
   }

@@ -53,14 +53,7 @@ def paged_attention_sdpa(
     index, mask = meta.kv_view(sliding_window)  # a window gathers only the keys it can see
     max_kv = index.shape[1]
     gather = index.view(-1)  # [S * max_kv]
-    if k_cache.dtype in (torch.int8, kv_quant.FP8):  # only the rows read are dequantized
-        cache = (k_cache, v_cache) + (kv_scales or ())
-        k = kv_quant.gather_rows(cache, 0, gather, q.dtype)  # [S * max_kv, KVH, D]
-        v = kv_quant.gather_rows(cache, 1, gather, q.dtype)
-    else:
-        k_buf, v_buf = meta.kv_gather_buffers(k_cache, max_kv)
-        k = torch.index_select(k_cache.view(-1, num_kv_heads, head_dim), 0, gather, out=k_buf)
-        v = torch.index_select(v_cache.view(-1, num_kv_heads, head_dim), 0, gather, out=v_buf)
+    k, v = _gather_kv(k_cache, v_cache, kv_scales, meta, gather, max_kv, q.dtype)
     # [S, max_kv, KVH, D], in q's dtype (a bf16 cache's rows widened for fp32 maths)
     k = k.view(num_seqs, max_kv, num_kv_heads, head_dim).to(q.dtype)
     v = v.view(num_seqs, max_kv, num_kv_heads, head_dim).to(q.dtype)
@@ -95,6 +88,30 @@ def paged_attention_sdpa(
     out = out.transpose(1, 2)  # [S, max_q, H, D]
     out = out.reshape(num_seqs * max_q, num_heads, head_dim)  # [S * max_q, H, D]
     return out.index_select(0, meta.query_pad_index)  # [T, H, D]
+
+
+def _gather_kv(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    kv_scales: tuple[torch.Tensor, torch.Tensor] | None,
+    meta: AttentionMetadata,
+    gather: torch.Tensor,
+    max_kv: int,
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The K/V rows at slots `gather`, `[len(gather), KVH, D]`: a quantized cache's widened to
+    `dtype` (only the rows read are dequantized), others into the step's scratch buffers."""
+    num_kv_heads, head_dim = k_cache.shape[-2:]
+    if k_cache.dtype in (torch.int8, kv_quant.FP8):
+        cache = (k_cache, v_cache) + (kv_scales or ())
+        return (
+            kv_quant.gather_rows(cache, 0, gather, dtype),
+            kv_quant.gather_rows(cache, 1, gather, dtype),
+        )
+    k_buf, v_buf = meta.kv_gather_buffers(k_cache, max_kv)
+    k = torch.index_select(k_cache.view(-1, num_kv_heads, head_dim), 0, gather, out=k_buf)
+    v = torch.index_select(v_cache.view(-1, num_kv_heads, head_dim), 0, gather, out=v_buf)
+    return k, v
 
 
 def causal_attention_sdpa(

@@ -27,6 +27,7 @@ def cli_flag(name: str, negated: bool = False) -> str:
 
 
 SPECULATIVE_METHODS = ("ngram", "draft_model")
+KV_CACHE_DTYPES = ("auto", "int8", "fp8")
 
 
 @dataclass(frozen=True)
@@ -147,6 +148,13 @@ class EngineConfig:
         "KV cache budget on the CPU, in GB (vLLM's kv_cache_memory_bytes; default: a "
         "quarter of the memory available after loading the weights, at most 2 GB)",
     )
+    kv_cache_dtype: str = _option(
+        "auto",
+        "what the KV cache stores (vLLM's option): auto = the compute dtype; int8 = int8 "
+        "with a float32 scale per token and KV head (CPU; ~2x the tokens in the same "
+        "memory); fp8 = float8 e4m3, no scale (CPU); both CPU-only for now",
+        KV_CACHE_DTYPES,
+    )
     gpu_memory_utilization: float = _option(
         0.9,
         "share of GPU memory the engine may use; the KV cache gets what the weights and a "
@@ -219,6 +227,11 @@ class EngineConfig:
         if self.dtype not in (None, "auto", "float32", "bfloat16", "float16"):
             raise ValueError(
                 f"dtype must be one of auto, float32, bfloat16, float16, got {self.dtype!r}"
+            )
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got "
+                f"{self.kv_cache_dtype!r}"
             )
         if not isinstance(self.generation_config, str) or not self.generation_config:
             raise ValueError(

@@ -46,12 +46,13 @@ from tqdm import tqdm
 from minivllm.cache import cache_dir
 from minivllm.layers.attention import AttentionMetadata
 from minivllm.layers.attention.decode import DecodeMetadata
+from minivllm.layers.attention.kv_quant import KVCache
 from minivllm.layers.cpu_kernels import cpu_caps
 from minivllm.layers.kernel_rows import kernel_rows
 
 logger = logging.getLogger(__name__)
 
-KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
+KVCaches = list[KVCache]
 
 
 def compile_decode_step(

@@ -167,6 +167,12 @@ class MemoryReport:
     kv_cache_bytes: int
     num_kv_blocks: int
     peak_rss_bytes: int  # the process's peak resident set at the end of start-up
+    block_size: int = 16
+
+    @property
+    def kv_cache_capacity_tokens(self) -> int:
+        """Tokens the pool holds, over all sequences."""
+        return self.num_kv_blocks * self.block_size
 
     def log_line(self, block_size: int, kv_dtype: torch.dtype, device: torch.device) -> str:
         mapped = (
@@ -177,7 +183,8 @@ class MemoryReport:
         return (
             f"memory: weights {self.weight_bytes / 1e9:.2f} GB{mapped}; KV cache "
             f"{self.kv_cache_bytes / 1e9:.2f} GB = {self.num_kv_blocks} blocks x "
-            f"{block_size} tokens ({str(kv_dtype).removeprefix('torch.')}, {device}); "
+            f"{block_size} tokens = {self.num_kv_blocks * block_size} tokens "
+            f"({str(kv_dtype).removeprefix('torch.')}, {device}); "
             f"peak resident {self.peak_rss_bytes / 1e9:.2f} GB at start-up"
         )
 
@@ -187,17 +194,20 @@ class MemoryReport:
             "model_weights_bytes": float(self.weight_bytes),
             "kv_cache_bytes": float(self.kv_cache_bytes),
             "kv_cache_num_blocks": float(self.num_kv_blocks),
+            "kv_cache_capacity_tokens": float(self.kv_cache_capacity_tokens),
             "startup_peak_rss_bytes": float(self.peak_rss_bytes),
         }
 
 
 def measure(
     model: torch.nn.Module,
-    kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+    kv_caches: list[tuple[torch.Tensor, ...]],
     num_kv_blocks: int,
     mapped: range = range(0),
+    block_size: int = 16,
 ) -> MemoryReport:
-    """The report of a loaded model and its allocated KV pool."""
+    """The report of a loaded model and its allocated KV pool (an int8 pool's scales
+    included)."""
     weights, in_file = weight_bytes(model, mapped)
     kv = sum(t.numel() * t.element_size() for pair in kv_caches for t in pair)
-    return MemoryReport(weights, in_file, kv, num_kv_blocks, peak_rss())
+    return MemoryReport(weights, in_file, kv, num_kv_blocks, peak_rss(), block_size)

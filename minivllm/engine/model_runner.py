@@ -30,7 +30,7 @@ from minivllm.engine.runner_output import RunnerOutput, SampledToken
 from minivllm.engine.scheduler import ScheduledBatch
 from minivllm.engine.sequence import Sequence
 from minivllm.engine.weight_policy import WeightPolicy, apply_weight_policy, log_block_weights
-from minivllm.layers.attention import AttentionMetadata
+from minivllm.layers.attention import AttentionMetadata, kv_quant
 from minivllm.layers.attention.backends import AttentionSpec
 from minivllm.layers.attention.layer import bind_attention_backends
 from minivllm.layers.attention.paged_decode import paged_decode_supported
@@ -188,9 +188,10 @@ class ModelRunner:
         self.model_dir = model_dir
         self.device = resolve_device(config)
         self.dtype = resolve_dtype(config, self.device)
-        # the cache holds K and V as the layers compute them (rotary included): bf16 costs half
-        # of fp32 to store and to read; the attention maths are fp32 on the CPU regardless
-        self.kv_dtype = self.dtype
+        # the cache holds K and V as the layers compute them (rotary included), or quantized
+        # (kv_cache_dtype, see kv_quant.py); the attention maths are fp32 on the CPU regardless
+        kv_quant.check_kv_cache_dtype(config.kv_cache_dtype, self.device)
+        self.kv_dtype = kv_quant.kv_storage_dtype(config.kv_cache_dtype, self.dtype)
         self.block_size = config.block_size
         torch.manual_seed(config.seed)
         # Start-up, one named step each: load, quantize and pack, choose the attention
@@ -241,16 +242,14 @@ class ModelRunner:
             num_blocks = parallel_state.all_reduce_min(num_blocks, self.device)
         return num_blocks
 
-    def _allocate_kv_cache(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """One (K, V) pair per layer, `[num_kv_blocks, block_size, num_kv_heads, head_dim]`."""
+    def _allocate_kv_cache(self) -> list[kv_quant.KVCache]:
+        """One (K, V) pair per layer, `[num_kv_blocks, block_size, num_kv_heads, head_dim]`
+        (an int8 one with its scales beside it); one spare block for the decode graphs'
+        padded rows when they are on."""
         blocks = self.num_kv_blocks + int(self.graphs_on)
         shape = (blocks, self.block_size, self.num_kv_heads, self.head_dim)
-        # Zeros, not empty: padded gathers read unused slots, which must be finite.
         return [
-            (
-                torch.zeros(shape, dtype=self.kv_dtype, device=self.device),
-                torch.zeros(shape, dtype=self.kv_dtype, device=self.device),
-            )
+            kv_quant.allocate_kv_cache(shape, self.config.kv_cache_dtype, self.dtype, self.device)
             for _ in range(self.num_layers)
         ]
 
@@ -289,6 +288,7 @@ class ModelRunner:
             self.kv_caches,
             self.num_kv_blocks,
             self.gguf.addresses() if self.gguf else range(0),
+            self.block_size,
         )
         logger.info(report.log_line(self.block_size, self.kv_dtype, self.device))
         return report
@@ -334,9 +334,11 @@ class ModelRunner:
         return apply_weight_policy(self.model, self.weight_policy, self.gguf, self.block_weights)
 
     def _bytes_per_block(self) -> int:
-        """One block's K and V over all layers."""
-        element = torch.tensor([], dtype=self.kv_dtype).element_size()
-        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * element
+        """One block's K and V over all layers, scales included."""
+        per_token = kv_quant.bytes_per_token(
+            self.config.kv_cache_dtype, self.dtype, self.num_kv_heads, self.head_dim
+        )
+        return self.num_layers * self.block_size * per_token
 
     def _blocks_from_memory_budget(self) -> int:
         if self.device.type == "cuda":  # what is left after a profiled peak (gpu_memory.py)

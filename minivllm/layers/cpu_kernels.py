@@ -254,5 +254,5 @@ def _register_fakes() -> None:
         return x.new_empty(x.shape[0], blocks.shape[0] * (8 if qtype >= 256 else 1))
 
     @torch.library.register_fake("minivllm::paged_decode")
-    def _(q, k_cache, v_cache, block_tables, seq_lens, scale, window, softcap):  # noqa: ANN001, ANN202
+    def _(q, k_cache, v_cache, block_tables, seq_lens, scale, window, softcap, ks=None, vs=None):  # noqa: ANN001, ANN202, E501
         return torch.empty_like(q)

@@ -25,12 +25,12 @@ from torch import nn
 
 from minivllm.layers.activation import get_gated_activation, soft_cap
 from minivllm.layers.attention import Attention, AttentionMetadata
+from minivllm.layers.attention.kv_quant import KVCache
 from minivllm.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from minivllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from minivllm.layers.norm import RMSNorm
 from minivllm.layers.rotary import apply_rotary, get_rope
 
-KVCache = tuple[torch.Tensor, torch.Tensor]
 CosSin = tuple[torch.Tensor, torch.Tensor]
 # The most bytes of gate_up activations the MLP computes in one piece on the CPU: below glibc's
 # 32 MB ceiling for reusing freed heap memory, so a long prefill's slices reuse it.

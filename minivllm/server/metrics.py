@@ -35,6 +35,8 @@ _MEMORY_GAUGES = {
     "tensor counted once).",
     "kv_cache_bytes": "Bytes of the KV-cache pool.",
     "kv_cache_num_blocks": "Blocks in the KV-cache pool.",
+    "kv_cache_capacity_tokens": "Tokens the KV-cache pool holds (blocks x block size; an "
+    "int8 or fp8 cache, kv_cache_dtype, holds about twice bf16's in the same bytes).",
     "startup_peak_rss_bytes": "Peak resident memory of the engine process at the end of "
     "start-up (loading the weights, allocating the KV pool).",
 }

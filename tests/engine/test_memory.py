@@ -114,13 +114,14 @@ def test_report_line_and_gauges() -> None:
     line = report.log_line(16, torch.bfloat16, torch.device("cpu"))
     assert line == (
         "memory: weights 2.50 GB (2.00 GB of it the GGUF's mapped pages); KV cache "
-        "1.00 GB = 100 blocks x 16 tokens (bfloat16, cpu); peak resident 3.00 GB "
+        "1.00 GB = 100 blocks x 16 tokens = 1600 tokens (bfloat16, cpu); peak resident 3.00 GB "
         "at start-up"
     )
     assert report.gauges() == {
         "model_weights_bytes": 2.5e9,
         "kv_cache_bytes": 1e9,
         "kv_cache_num_blocks": 100.0,
+        "kv_cache_capacity_tokens": 1600.0,
         "startup_peak_rss_bytes": 3e9,
     }
 

@@ -114,7 +114,7 @@ def test_bad_tables_are_refused_with_a_message():
         torch.ops.minivllm.paged_decode(
             torch.zeros(1, 3, 8), k_cache, v_cache, meta.block_tables, meta.seq_lens, 1.0, 0, 0.0
         )
-    with pytest.raises(RuntimeError, match="float32 or bfloat16, both the same"):
+    with pytest.raises(RuntimeError, match="int8 or float8_e4m3fn, both the same"):
         torch.ops.minivllm.paged_decode(
             q, k_cache.bfloat16(), v_cache, meta.block_tables, meta.seq_lens, 1.0, 0, 0.0
         )

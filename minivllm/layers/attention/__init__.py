@@ -9,6 +9,8 @@
   flash-attn): prefill, decode with split keys, verify; tested under Triton's interpreter.
 - `decode.py`: a decode-only step's attention as plain tensor maths, for the compiled step.
 - `backends.py`: those paths as backends, one chosen per layer at load (`choose_backend`).
+- `kv_quant.py`: what the cache stores (`kv_cache_dtype`: as computed, int8 with a scale per
+  token and KV head, fp8) and how it is written and read back.
 - `layer.py`: the `Attention` module: stores the step's K/V, then calls its backend.
 """
 

@@ -18,6 +18,7 @@ from typing import Protocol
 import torch
 
 from minivllm.layers.attention.flash import flash_attn_supported, paged_attention_flash
+from minivllm.layers.attention.kv_quant import KVCache, kv_scales
 from minivllm.layers.attention.metadata import AttentionMetadata
 from minivllm.layers.attention.paged_decode import paged_decode_attention, paged_decode_supported
 from minivllm.layers.attention.sdpa import causal_attention_sdpa, paged_attention_sdpa
@@ -25,8 +26,6 @@ from minivllm.layers.attention.triton_attention import (
     paged_attention_triton,
     triton_attention_supported,
 )
-
-KVCache = tuple[torch.Tensor, torch.Tensor]  # (k_cache, v_cache), [blocks, block_size, KVH, D]
 
 
 @dataclass(frozen=True)
@@ -122,8 +121,16 @@ class SdpaBackend:
             and (window is None or meta.max_seq_len <= window)
         ):
             return causal_attention_sdpa(q, k, v, layer.scale)
+        k_scale, v_scale = kv_scales(kv_cache)
         return paged_attention_sdpa(
-            q, kv_cache[0], kv_cache[1], meta, layer.scale, window, layer.logit_softcap
+            q,
+            kv_cache[0],
+            kv_cache[1],
+            meta,
+            layer.scale,
+            window,
+            layer.logit_softcap,
+            None if k_scale is None or v_scale is None else (k_scale, v_scale),
         )
 
 
@@ -187,8 +194,9 @@ class TritonBackend:
 
 
 class PagedDecodeBackend:
-    """bf16 models on the CPU: decode-only steps through our kernel straight from the paged
-    cache (no gathered copy); other steps through SDPA."""
+    """bf16 models (and any model over an int8 or fp8 cache) on the CPU: decode-only steps
+    through our kernel straight from the paged cache (no gathered copy); other steps through
+    SDPA."""
 
     name = "paged_decode"
 
@@ -215,6 +223,7 @@ class PagedDecodeBackend:
             layer.scale,
             layer.sliding_window,
             layer.logit_softcap,
+            *kv_scales(kv_cache),
         )
 
 

@@ -13,6 +13,7 @@ from typing import NamedTuple
 import torch
 
 from minivllm.layers.activation import soft_cap
+from minivllm.layers.attention.kv_quant import KVCache, gather_rows, kv_scales, store_kv
 from minivllm.layers.attention.paged_decode import paged_decode_attention
 from minivllm.layers.attention.sdpa import attention_dtype
 
@@ -34,7 +35,7 @@ def decode_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    kv_cache: tuple[torch.Tensor, torch.Tensor],
+    kv_cache: KVCache,
     meta: DecodeMetadata,
     scale: float,
     sliding_window: int | None = None,
@@ -42,16 +43,13 @@ def decode_attention(
 ) -> torch.Tensor:
     """Store the step's K/V, then attend: `q` `[S, H*D]`, `k`/`v` `[S, KVH*D]` -> `[S, H*D]`
     in q's dtype. Grouped-query heads share their KV head's keys without copies."""
-    k_cache, v_cache = kv_cache
+    k_cache, v_cache = kv_cache[:2]
     num_kv_heads, head_dim = k_cache.shape[-2:]
     num_seqs = q.shape[0]
     group = q.shape[1] // (num_kv_heads * head_dim)
-    k_flat = k_cache.view(-1, num_kv_heads, head_dim)  # [slots, KVH, D]
-    v_flat = v_cache.view(-1, num_kv_heads, head_dim)
-    new_k = k.view(num_seqs, num_kv_heads, head_dim).to(k_flat.dtype)  # [S, KVH, D]
-    new_v = v.view(num_seqs, num_kv_heads, head_dim).to(v_flat.dtype)
-    k_flat.index_copy_(0, meta.slot_mapping, new_k)
-    v_flat.index_copy_(0, meta.slot_mapping, new_v)
+    new_k = k.view(num_seqs, num_kv_heads, head_dim)  # [S, KVH, D]
+    new_v = v.view(num_seqs, num_kv_heads, head_dim)
+    store_kv(new_k, new_v, kv_cache, meta.slot_mapping)
     maths = attention_dtype(k_cache)
     if meta.block_tables is not None:  # our kernel reads the keys through the block tables
         queries = q.view(num_seqs, -1, head_dim).to(maths)  # [S, H, D]
@@ -64,11 +62,12 @@ def decode_attention(
             scale,
             sliding_window,
             softcap,
+            *kv_scales(kv_cache),
         )  # [S, H, D]
         return out.reshape(num_seqs, -1).to(q.dtype)  # [S, H*D]
     assert meta.kv_index is not None and meta.kv_valid is not None
-    keys = k_flat[meta.kv_index].to(maths)  # [S, L, KVH, D]
-    values = v_flat[meta.kv_index].to(maths)  # [S, L, KVH, D]
+    keys = gather_rows(kv_cache, 0, meta.kv_index, maths)  # [S, L, KVH, D]
+    values = gather_rows(kv_cache, 1, meta.kv_index, maths)  # [S, L, KVH, D]
     queries = q.view(num_seqs, num_kv_heads, group, head_dim).to(maths)  # [S, KVH, G, D]
     # Products summed, not einsum: Inductor fuses them with the gathers into two loops, where a
     # batched matmul of [KVH] one-row matrices costs more in its call than in its maths.

@@ -17,15 +17,17 @@ from minivllm.layers.attention.backends import (
     choose_backend,
 )
 from minivllm.layers.attention.decode import DecodeMetadata, decode_attention
+from minivllm.layers.attention.kv_quant import KVCache, store_kv
 from minivllm.layers.attention.metadata import AttentionMetadata
-from minivllm.layers.attention.sdpa import attention_dtype, store_kv
+from minivllm.layers.attention.sdpa import attention_dtype
 
 
 class Attention(nn.Module):
     """Multi-head (or grouped-query) attention over a paged KV cache; no parameters.
 
-    `forward(q [T, H*D], k [T, KVH*D], v [T, KVH*D], (k_cache, v_cache), meta) -> [T, H*D]`
-    stores the step's K/V in the cache, then attends (see the module docstring).
+    `forward(q [T, H*D], k [T, KVH*D], v [T, KVH*D], kv_cache, meta) -> [T, H*D]` stores the
+    step's K/V in the cache (`kv_quant.KVCache`: an int8 one with its scales), then attends
+    (see the module docstring).
     """
 
     def __init__(
@@ -60,7 +62,7 @@ class Attention(nn.Module):
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
-        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: KVCache,
         meta: AttentionMetadata | DecodeMetadata,
     ) -> torch.Tensor:
         if isinstance(meta, DecodeMetadata):  # the compiled decode step
@@ -68,14 +70,13 @@ class Attention(nn.Module):
                 q, k, v, kv_cache, meta, self.scale, self.sliding_window, self.logit_softcap
             )
         num_tokens = q.shape[0]
-        k_cache, v_cache = kv_cache
         out_dtype = q.dtype
         # The attention maths run in fp32 on the CPU even for bf16 models (and bf16 caches).
-        maths = attention_dtype(k_cache)
+        maths = attention_dtype(kv_cache[0])
         q = q.view(num_tokens, self.num_heads, self.head_dim).to(maths)  # [T, H, D]
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim).to(maths)  # [T, KVH, D]
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim).to(maths)  # [T, KVH, D]
-        store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        store_kv(k, v, kv_cache, meta.slot_mapping)
         out = self.backend.attend(self, q, k, v, kv_cache, meta)  # [T, H, D]
         return out.reshape(num_tokens, self.num_heads * self.head_dim).to(out_dtype)  # [T, H*D]
 

@@ -11,13 +11,18 @@ It runs for models that compute in bf16 (`dtype="auto"` on a CPU with native bf1
 their bf16 cache (an fp32 one too), the maths in fp32 as elsewhere on the CPU: each bf16 row is
 widened as it is read. Models that compute in fp32 keep SDPA: its rounding is what the
 token-exact HF parity tests pin, and with the kernel's sum order the int8 option's top-5 test
-failed on an AVX2-only CPU (docs/benchmarks.md)."""
+failed on an AVX2-only CPU (docs/benchmarks.md). Over an int8 or fp8 cache (`kv_quant.py`),
+which no model is token-exact over anyway, it runs for every model: it reads the codes and
+their scales in its dot products, where SDPA would dequantize every row it gathers."""
 
 from __future__ import annotations
 
 import torch
 
+from minivllm.layers.attention.kv_quant import FP8
 from minivllm.layers.cpu_kernels import cpu_kernels_available
+
+QUANTIZED_KV = (torch.int8, FP8)
 
 
 def paged_decode_supported(
@@ -30,11 +35,15 @@ def paged_decode_supported(
     """Whether decode-only steps attend through the kernel: on the CPU, a bf16 model (or a
     `quantized` fp32 one, its weights run as stored blocks: not the dense fp32 path held
     token-exact to HF, whose attention is SDPA's) over a bf16 or fp32 cache, head sizes a
-    multiple of 8, the kernels built."""
+    multiple of 8, the kernels built; any model over an int8 or fp8 cache."""
     return (
         device.type == "cpu"
-        and (model_dtype == torch.bfloat16 or (quantized and model_dtype == torch.float32))
-        and kv_dtype in (torch.bfloat16, torch.float32)
+        and (
+            model_dtype == torch.bfloat16
+            or kv_dtype in QUANTIZED_KV
+            or (quantized and model_dtype == torch.float32)
+        )
+        and kv_dtype in (torch.bfloat16, torch.float32, *QUANTIZED_KV)
         and head_dim % 8 == 0
         and cpu_kernels_available()
     )
@@ -49,11 +58,14 @@ def paged_decode_attention(
     scale: float,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`q` `[num_seqs, num_heads, head_dim]` (one token each) over the cache, which already
     holds this step's K/V, through `block_tables` `[num_seqs, max_blocks]` up to `seq_lens`
     `[num_seqs]` (an eager step's AttentionMetadata or the compiled step's DecodeMetadata
-    carry both); returns `[num_seqs, num_heads, head_dim]`."""
+    carry both); `k_scale`/`v_scale` `[blocks, block_size, KVH]`: an int8 cache's. Returns
+    `[num_seqs, num_heads, head_dim]`."""
     return torch.ops.minivllm.paged_decode(
         q.contiguous(),
         k_cache,
@@ -63,4 +75,6 @@ def paged_decode_attention(
         scale,
         sliding_window or 0,
         softcap or 0.0,
+        k_scale,
+        v_scale,
     )

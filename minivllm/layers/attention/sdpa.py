@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from minivllm.layers.activation import soft_cap
+from minivllm.layers.attention import kv_quant
 from minivllm.layers.attention.metadata import AttentionMetadata
 
 
@@ -21,14 +22,8 @@ def store_kv(
     slot_mapping: torch.Tensor,
 ) -> None:
     """Write new keys/values `[num_tokens, num_kv_heads, head_dim]` into their cache slots (in
-    the cache's dtype)."""
-    num_kv_heads, head_dim = k_cache.shape[-2:]
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(
-        0, slot_mapping, k.to(k_cache.dtype)
-    )  # [slots, KVH, D]
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(
-        0, slot_mapping, v.to(v_cache.dtype)
-    )  # [slots, KVH, D]
+    the cache's dtype; a cache with scales goes through `kv_quant.store_kv`)."""
+    kv_quant.store_kv(k, v, (k_cache, v_cache), slot_mapping)
 
 
 def attention_dtype(cache: torch.Tensor) -> torch.dtype:
@@ -46,19 +41,19 @@ def paged_attention_sdpa(
     scale: float,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Attention of `q` `[num_tokens, num_heads, head_dim]` over the paged cache (which already
     holds this step's K/V), each query seeing its last `sliding_window` keys when given, with
-    scores soft-capped at `softcap` when given. Returns `[num_tokens, num_heads, head_dim]`."""
+    scores soft-capped at `softcap` when given; `kv_scales`: an int8 cache's. Returns
+    `[num_tokens, num_heads, head_dim]`."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[-2]
     num_seqs, max_q = meta.num_seqs, meta.max_query_len
     index, mask = meta.kv_view(sliding_window)  # a window gathers only the keys it can see
     max_kv = index.shape[1]
     gather = index.view(-1)  # [S * max_kv]
-    k_buf, v_buf = meta.kv_gather_buffers(k_cache, max_kv)
-    k = torch.index_select(k_cache.view(-1, num_kv_heads, head_dim), 0, gather, out=k_buf)
-    v = torch.index_select(v_cache.view(-1, num_kv_heads, head_dim), 0, gather, out=v_buf)
+    k, v = _gather_kv(k_cache, v_cache, kv_scales, meta, gather, max_kv, q.dtype)
     # [S, max_kv, KVH, D], in q's dtype (a bf16 cache's rows widened for fp32 maths)
     k = k.view(num_seqs, max_kv, num_kv_heads, head_dim).to(q.dtype)
     v = v.view(num_seqs, max_kv, num_kv_heads, head_dim).to(q.dtype)
@@ -93,6 +88,30 @@ def paged_attention_sdpa(
     out = out.transpose(1, 2)  # [S, max_q, H, D]
     out = out.reshape(num_seqs * max_q, num_heads, head_dim)  # [S * max_q, H, D]
     return out.index_select(0, meta.query_pad_index)  # [T, H, D]
+
+
+def _gather_kv(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    kv_scales: tuple[torch.Tensor, torch.Tensor] | None,
+    meta: AttentionMetadata,
+    gather: torch.Tensor,
+    max_kv: int,
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The K/V rows at slots `gather`, `[len(gather), KVH, D]`: a quantized cache's widened to
+    `dtype` (only the rows read are dequantized), others into the step's scratch buffers."""
+    num_kv_heads, head_dim = k_cache.shape[-2:]
+    if k_cache.dtype in (torch.int8, kv_quant.FP8):
+        cache = (k_cache, v_cache) + (kv_scales or ())
+        return (
+            kv_quant.gather_rows(cache, 0, gather, dtype),
+            kv_quant.gather_rows(cache, 1, gather, dtype),
+        )
+    k_buf, v_buf = meta.kv_gather_buffers(k_cache, max_kv)
+    k = torch.index_select(k_cache.view(-1, num_kv_heads, head_dim), 0, gather, out=k_buf)
+    v = torch.index_select(v_cache.view(-1, num_kv_heads, head_dim), 0, gather, out=v_buf)
+    return k, v
 
 
 def causal_attention_sdpa(

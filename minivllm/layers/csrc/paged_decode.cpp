@@ -1,5 +1,6 @@
-// Decode attention straight from the paged KV cache on x86 CPUs with AVX2: a float32 or
-// bfloat16 cache, float32 maths.
+// Decode attention straight from the paged KV cache on x86 CPUs with AVX2: a float32,
+// bfloat16, int8 (a float32 scale per row: k_scale / v_scale [blocks, block_size, kv_heads])
+// or float8 e4m3 cache, float32 maths.
 //
 // One query per sequence (a decode-only step): for sequence s and query head h, over the keys
 // at positions [start, L) with L = seq_lens[s] (the new token's included) and start = L - window
@@ -11,8 +12,14 @@
 // the block table: no gathered copy, no padding, no mask. One task per (sequence, KV head),
 // split over torch's own thread pool (at::parallel_for, OpenMP: the file is compiled with
 // -fopenmp, without which the loop ran on one thread).
+//
+// An int8 row is read as its codes, never dequantized into a copy: a key's scale multiplies
+// its dot product (<q, c * k> = k * <q, c>), a value's its softmax weight (p * (k * c) =
+// (p * k) * c), so the inner loops only widen the codes. A float8 row is widened with integer
+// shifts (see its load8).
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
+#include <c10/util/Float8_e4m3fn.h>
 #include <ATen/ops/empty_like.h>
 #include <torch/library.h>
 
@@ -21,6 +28,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <optional>
 #include <vector>
 
 namespace {
@@ -31,6 +39,26 @@ inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load8(const at::BFloat16* p) {
   const __m128i half = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16));
+}
+inline __m256 load8(const int8_t* p) {
+  const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes));
+}
+// 8 float8 e4m3 bytes widened: a normal byte's exponent and mantissa bits, moved to a float's
+// places, need only the exponent bias changed (7 -> 127: + 120 << 23); a subnormal one (exponent
+// 0) is its mantissa times 2^-9; then the sign. No table: a gather per 8 values cost ten times
+// the bf16 loop on this project's AMD machine.
+inline __m256 load8(const c10::Float8_e4m3fn* p) {
+  const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  const __m256i magnitude = _mm256_and_si256(b, _mm256_set1_epi32(0x7f));
+  const __m256 normal = _mm256_castsi256_ps(
+      _mm256_add_epi32(_mm256_slli_epi32(magnitude, 20), _mm256_set1_epi32(120 << 23)));
+  const __m256 subnormal =
+      _mm256_mul_ps(_mm256_cvtepi32_ps(magnitude), _mm256_set1_ps(1.0f / 512.0f));
+  const __m256 is_normal = _mm256_castsi256_ps(_mm256_cmpgt_epi32(magnitude, _mm256_set1_epi32(7)));
+  const __m256 value = _mm256_blendv_ps(subnormal, normal, is_normal);
+  const __m256i sign = _mm256_slli_epi32(_mm256_and_si256(b, _mm256_set1_epi32(0x80)), 24);
+  return _mm256_or_ps(value, _mm256_castsi256_ps(sign));
 }
 
 // The 8 lanes' sums of 8 vectors: {sum(a[0]), ..., sum(a[7])}.
@@ -130,23 +158,39 @@ inline void weighted_sum(const float* p, const T* const* rows, int64_t n, float*
 
 // One sequence and one KV head: its `group` query heads (qs, os: [group, d]) over positions
 // [start, len) of the sequence's block table (`table`).
+// Each position's row scales (int8: ks / vs non-null), else 1.
+struct RowScales {
+  const float* ks = nullptr;
+  const float* vs = nullptr;
+  std::vector<float> k, v;
+};
+
 template <typename T>
 void attend_one_kv_head(const float* qs, const T* kp, const T* vp, const int64_t* table,
                         int64_t start, int64_t len, int64_t block, int64_t kv_heads,
                         int64_t g, int64_t group, int64_t d, float scale, float cap, float* os,
                         std::vector<float>& scores, std::vector<const T*>& keys,
-                        std::vector<const T*>& values) {
+                        std::vector<const T*>& values, RowScales& rs) {
   const int64_t n = len - start;
   keys.resize(n);
   values.resize(n);
+  if (rs.ks != nullptr) {
+    rs.k.resize(n);
+    rs.v.resize(n);
+  }
   // Where each position's rows are: one block-table read per block, no division per row.
   for (int64_t pos = start, j = 0; pos < len;) {
     const int64_t b = pos / block, in_block = pos - b * block;
     const int64_t rows = std::min(block - in_block, len - pos);
     const int64_t first = ((table[b] * block + in_block) * kv_heads + g) * d;
+    const int64_t first_scale = (table[b] * block + in_block) * kv_heads + g;
     for (int64_t r = 0; r < rows; ++r, ++j) {
       keys[j] = kp + first + r * kv_heads * d;
       values[j] = vp + first + r * kv_heads * d;
+      if (rs.ks != nullptr) {
+        rs.k[j] = rs.ks[first_scale + r * kv_heads];
+        rs.v[j] = rs.vs[first_scale + r * kv_heads];
+      }
     }
     pos += rows;
   }
@@ -186,11 +230,14 @@ void attend_one_kv_head(const float* qs, const T* kp, const T* vp, const int64_t
   for (int64_t h = 0; h < group; ++h) {
     float* row = scores.data() + h * n;
     for (j = 0; j < n; ++j) {
-      float score = scale * row[j];
+      float score = scale * row[j] * (rs.ks != nullptr ? rs.k[j] : 1.0f);
       if (cap > 0.0f) score = cap * std::tanh(score / cap);
       row[j] = score;
     }
     softmax(row, n);
+    if (rs.vs != nullptr) {
+      for (j = 0; j < n; ++j) row[j] *= rs.v[j];
+    }
     weighted_sum(row, values.data(), n, os + h * d, d);
   }
 }
@@ -198,25 +245,28 @@ void attend_one_kv_head(const float* qs, const T* kp, const T* vp, const int64_t
 template <typename T>
 void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
             const int64_t* tp, const int64_t* lp, int64_t max_blocks, int64_t window,
-            float scale, float cap, at::Tensor& out) {
+            float scale, float cap, const float* ks, const float* vs, at::Tensor& out) {
   const int64_t seqs = q.size(0), heads = q.size(1), d = q.size(2);
   const int64_t block = k_cache.size(1), kv_heads = k_cache.size(2), group = heads / kv_heads;
   const float* qp = q.data_ptr<float>();
-  const T* kp = k_cache.data_ptr<T>();
-  const T* vp = v_cache.data_ptr<T>();
+  const T* kp = static_cast<const T*>(k_cache.data_ptr());
+  const T* vp = static_cast<const T*>(v_cache.data_ptr());
   float* op = out.data_ptr<float>();
   // One task a (sequence, KV head): the group's query heads share its key and value rows,
   // read from memory once (the group's later heads find them in the core's caches).
   at::parallel_for(0, seqs * kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
     std::vector<const T*> keys, values;
+    RowScales rs;
+    rs.ks = ks;
+    rs.vs = vs;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t s = task / kv_heads, g = task % kv_heads, len = lp[s];
       const int64_t start = window > 0 ? std::max<int64_t>(0, len - window) : 0;
       const int64_t first_head = (s * heads + g * group) * d;
       attend_one_kv_head(qp + first_head, kp, vp, tp + s * max_blocks, start, len, block,
                          kv_heads, g, group, d, scale, cap, op + first_head, scores, keys,
-                         values);
+                         values, rs);
     }
   });
 }
@@ -224,16 +274,29 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
 at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache,
                         const at::Tensor& v_cache, const at::Tensor& block_tables,
                         const at::Tensor& seq_lens, double scale, int64_t window,
-                        double softcap) {
+                        double softcap, const std::optional<at::Tensor>& k_scale,
+                        const std::optional<at::Tensor>& v_scale) {
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.is_contiguous(),
               "paged_decode: q must be [seqs, heads, head_dim] float32, contiguous");
+  const auto kind = k_cache.scalar_type();
   TORCH_CHECK(k_cache.dim() == 4 &&
-                  (k_cache.scalar_type() == at::kFloat ||
-                   k_cache.scalar_type() == at::kBFloat16) &&
+                  (kind == at::kFloat || kind == at::kBFloat16 || kind == at::kChar ||
+                   kind == at::kFloat8_e4m3fn) &&
                   k_cache.is_contiguous() && v_cache.sizes() == k_cache.sizes() &&
-                  v_cache.scalar_type() == k_cache.scalar_type() && v_cache.is_contiguous(),
+                  v_cache.scalar_type() == kind && v_cache.is_contiguous(),
               "paged_decode: the caches must be [blocks, block_size, kv_heads, head_dim] "
-              "float32 or bfloat16, both the same, contiguous");
+              "float32, bfloat16, int8 or float8_e4m3fn, both the same, contiguous");
+  const bool scaled = k_scale.has_value() && v_scale.has_value();
+  TORCH_CHECK(scaled == (kind == at::kChar) && k_scale.has_value() == v_scale.has_value(),
+              "paged_decode: an int8 cache needs k_scale and v_scale, other caches none");
+  if (scaled) {
+    for (const at::Tensor* t : {&*k_scale, &*v_scale}) {
+      TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() &&
+                      t->sizes() == k_cache.sizes().slice(0, 3),
+                  "paged_decode: the scales must be [blocks, block_size, kv_heads] float32, "
+                  "contiguous");
+    }
+  }
   const int64_t seqs = q.size(0), heads = q.size(1), d = q.size(2);
   const int64_t num_blocks = k_cache.size(0), block = k_cache.size(1), kv_heads = k_cache.size(2);
   TORCH_CHECK(k_cache.size(3) == d && d % 8 == 0,
@@ -258,10 +321,17 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache,
   }
   at::Tensor out = at::empty_like(q);
   const float sc = static_cast<float>(scale), cap = static_cast<float>(softcap);
-  if (k_cache.scalar_type() == at::kFloat) {
-    attend<float>(q, k_cache, v_cache, tp, lp, max_blocks, window, sc, cap, out);
+  const float* ks = scaled ? k_scale->data_ptr<float>() : nullptr;
+  const float* vs = scaled ? v_scale->data_ptr<float>() : nullptr;
+  if (kind == at::kFloat) {
+    attend<float>(q, k_cache, v_cache, tp, lp, max_blocks, window, sc, cap, ks, vs, out);
+  } else if (kind == at::kBFloat16) {
+    attend<at::BFloat16>(q, k_cache, v_cache, tp, lp, max_blocks, window, sc, cap, ks, vs, out);
+  } else if (kind == at::kChar) {
+    attend<int8_t>(q, k_cache, v_cache, tp, lp, max_blocks, window, sc, cap, ks, vs, out);
   } else {
-    attend<at::BFloat16>(q, k_cache, v_cache, tp, lp, max_blocks, window, sc, cap, out);
+    attend<c10::Float8_e4m3fn>(q, k_cache, v_cache, tp, lp, max_blocks, window, sc, cap, ks,
+                               vs, out);
   }
   return out;
 }
@@ -271,7 +341,8 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache,
 TORCH_LIBRARY_FRAGMENT(minivllm, m) {
   m.def(
       "paged_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
-      "Tensor seq_lens, float scale, int window, float softcap) -> Tensor");
+      "Tensor seq_lens, float scale, int window, float softcap, Tensor? k_scale=None, "
+      "Tensor? v_scale=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(minivllm, CPU, m) { m.impl("paged_decode", &paged_decode); }

@@ -1,0 +1,133 @@
+"""What the KV cache stores (`kv_cache_dtype`): as computed, int8 with scales, or fp8.
+
+A layer's cache is `(k_cache, v_cache)`, each `[num_blocks, block_size, num_kv_heads,
+head_dim]`, in the compute dtype (`auto`) or float8 e4m3 (`fp8`: cast, no scale; e4m3 keeps
+a value's relative error at 2^-4 whatever its size, so K/V need no range scaling below its
+448 ceiling). `int8` adds each row's scale beside the pool: `(k_cache, v_cache, k_scale,
+v_scale)`, the scales `[num_blocks, block_size, num_kv_heads]` float32, row = codes * scale.
+
+Why a scale per token and KV head (not per block and head, as a q8_0-like block scale): the
+cache is written a token at a time, and a per-token scale is fixed by the row alone, so a
+write never rewrites the rows beside it, a block's bytes do not depend on the order its
+tokens came in (prefix caching, preemption's recompute and speculative rollback see the
+same bytes), and an outlier token costs only its own row's precision. Its price is 4 bytes
+per head_dim values (8.5 bits a value at head_dim 64, 8.25 at 128); docs/memory.md has the
+measured error of both choices.
+
+Readers: `store_kv` writes (quantizing); `gather_rows` reads the rows a step gathers,
+widened to the maths' dtype (the SDPA path, which dequantizes only what it reads); the
+paged decode kernel reads the codes and scales directly.
+"""
+
+from __future__ import annotations
+
+import torch
+
+KVCache = tuple[torch.Tensor, ...]  # (k, v) or, int8, (k, v, k_scale, v_scale)
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0  # e4m3fn's largest finite value: larger ones are clamped to it
+INT8_MAX = 127.0
+# The smallest scale: an all-zero row (the pool's unused slots) stays zero, not NaN.
+MIN_SCALE = 1e-8
+
+
+def kv_storage_dtype(kv_cache_dtype: str, compute_dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the cache's K/V tensors for option `kv_cache_dtype`."""
+    return {"auto": compute_dtype, "int8": torch.int8, "fp8": FP8}[kv_cache_dtype]
+
+
+def check_kv_cache_dtype(kv_cache_dtype: str, device: torch.device) -> None:
+    """ValueError where the quantized caches cannot run: only the CPU's attention paths (SDPA
+    and our paged decode kernel) read them so far; flash-attn reads bf16/fp16 caches only."""
+    if kv_cache_dtype != "auto" and device.type != "cpu":
+        raise ValueError(
+            f"kv_cache_dtype={kv_cache_dtype} is CPU-only for now (flash-attn on {device.type} "
+            "reads bf16/fp16 caches); use kv_cache_dtype=auto on this device"
+        )
+
+
+def bytes_per_token(kv_cache_dtype: str, compute_dtype: torch.dtype, kv_heads: int, d: int) -> int:
+    """One token's K and V bytes in one layer, scales included."""
+    element = torch.tensor([], dtype=kv_storage_dtype(kv_cache_dtype, compute_dtype))
+    scales = 2 * kv_heads * 4 if kv_cache_dtype == "int8" else 0
+    return 2 * kv_heads * d * element.element_size() + scales
+
+
+def allocate_kv_cache(
+    shape: tuple[int, int, int, int],
+    kv_cache_dtype: str,
+    compute_dtype: torch.dtype,
+    device: torch.device,
+) -> KVCache:
+    """One layer's cache of `shape` `[blocks, block_size, KVH, D]`, zeroed: padded gathers
+    read unused slots, which must be finite."""
+    dtype = kv_storage_dtype(kv_cache_dtype, compute_dtype)
+    k, v = (torch.zeros(shape, dtype=dtype, device=device) for _ in range(2))
+    if kv_cache_dtype != "int8":
+        return k, v
+    k_scale, v_scale = (torch.zeros(shape[:3], device=device) for _ in range(2))
+    return k, v, k_scale, v_scale
+
+
+def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`x` `[T, KVH, D]` -> (codes `[T, KVH, D]` int8, scales `[T, KVH]` float32), symmetric:
+    each row's largest magnitude maps to 127."""
+    x = x.float()
+    scale = (x.abs().amax(-1) / INT8_MAX).clamp_min(MIN_SCALE)  # [T, KVH]
+    codes = torch.round(x / scale[..., None]).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
+    return codes, scale
+
+
+def _as_stored(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`x` in the cache's dtype; fp8 as its bytes (torch's CPU index_copy_/index_select have
+    no float8 kernels, uint8 ones move the same bytes)."""
+    if dtype == FP8:
+        return x.float().clamp(-FP8_MAX, FP8_MAX).to(FP8).view(torch.uint8)
+    return x.to(dtype)
+
+
+def _slots(cache: torch.Tensor) -> torch.Tensor:
+    """`[slots, KVH, D]` view of a cache (fp8 viewed as uint8, see `_as_stored`)."""
+    num_kv_heads, head_dim = cache.shape[-2:]
+    if cache.dtype == FP8:
+        cache = cache.view(torch.uint8)
+    return cache.view(-1, num_kv_heads, head_dim)
+
+
+def store_kv(
+    k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache, slot_mapping: torch.Tensor
+) -> None:
+    """Write new keys/values `[num_tokens, num_kv_heads, head_dim]` into their cache slots, in
+    the cache's stored form."""
+    if len(kv_cache) == 4:
+        for new, cache, scales in ((k, kv_cache[0], kv_cache[2]), (v, kv_cache[1], kv_cache[3])):
+            codes, scale = quantize_int8(new)
+            _slots(cache).index_copy_(0, slot_mapping, codes)  # [slots, KVH, D]
+            scales.view(-1, scales.shape[-1]).index_copy_(0, slot_mapping, scale)  # [slots, KVH]
+        return
+    for new, cache in ((k, kv_cache[0]), (v, kv_cache[1])):
+        _slots(cache).index_copy_(0, slot_mapping, _as_stored(new, cache.dtype))
+
+
+def gather_rows(
+    kv_cache: KVCache, which: int, index: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
+    """The rows at slots `index` (any shape I) of K (`which` 0) or V (1), widened to `dtype`:
+    `[*I, KVH, D]`."""
+    cache = kv_cache[which]
+    rows = _slots(cache)[index]  # [*I, KVH, D]
+    if cache.dtype == FP8:
+        return rows.view(FP8).to(dtype)
+    if len(kv_cache) == 4:
+        scales = kv_cache[2 + which]
+        scale = scales.view(-1, scales.shape[-1])[index]  # [*I, KVH]
+        return (rows.to(dtype) * scale[..., None].to(dtype)).to(dtype)
+    return rows.to(dtype)
+
+
+def kv_scales(kv_cache: KVCache) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The int8 cache's (k_scale, v_scale), else (None, None)."""
+    if len(kv_cache) == 4:
+        return kv_cache[2], kv_cache[3]
+    return None, None

@@ -1,0 +1,124 @@
+"""The quantized KV cache (`kv_cache_dtype` int8 / fp8, `kv_quant.py`): a row written and read
+back stays within its format's rounding; our paged decode kernel, reading the codes and scales
+directly, matches SDPA over the dequantized rows and stays near the float reference; fp32
+models over a quantized cache get the kernel; the pool's bytes per token; the clear errors."""
+
+from __future__ import annotations
+
+import platform
+
+import pytest
+import torch
+from support.model_fixtures import make_attention_metadata
+
+from minivllm.config import EngineConfig
+from minivllm.layers.attention import kv_quant
+from minivllm.layers.attention.backends import AttentionSpec, choose_backend
+from minivllm.layers.attention.paged_decode import paged_decode_attention
+from minivllm.layers.attention.sdpa import paged_attention_sdpa
+
+x86 = pytest.mark.skipif(
+    platform.machine().lower() not in ("x86_64", "amd64"), reason="an x86 (AVX2) kernel"
+)
+
+
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
+def test_a_row_reads_back_within_its_rounding(kind):
+    """int8: each value within half its row's step (amax / 127 / 2); fp8 e4m3: within 2^-4
+    relative (3 mantissa bits), values past 448 clamped; an all-zero row stays zero."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 2, 16, generator=gen) * torch.tensor([0.01, 1, 10, 100, 1000])[:, None, None]
+    x[0] = 0.0
+    cache = kv_quant.allocate_kv_cache((2, 4, 2, 16), kind, torch.float32, torch.device("cpu"))
+    slots = torch.tensor([6, 0, 3, 7, 1])
+    kv_quant.store_kv(x, x, cache, slots)
+    got = kv_quant.gather_rows(cache, 1, slots, torch.float32)  # [5, 2, 16]
+    assert got[0].eq(0).all()
+    if kind == "int8":
+        step = x.abs().amax(-1, keepdim=True) / 127
+        assert ((got - x).abs() <= step / 2 + 1e-6).all()
+    else:
+        want = x.clamp(-448, 448)
+        assert ((got - want).abs() <= want.abs() / 16 + 2**-9).all()
+
+
+def _quantized_step(kind, tables, context, heads, kv_heads, dim, block, seed):
+    """A decode-only step over a quantized cache holding random rows at each sequence's
+    positions, the float rows kept for the reference."""
+    gen = torch.Generator().manual_seed(seed)
+    meta, _ = make_attention_metadata(tables, context, [1] * len(tables), block)
+    num_blocks = 1 + max(max(t) for t in tables)
+    shape = (num_blocks, block, kv_heads, dim)
+    cache = kv_quant.allocate_kv_cache(shape, kind, torch.float32, torch.device("cpu"))
+    floats = (torch.zeros(shape), torch.zeros(shape))
+    slots = meta.kv_gather_index.view(-1).unique()
+    k = torch.randn(len(slots), kv_heads, dim, generator=gen) * 3
+    v = torch.randn(len(slots), kv_heads, dim, generator=gen)
+    kv_quant.store_kv(k, v, cache, slots)
+    floats[0].view(-1, kv_heads, dim)[slots] = k
+    floats[1].view(-1, kv_heads, dim)[slots] = v
+    q = torch.randn(len(tables), heads, dim, generator=gen)
+    return meta, cache, floats, q
+
+
+@x86
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
+@pytest.mark.parametrize("window, softcap", [(None, None), (5, 2.0)])
+@pytest.mark.parametrize("heads, kv_heads, dim, block", [(6, 2, 8, 4), (9, 3, 64, 16)])
+def test_the_kernel_reads_the_quantized_cache(kind, window, softcap, heads, kv_heads, dim, block):
+    """The kernel over codes (and scales) equals SDPA over the same rows dequantized, and is
+    near attention over the rows before quantization."""
+    tables = [[3, 1, 4, 7, 9], [0, 2], [5], [8, 6, 10, 11]]
+    context = [min(len(t) * block - 1, c) for t, c in zip(tables, [17, 6, 0, 35], strict=True)]
+    meta, cache, floats, q = _quantized_step(kind, tables, context, heads, kv_heads, dim, block, 1)
+    scale = dim**-0.5
+    got = paged_decode_attention(
+        q, cache[0], cache[1], meta.block_tables, meta.seq_lens, scale, window, softcap,
+        *kv_quant.kv_scales(cache),
+    )  # fmt: skip
+    every = torch.arange(cache[0].numel() // (kv_heads * dim))
+    dequantized = [kv_quant.gather_rows(cache, i, every, torch.float32) for i in (0, 1)]
+    dequantized = [t.view(cache[0].shape) for t in dequantized]
+    want = paged_attention_sdpa(q, *dequantized, meta, scale, window, softcap)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    reference = paged_attention_sdpa(q, *floats, meta, scale, window, softcap)
+    assert (got - reference).abs().max() < (0.05 if kind == "int8" else 0.3)
+
+
+def test_the_sdpa_path_reads_the_quantized_cache():
+    """A prefill with cached context (the SDPA path) over the int8 cache, its scales passed
+    in, equals SDPA over the dequantized rows."""
+    meta, cache, _, _ = _quantized_step("int8", [[2, 0, 1]], [9], 4, 2, 16, 4, 2)
+    prefill, _ = make_attention_metadata([[2, 0, 1]], [6], [4], 4)
+    q = torch.randn(4, 4, 16)
+    got = paged_attention_sdpa(q, cache[0], cache[1], prefill, 0.25, kv_scales=cache[2:])
+    every = torch.arange(cache[0].numel() // 32)
+    rows = [
+        kv_quant.gather_rows(cache, i, every, torch.float32).view(cache[0].shape) for i in (0, 1)
+    ]
+    torch.testing.assert_close(got, paged_attention_sdpa(q, *rows, prefill, 0.25))
+
+
+@x86
+def test_fp32_models_over_a_quantized_cache_decode_through_the_kernel():
+    """The kernel reads the codes; SDPA would widen every gathered row, every step."""
+    for kv_dtype in (torch.int8, kv_quant.FP8):
+        spec = AttentionSpec(torch.device("cpu"), torch.float32, kv_dtype, 64, 16)
+        assert choose_backend(spec).name == "paged_decode"
+
+
+def test_bytes_per_token_count_the_scales():
+    """int8 at head_dim 64: 64 codes + a 4-byte scale per head, against bf16's 128 bytes."""
+    args = (torch.bfloat16, 3, 64)
+    assert kv_quant.bytes_per_token("auto", *args) == 2 * 3 * 64 * 2
+    assert kv_quant.bytes_per_token("int8", *args) == 2 * 3 * (64 + 4)
+    assert kv_quant.bytes_per_token("fp8", *args) == 2 * 3 * 64
+
+
+def test_bad_kv_cache_dtypes_are_refused():
+    """An unknown name, and a quantized cache on a device no attention path of ours reads it."""
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, int8, fp8"):
+        EngineConfig(kv_cache_dtype="q4")
+    with pytest.raises(ValueError, match="kv_cache_dtype=int8 is CPU-only"):
+        kv_quant.check_kv_cache_dtype("int8", torch.device("cuda"))
+    kv_quant.check_kv_cache_dtype("auto", torch.device("cuda"))

@@ -213,9 +213,9 @@ def test_one_sequence_steps_run_on_the_servers_thread_share(tiny_llama_dir):
     seen: list[tuple[int, int]] = []  # (tokens in the step, torch threads during it)
     run = runner._run
 
-    def spy(inputs):
+    def spy(inputs, *rest):
         seen.append((inputs.meta.num_tokens, torch.get_num_threads()))
-        return run(inputs)
+        return run(inputs, *rest)
 
     runner._run = spy
     before = torch.get_num_threads()

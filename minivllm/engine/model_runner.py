@@ -27,7 +27,12 @@ from minivllm.engine.logits import compute_logits_in_slices, score_prompt_rows
 from minivllm.engine.runner_output import RunnerOutput, SampledToken
 from minivllm.engine.scheduler import ScheduledBatch
 from minivllm.engine.sequence import Sequence
-from minivllm.engine.weight_policy import WeightPolicy, apply_weight_policy, log_block_weights
+from minivllm.engine.weight_policy import (
+    WeightPolicy,
+    apply_weight_policy,
+    block_activations,
+    log_block_weights,
+)
 from minivllm.layers.attention import AttentionMetadata
 from minivllm.layers.attention.backends import AttentionSpec
 from minivllm.layers.attention.layer import bind_attention_backends
@@ -315,7 +320,7 @@ class ModelRunner:
 
     def _attach_blocks(self, model: torch.nn.Module) -> set[str]:
         assert self.gguf is not None
-        self.block_weights.update(attach_blocks(model, self.gguf))
+        self.block_weights.update(attach_blocks(model, self.gguf, block_activations))
         return self.block_weights
 
     def _quantize(self) -> str | None:

@@ -110,13 +110,14 @@ class ParallelLMHead(VocabParallelEmbedding):
             raise ValueError("an 8-bit LM head needs tensor_parallel_size=1")
         self.int8_head = head
 
-    def set_blocks(self, segment: BlockSegment) -> None:
-        """Compute the logits on the GGUF's quantized rows, for every step size; the dense
-        weight, not loaded yet (or the tied embedding's, dropped there), is not used. The
-        same rows refine each row's top logits in fp32 (`refine_top_logits`)."""
+    def set_blocks(self, segment: BlockSegment, activations: str = "int8") -> None:
+        """Compute the logits on the GGUF's quantized rows, for every step size, the
+        activations rounded as `activations` says (`BlockWeight`); the dense weight, not
+        loaded yet (or the tied embedding's, dropped there), is not used. The same rows
+        refine each row's top logits in fp32 (`refine_top_logits`)."""
         if self.tp_size != 1:
             raise ValueError("GGUF block weights are supported with tensor_parallel_size=1 only")
-        self.head_blocks = BlockWeight([segment], self.embedding_dim)
+        self.head_blocks = BlockWeight([segment], self.embedding_dim, activations)
         self.weight = nn.Parameter(
             self.weight.new_empty(0, self.embedding_dim), requires_grad=False
         )

@@ -20,7 +20,7 @@ import torch
 from minivllm.config import EngineConfig
 from minivllm.distributed import parallel_state
 from minivllm.distributed.heads import shard_heads
-from minivllm.engine import gpu_memory, memory
+from minivllm.engine import gpu_memory, memory, weight_policy
 from minivllm.engine.compiled_decode import CompiledDecode, compile_decode_step
 from minivllm.engine.cuda_graphs import CudaGraphDecode, capture_decode_graphs, use_cuda_graphs
 from minivllm.engine.device import resolve_device, resolve_dtype, staged
@@ -29,7 +29,6 @@ from minivllm.engine.pooler import pool_batch
 from minivllm.engine.runner_output import RunnerOutput, SampledToken
 from minivllm.engine.scheduler import ScheduledBatch
 from minivllm.engine.sequence import Sequence
-from minivllm.engine.weight_policy import WeightPolicy, apply_weight_policy, log_block_weights
 from minivllm.layers.attention import AttentionMetadata, kv_quant
 from minivllm.layers.attention.backends import AttentionSpec
 from minivllm.layers.attention.layer import bind_attention_backends
@@ -301,7 +300,7 @@ class ModelRunner:
         source = gguf_source(self.config.model)
         self.gguf = GGUFFile(source) if source else None
         warn_dense_fallback(self.gguf, self.dtype)
-        self.weight_policy = WeightPolicy.decide(
+        self.weight_policy = weight_policy.WeightPolicy.decide(
             self.config, self.device, self.dtype, tp_size, gguf=self.gguf is not None
         )
         # checkpoint names of the weights kept as the GGUF's blocks, filled before loading
@@ -320,18 +319,20 @@ class ModelRunner:
         if self.gguf is not None:
             self.gguf.release_pages()
         if self.block_weights:
-            log_block_weights(model, len(self.block_weights))
+            weight_policy.log_block_weights(model, len(self.block_weights))
         return model, hf_config
 
     def _attach_blocks(self, model: torch.nn.Module) -> set[str]:
         assert self.gguf is not None
-        self.block_weights.update(attach_blocks(model, self.gguf))
+        self.block_weights.update(attach_blocks(model, self.gguf, weight_policy.block_activations))
         return self.block_weights
 
     def _quantize(self) -> str | None:
         """Give the loaded layers the methods the weight policy chose; returns the kernel of
         the weights kept as stored ("int4", "qgemv", "blocks"; None: none are)."""
-        return apply_weight_policy(self.model, self.weight_policy, self.gguf, self.block_weights)
+        return weight_policy.apply_weight_policy(
+            self.model, self.weight_policy, self.gguf, self.block_weights
+        )
 
     def _bytes_per_block(self) -> int:
         """One block's K and V over all layers, scales included."""

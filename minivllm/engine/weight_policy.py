@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from minivllm.config import EngineConfig
+from minivllm.layers.block_weight import BlockSegment, two_code_block
 from minivllm.layers.cpu_kernels import cpu_caps
 from minivllm.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from minivllm.layers.int4 import Int4Weight, int4_supported, quantize_int4
@@ -92,6 +93,22 @@ class WeightPolicy:
             quantize_int4=method == "int4",
             token_exact=token_exact,
         )
+
+
+# The activation precision of the stored-block kernels (`BlockWeight`'s `activations`), per
+# block over which the integer kernel rounds them: 256 inputs for the K kinds (Q4_K, Q5_K,
+# Q6_K), 32 for Q5_0/Q5_1/Q8_0. A block holding one of the huge activations of a model such
+# as Gemma 3 gets a step that rounds its other inputs to 0; a second 8-bit code for the
+# residual brings them back, at the same weight reads (docs/ggml-kernels.md, "Activation
+# precision", measured on real files).
+BLOCK_ACTIVATIONS = {256: "int8x2", 32: "int8x2"}
+
+
+def block_activations(segments: list[BlockSegment]) -> str:
+    """The activation precision for a stored-block weight of `segments` (BLOCK_ACTIVATIONS;
+    "int8" where its kinds round over different blocks)."""
+    block = two_code_block(segments)
+    return "int8" if block is None else BLOCK_ACTIVATIONS[block]
 
 
 def stored_weight_kernel(device: torch.device, dtype: torch.dtype) -> str | None:

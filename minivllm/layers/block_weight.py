@@ -69,15 +69,10 @@ def int_dot_max_rows(qtype: GGMLQuantizationType, x8: bool = False) -> float:
     return rows.ggml_int_dot_k if qtype in _K_KINDS else rows.ggml_int_dot
 
 
-# The token embedding and the LM head run as stored blocks in these types (what K-quant files
-# hold); a Q8_0 head keeps the 8-bit head path of minivllm.layers.linear_method.
-EMBEDDING_BLOCK_TYPES = frozenset(
-    {
-        GGMLQuantizationType.Q4_K,
-        GGMLQuantizationType.Q5_K,
-        GGMLQuantizationType.Q6_K,
-    }
-)
+# The token embedding and the LM head run as stored blocks in every block type: a lookup
+# dequantizes the rows it reads, the head's steps run on the blocks (`BlockWeight.matmul`), so
+# no dense copy of a vocabulary-sized table is kept.
+EMBEDDING_BLOCK_TYPES = BLOCK_TYPES
 
 
 @dataclass(frozen=True)
@@ -118,10 +113,42 @@ class BlockSegment:
         return picked.to(dtype)
 
 
+def int8_residual(x: torch.Tensor, block: int) -> torch.Tensor:
+    """What the integer kernel's rounding of `x` `[M, K]` to 8 bits per `block` inputs (step
+    max|x| / 127, round to nearest even) leaves: `x - step * code`, fp32 `[M, K]`."""
+    flat = x.float().view(x.shape[0], -1, block)  # [M, K / block, block]
+    amax = flat.abs().amax(-1, keepdim=True)  # [M, K / block, 1]
+    inverse = torch.where(amax > 0, 127.0 / amax, 0.0)
+    codes = (flat * inverse).round()  # as the kernel: x times 127 / max|x|, nearest even
+    return (flat - codes * (amax / 127.0)).view(x.shape)  # [M, K]
+
+
+def two_code_block(segments: list[BlockSegment]) -> int | None:
+    """The block (256 for the K kinds, 32 for Q5_0/Q5_1/Q8_0) over which the integer kernel
+    rounds the activations of all `segments`, where a second code can follow it; None where
+    the segments' kinds round differently (or, Q4_0/Q4_1 in tiles, keep two codes already)."""
+    blocks = {
+        256 if s.qtype in _K_KINDS else 32 if not (s.x8 and s.qtype in X8_KINDS) else 0
+        for s in segments
+    }
+    return blocks.pop() if len(blocks) == 1 and 0 not in blocks else None
+
+
+# How a BlockWeight rounds the activations of its integer-kernel steps (chosen per layer by
+# `minivllm.engine.weight_policy`, docs/ggml-kernels.md "Activation precision"):
+# "int8": one 8-bit code per input (a step per block of 32 or 256 inputs);
+# "int8x2": a second 8-bit code for what the first leaves (the residual, as a second row of
+# the same call: each weight row is still read once, about 15 bits an activation);
+# "float": no integer kernel, the weight dequantized a tile at a time for x's dtype.
+ACTIVATIONS = ("int8", "int8x2", "float")
+
+
 class BlockWeight:
     """The `[out, in]` weight of a linear layer as ggml blocks, segments stacked along out."""
 
-    def __init__(self, segments: list[BlockSegment], cols: int) -> None:
+    def __init__(self, segments: list[BlockSegment], cols: int, activations: str = "int8") -> None:
+        if activations not in ACTIVATIONS:
+            raise ValueError(f"activations must be one of {ACTIVATIONS}, got {activations!r}")
         if not segments:
             raise ValueError("a BlockWeight needs at least one segment")
         for segment in segments:
@@ -143,7 +170,14 @@ class BlockWeight:
         self._blocks = [s.blocks.contiguous() for s in segments]
         self._qtypes = [int(s.qtype) + (X8_FLAG if s.x8 else 0) for s in segments]
         self._limits = [int_dot_max_rows(s.qtype, s.x8) for s in segments]
+        if activations == "float":
+            self._limits = [0 for _ in segments]
         self._int_dot_rows = min(self._limits)
+        # the block of the second code's residual; None: one code (or no integer kernel)
+        self._residual_block = two_code_block(segments) if activations == "int8x2" else None
+        self.activations = (
+            activations if activations != "int8x2" or self._residual_block else "int8"
+        )
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -159,7 +193,11 @@ class BlockWeight:
         if rows <= self._int_dot_rows:  # one call: x rounded once
             if self._kernels:
                 flat = x.reshape(-1, self.cols)  # [M, in]
+                if self._residual_block is not None:  # [2M, in]: x, then what its code leaves
+                    flat = torch.cat([flat.float(), int8_residual(flat, self._residual_block)])
                 out = torch.ops.minivllm.ggml_matmul_segments(flat, self._blocks, self._qtypes, 0)
+                if self._residual_block is not None:
+                    out = out[:rows] + out[rows:]  # [M, out]
                 return out.view(*x.shape[:-1], out.shape[-1]).to(x.dtype)
             pairs = [(s.blocks, s.qtype) for s in self.segments]
             return ggml_matmul_segments(x, pairs).to(x.dtype)

@@ -110,12 +110,14 @@ class ParallelLMHead(VocabParallelEmbedding):
             raise ValueError("an 8-bit LM head needs tensor_parallel_size=1")
         self.int8_head = head
 
-    def set_blocks(self, segment: BlockSegment) -> None:
-        """Compute the logits on the GGUF's quantized rows, for every step size; the dense
-        weight, not loaded yet (or the tied embedding's, dropped there), is not used."""
+    def set_blocks(self, segment: BlockSegment, activations: str = "int8") -> None:
+        """Compute the logits on the GGUF's quantized rows, for every step size, the
+        activations rounded as `activations` says (`BlockWeight`); the dense weight, not
+        loaded yet (or the tied embedding's, dropped there), is not used. The same rows
+        refine each row's top logits in fp32 (`refine_top_logits`)."""
         if self.tp_size != 1:
             raise ValueError("GGUF block weights are supported with tensor_parallel_size=1 only")
-        self.head_blocks = BlockWeight([segment], self.embedding_dim)
+        self.head_blocks = BlockWeight([segment], self.embedding_dim, activations)
         self.weight = nn.Parameter(
             self.weight.new_empty(0, self.embedding_dim), requires_grad=False
         )
@@ -164,7 +166,9 @@ class ParallelLMHead(VocabParallelEmbedding):
         get their own `[num_tokens, vocab_size / tp_size]` slice.
         """
         if self.head_blocks is not None:
-            return self.head_blocks.matmul(hidden).float()  # [num_tokens, vocab_size] float32
+            # int8 (or bf16) activations: the top logits again from the exact rows
+            logits = self.head_blocks.matmul(hidden).float()  # [num_tokens, vocab_size]
+            return refine_top_logits(logits, hidden, self.head_blocks.segments[0])
         if self.int8_head is not None and self.int8_head.fits(hidden):
             return self.int8_head.matmul(hidden).float()  # [num_tokens, vocab_size] float32
         packed = self._packed[0] if self._packed else None

@@ -11,6 +11,7 @@ moving whole rows of blocks.
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -50,10 +51,17 @@ def q8_0_head_rows(reader: GGUFFile) -> BlockSegment | None:
     return None if head is None else _segment(reader, head, "lm_head.weight")
 
 
-def attach_blocks(model: nn.Module, reader: GGUFFile) -> set[str]:
-    """Give each linear layer whose checkpoint tensors are all block-typed its BlockWeight;
-    returns the checkpoint names so supplied. A fused layer with a shard of another type
-    (e.g. a float v_proj) stays dense."""
+# The activation precision for a weight's segments (`BlockWeight`'s `activations`).
+Activations = Callable[[list[BlockSegment]], str]
+
+
+def attach_blocks(
+    model: nn.Module, reader: GGUFFile, activations: Activations = lambda _: "int8"
+) -> set[str]:
+    """Give each linear layer whose checkpoint tensors are all block-typed its BlockWeight,
+    its activations rounded as `activations` says for its segments; returns the checkpoint
+    names so supplied. A fused layer with a shard of another type (e.g. a float v_proj)
+    stays dense."""
     arch = architecture(reader)
     packed: PackedMapping = getattr(model, "packed_modules_mapping", {})
     found: dict[str, dict[Any, tuple[str, GGUFTensor]]] = {}
@@ -75,16 +83,18 @@ def attach_blocks(model: nn.Module, reader: GGUFFile) -> set[str]:
             continue
         names = [parts[i][0] for i in module.shard_ids]
         segments = [_segment(reader, parts[i][1], parts[i][0]) for i in module.shard_ids]
-        weight = BlockWeight(segments, module.input_size)
+        weight = BlockWeight(segments, module.input_size, activations(segments))
         module.set_method(GgmlBlockMethod(weight))
         supplied.update(names)
         for i, segment in zip(module.shard_ids, weight.segments, strict=True):
             if segment.x8:  # moved into tiles: the file's pages are not read again
                 reader.release_tensor_pages(parts[i][1])
-    return supplied | _attach_embedding_blocks(model, reader)
+    return supplied | _attach_embedding_blocks(model, reader, activations)
 
 
-def _attach_embedding_blocks(model: nn.Module, reader: GGUFFile) -> set[str]:
+def _attach_embedding_blocks(
+    model: nn.Module, reader: GGUFFile, activations: Activations
+) -> set[str]:
     """The token embedding (and the LM head tied to it) or an untied LM head as stored
     blocks, where their tensors have a type of EMBEDDING_BLOCK_TYPES."""
     supplied: set[str] = set()
@@ -99,7 +109,7 @@ def _attach_embedding_blocks(model: nn.Module, reader: GGUFFile) -> set[str]:
     ):
         segment = _segment(reader, table, "model.embed_tokens.weight")
         if tied and isinstance(head, ParallelLMHead):
-            head.set_blocks(segment)
+            head.set_blocks(segment, activations([segment]))
             supplied.add("lm_head.weight")
             # one table for both: the head's, moved into tiles where its kind has them
             segment = head.head_blocks.segments[0]
@@ -114,7 +124,8 @@ def _attach_embedding_blocks(model: nn.Module, reader: GGUFFile) -> set[str]:
         and output is not None
         and output.tensor_type in EMBEDDING_BLOCK_TYPES
     ):
-        head.set_blocks(_segment(reader, output, "lm_head.weight"))
+        segment = _segment(reader, output, "lm_head.weight")
+        head.set_blocks(segment, activations([segment]))
         supplied.add("lm_head.weight")
         if head.head_blocks.segments[0].x8:
             reader.release_tensor_pages(output)

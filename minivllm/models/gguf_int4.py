@@ -138,6 +138,6 @@ def read_int4_weights(reader: GGUFFile, exclude: Collection[str] = ()) -> dict[s
             )
         weights[name] = weight
     head = lm_head_q8_0(reader)
-    if head is not None:
+    if head is not None and "lm_head.weight" not in exclude:
         weights[LM_HEAD_HIGH], weights[LM_HEAD_LOW] = q8_0_halves(head)
     return weights

@@ -23,9 +23,9 @@ endpoints in `completions.py` and `chat.py`, logprob formatting in `logprobs.py`
 from __future__ import annotations
 
 import importlib.metadata
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
-from typing import TYPE_CHECKING
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from typing import TYPE_CHECKING, Any
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
@@ -86,14 +86,7 @@ def create_app(
             client.shutdown()
             client.close()  # a tensor-parallel runner's worker processes
 
-    app = FastAPI(title="minivllm", lifespan=lifespan, docs_url=None, redoc_url=None)
-    app.state.server = server
-    app.add_middleware(BodySizeLimitMiddleware, max_bytes=max_body_bytes)
-    if allowed_origins:
-        app.add_middleware(
-            CORSMiddleware, allow_origins=allowed_origins, allow_methods=["*"], allow_headers=["*"]
-        )
-    install_error_handlers(app)
+    app = new_app(server, lifespan, max_body_bytes, allowed_origins)
     app.include_router(openai_routes(server))
     app.state.responses = ResponsesAPI(server, response_store)
     app.include_router(app.state.responses.routes())
@@ -175,3 +168,23 @@ def _default_name(client: EngineClient) -> str:
     if model is None:
         return "SmolLM2-135M-Instruct"
     return str(model).rstrip("/").rsplit("/", 1)[-1].removesuffix(".gguf")
+
+
+def new_app(
+    server: Any,
+    lifespan: Callable[[FastAPI], AbstractAsyncContextManager[None]],
+    max_body_bytes: int,
+    allowed_origins: list[str] | None,
+) -> FastAPI:
+    """The FastAPI app both servers start from (one model or several): `server` as
+    `app.state.server`, the body-size limit, CORS for `allowed_origins`, and the error handlers
+    that answer in OpenAI's shape."""
+    app = FastAPI(title="minivllm", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.server = server
+    app.add_middleware(BodySizeLimitMiddleware, max_bytes=max_body_bytes)
+    if allowed_origins:
+        app.add_middleware(
+            CORSMiddleware, allow_origins=allowed_origins, allow_methods=["*"], allow_headers=["*"]
+        )
+    install_error_handlers(app)
+    return app

@@ -17,16 +17,20 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import APIRouter, FastAPI, Request
-from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
-from minivllm.server.app import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_WAITING_REQUESTS, _version
+from minivllm.server.app import (
+    DEFAULT_MAX_BODY_BYTES,
+    DEFAULT_MAX_WAITING_REQUESTS,
+    _version,
+    new_app,
+)
 from minivllm.server.chat import create_chat_completion
 from minivllm.server.completions import create_completion
 from minivllm.server.engine_client import EngineClient
-from minivllm.server.errors import APIError, bad_request, install_error_handlers
-from minivllm.server.middleware import BodySizeLimitMiddleware, check_auth
+from minivllm.server.errors import APIError, bad_request
+from minivllm.server.middleware import check_auth
 from minivllm.server.model_registry import (
     Lease,
     ModelBusyError,
@@ -152,14 +156,7 @@ def create_multi_app(
         finally:
             await registry.shutdown()
 
-    app = FastAPI(title="minivllm", lifespan=lifespan, docs_url=None, redoc_url=None)
-    app.state.server = router
-    app.add_middleware(BodySizeLimitMiddleware, max_bytes=max_body_bytes)
-    if allowed_origins:
-        app.add_middleware(
-            CORSMiddleware, allow_origins=allowed_origins, allow_methods=["*"], allow_headers=["*"]
-        )
-    install_error_handlers(app)
+    app = new_app(router, lifespan, max_body_bytes, allowed_origins)
     app.include_router(_routes(router))
     return app
 

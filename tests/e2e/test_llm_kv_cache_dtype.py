@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 
 import pytest
+from support.spec_checks import NGRAM
 
 from minivllm import LLM, SamplingParams
 from minivllm.layers.attention import kv_quant
@@ -21,14 +22,6 @@ PROMPTS = [
 ]
 MAX_TOKENS = 12
 TOP = 5
-NGRAM = {
-    "method": "ngram",
-    "num_speculative_tokens": 3,
-    "prompt_lookup_min": 1,
-    "prompt_lookup_max": 3,
-    "disable_by_batch_size": None,
-    "draft_token_cost": 0.0,
-}
 SCHEDULES = {
     # bf16 compute: the compiled decode step (fp32 with dense weights stays eager)
     "compiled-decode": dict(dtype="bfloat16"),

@@ -12,21 +12,11 @@ from __future__ import annotations
 import functools
 
 import pytest
-from support.spec_checks import second_tokens, total_variation
+from support.spec_checks import NGRAM, second_tokens, total_variation
 
 from minivllm import LLM, SamplingParams
 from minivllm.layers import rejection_sampler
 
-# The cost model off (tests/engine/test_spec_policy.py covers it): every match proposes, at any
-# batch size, so these tests verify drafts wherever the proposer finds them.
-NGRAM = {
-    "method": "ngram",
-    "num_speculative_tokens": 3,
-    "prompt_lookup_min": 1,
-    "prompt_lookup_max": 3,
-    "disable_by_batch_size": None,
-    "draft_token_cost": 0.0,
-}
 PROMPTS = [
     [5, 17, 42, 99, 3] * 4,
     [200, 201, 202, 203, 204, 205, 206, 207, 1, 2, 3] * 2 + [200, 201],

@@ -8,17 +8,11 @@ from __future__ import annotations
 import functools
 import math
 
+from support.spec_checks import NGRAM
+
 from minivllm import LLM, SamplingParams
 from minivllm.sampling_params import StructuredOutputsParams
 
-NGRAM = {
-    "method": "ngram",
-    "num_speculative_tokens": 3,
-    "prompt_lookup_min": 1,
-    "prompt_lookup_max": 3,
-    "disable_by_batch_size": None,
-    "draft_token_cost": 0.0,
-}
 PROMPTS = [[5, 17, 42, 99, 3] * 4, [200, 201, 202, 203, 1, 2, 3] * 3 + [200, 201], [7] * 9]
 
 

@@ -7,6 +7,18 @@ from collections import Counter
 
 from minivllm import LLM, SamplingParams
 
+# n-gram speculation with the cost model off (tests/engine/test_spec_policy.py covers it):
+# every match proposes, at any batch size, so a test verifies drafts wherever the proposer
+# finds them.
+NGRAM = {
+    "method": "ngram",
+    "num_speculative_tokens": 3,
+    "prompt_lookup_min": 1,
+    "prompt_lookup_max": 3,
+    "disable_by_batch_size": None,
+    "draft_token_cost": 0.0,
+}
+
 
 def second_tokens(llm: LLM, prompt: list[int], n: int) -> Counter:
     """How often each (first, second) token pair comes out; a third token leaves room for a

@@ -6,12 +6,11 @@ applied after the mask or not at all, the lone-prefill shortcut skipping the win
 windowed gather (only the keys a window can see) that misses one.
 """
 
-import math
 import random
 
 import pytest
 import torch
-from support.model_fixtures import make_attention_metadata
+from support.model_fixtures import make_attention_metadata, shuffled_nan_cache
 
 from minivllm.layers.attention import Attention
 from minivllm.layers.attention.metadata import paged_causal_mask
@@ -57,12 +56,7 @@ def run_batch(
     gen = torch.Generator().manual_seed(seed)
     rng = random.Random(seed)
     seq_lens = [c + q for c, q in zip(context_lens, query_lens, strict=True)]
-    needed = [math.ceil(n / block_size) for n in seq_lens]
-    free = list(range(sum(needed) + 2))
-    rng.shuffle(free)
-    tables = [[free.pop() for _ in range(n)] for n in needed]
-    shape = (sum(needed) + 2, block_size, num_kv_heads, head_dim)
-    k_cache, v_cache = torch.full(shape, float("nan")), torch.full(shape, float("nan"))
+    tables, k_cache, v_cache = shuffled_nan_cache(seq_lens, block_size, num_kv_heads, head_dim, rng)
     full_k = [torch.randn(n, num_kv_heads, head_dim, generator=gen) * 3 for n in seq_lens]
     full_v = [torch.randn(n, num_kv_heads, head_dim, generator=gen) for n in seq_lens]
     queries = [torch.randn(n, num_heads, head_dim, generator=gen) * 3 for n in query_lens]

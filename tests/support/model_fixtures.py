@@ -11,6 +11,8 @@ per model.
 """
 
 import json
+import math
+import random
 import shutil
 from pathlib import Path
 from typing import Any
@@ -311,3 +313,17 @@ def tiny_family_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path
         out = tmp_path_factory.mktemp(f"tiny_{name}")
         dirs[name] = save_tiny_checkpoint(out, model_cls, config, seed)
     return dirs
+
+
+def shuffled_nan_cache(
+    seq_lens: list[int], block_size: int, num_kv_heads: int, head_dim: int, rng: random.Random
+) -> tuple[list[list[int]], torch.Tensor, torch.Tensor]:
+    """Block tables for sequences of `seq_lens` tokens, their blocks drawn from a pool shuffled
+    by `rng` (two blocks to spare), and that pool's K and V
+    `[num_blocks, block_size, num_kv_heads, head_dim]` full of NaN, so a stray read shows."""
+    needed = [math.ceil(n / block_size) for n in seq_lens]
+    free = list(range(sum(needed) + 2))
+    rng.shuffle(free)
+    tables = [[free.pop() for _ in range(n)] for n in needed]
+    shape = (sum(needed) + 2, block_size, num_kv_heads, head_dim)
+    return tables, torch.full(shape, float("nan")), torch.full(shape, float("nan"))

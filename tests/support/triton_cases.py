@@ -11,7 +11,6 @@ happened, and it must not leak into the session's other tests.
 from __future__ import annotations
 
 import json
-import math
 import random
 import sys
 
@@ -19,7 +18,11 @@ import torch
 
 from minivllm.layers.attention import triton_attention
 from minivllm.layers.attention.sdpa import paged_attention_sdpa, store_kv
-from support.model_fixtures import allocate_kv_caches, make_attention_metadata
+from support.model_fixtures import (
+    allocate_kv_caches,
+    make_attention_metadata,
+    shuffled_nan_cache,
+)
 
 
 def compare(
@@ -43,12 +46,7 @@ def compare(
     gen = torch.Generator().manual_seed(seed)
     rng = random.Random(seed)
     seq_lens = [c + q for c, q in zip(context_lens, query_lens, strict=True)]
-    needed = [math.ceil(n / block_size) for n in seq_lens]
-    free = list(range(sum(needed) + 2))
-    rng.shuffle(free)
-    tables = [[free.pop() for _ in range(n)] for n in needed]
-    shape = (sum(needed) + 2, block_size, num_kv_heads, head_dim)
-    k_cache, v_cache = torch.full(shape, float("nan")), torch.full(shape, float("nan"))
+    tables, k_cache, v_cache = shuffled_nan_cache(seq_lens, block_size, num_kv_heads, head_dim, rng)
     all_meta, _ = make_attention_metadata(tables, [0] * len(tables), seq_lens, block_size)
     total = sum(seq_lens)
     k = torch.randn(total, num_kv_heads, head_dim, generator=gen) * 2

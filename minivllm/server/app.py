@@ -33,12 +33,12 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from minivllm.engine.llm_engine import LLMEngine
+from minivllm.engine.runtime.engine_client import EngineClient, client_for
 from minivllm.server import responses
 from minivllm.server.anthropic import anthropic_routes
 from minivllm.server.chat import create_chat_completion
 from minivllm.server.completions import create_completion
 from minivllm.server.embeddings import create_embedding
-from minivllm.server.engine_client import EngineClient, client_for
 from minivllm.server.errors import APIError, install_error_handlers
 from minivllm.server.middleware import BodySizeLimitMiddleware
 from minivllm.server.responses_api import ResponsesAPI

@@ -17,10 +17,10 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import Response
 
+from minivllm.engine.runtime.async_engine import RequestStream
 from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import SamplingParams
 from minivllm.server import protocol, responses, tools
-from minivllm.server.async_engine import RequestStream
 from minivllm.server.errors import APIError, bad_request, bad_value
 from minivllm.server.reasoning import ReasoningStream, split_reasoning
 from minivllm.server.serving import OpenAIServer, json_response, usage_of

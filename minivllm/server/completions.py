@@ -14,9 +14,9 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from minivllm.engine import requests
+from minivllm.engine.runtime.async_engine import RequestStream
 from minivllm.outputs import RequestOutput
 from minivllm.server import protocol, responses
-from minivllm.server.async_engine import RequestStream
 from minivllm.server.errors import APIError, bad_request
 from minivllm.server.serving import OpenAIServer, json_response, usage_of
 from minivllm.server.streaming import SSEResponse, StreamFormat, sse, stream_choices

@@ -28,7 +28,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from minivllm.server.engine_client import EngineClient
+from minivllm.engine.runtime.engine_client import EngineClient
 from minivllm.server.model_specs import ModelSpec
 
 logger = logging.getLogger("minivllm.server")
@@ -112,7 +112,7 @@ StartClient = Callable[[ModelSpec], EngineClient]
 
 def start_engine_process(spec: ModelSpec) -> EngineClient:
     """The default way to load a model: an EngineProcess with its loop started."""
-    from minivllm.server.engine_process import EngineProcess
+    from minivllm.engine.runtime.engine_process import EngineProcess
 
     client = EngineProcess(spec.engine_options)
     client.start()

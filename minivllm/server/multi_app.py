@@ -20,6 +20,7 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
+from minivllm.engine.runtime.engine_client import EngineClient
 from minivllm.server.app import (
     DEFAULT_MAX_BODY_BYTES,
     DEFAULT_MAX_WAITING_REQUESTS,
@@ -28,7 +29,6 @@ from minivllm.server.app import (
 )
 from minivllm.server.chat import create_chat_completion
 from minivllm.server.completions import create_completion
-from minivllm.server.engine_client import EngineClient
 from minivllm.server.errors import APIError, bad_request
 from minivllm.server.middleware import check_auth
 from minivllm.server.model_registry import (

@@ -20,10 +20,10 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
+from minivllm.engine.runtime.async_engine import RequestStream
 from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import SamplingParams
 from minivllm.server import protocol, tools
-from minivllm.server.async_engine import RequestStream
 from minivllm.server.chat import prepare_chat
 from minivllm.server.errors import APIError, bad_value, error_of, is_failed, validation_error
 from minivllm.server.responses_protocol import (

@@ -24,8 +24,8 @@ from typing import Any
 import uvicorn
 
 from minivllm.engine.llm_engine import LLMEngine
+from minivllm.engine.runtime.engine_process import EngineProcess
 from minivllm.server.app import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_WAITING_REQUESTS, create_app
-from minivllm.server.engine_process import EngineProcess
 from minivllm.server.responses_store import DEFAULT_MAX_BYTES, DEFAULT_MAX_RESPONSES, StoreOptions
 from minivllm.server.serving import ChatOptions
 

@@ -19,17 +19,17 @@ from fastapi.responses import Response
 from pydantic import BaseModel, ValidationError
 
 from minivllm.engine import requests
-from minivllm.outputs import RequestOutput
-from minivllm.sampling_params import SamplingParams
-from minivllm.server import protocol, responses
-from minivllm.server.async_engine import (
+from minivllm.engine.runtime.async_engine import (
     EngineDeadError,
     QueueFullError,
     RequestStream,
     ShuttingDownError,
 )
+from minivllm.engine.runtime.engine_client import EngineClient
+from minivllm.outputs import RequestOutput
+from minivllm.sampling_params import SamplingParams
+from minivllm.server import protocol, responses
 from minivllm.server.constraints import Constraint
-from minivllm.server.engine_client import EngineClient
 from minivllm.server.errors import APIError, bad_request, bad_value, raise_if_failed
 from minivllm.server.errors import validation_error as _validation_error
 from minivllm.server.logprobs import LogprobFormatter

@@ -16,10 +16,10 @@ from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 from starlette.types import Receive, Scope, Send
 
+from minivllm.engine.runtime.async_engine import RequestStream
 from minivllm.outputs import CompletionOutput, RequestOutput
 from minivllm.sampling_params import SamplingParams
 from minivllm.server import responses
-from minivllm.server.async_engine import RequestStream
 from minivllm.server.errors import error_of, is_failed
 
 DONE = "data: [DONE]\n\n"

@@ -20,8 +20,8 @@ from support.hf_reference import hf_embedding
 from transformers import AutoTokenizer
 
 from minivllm.engine.llm_engine import LLMEngine
+from minivllm.engine.runtime.engine_process import EngineProcess
 from minivllm.server import ServerThread, create_app
-from minivllm.server.engine_process import EngineProcess
 
 TEXTS = ["The quick brown fox jumps over the lazy dog. Paged attention", "Hello, world!"]
 MAX_MODEL_LEN = 64

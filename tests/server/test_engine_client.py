@@ -10,9 +10,9 @@ from support.fake_runner import FakeModelRunner
 
 from minivllm.config import EngineConfig
 from minivllm.engine.llm_engine import LLMEngine
+from minivllm.engine.runtime.async_engine import AsyncLLMEngine
+from minivllm.engine.runtime.engine_client import EngineClient
 from minivllm.server.app import create_app
-from minivllm.server.async_engine import AsyncLLMEngine
-from minivllm.server.engine_client import EngineClient
 
 MEMBERS = (
     "config",

@@ -1,4 +1,4 @@
-"""The engine in a process of its own (`minivllm.server.engine_process`): what only a second
+"""The engine in a process of its own (`minivllm.engine.runtime.engine_process`): what only a second
 process can do wrong. (The endpoints run against it in test_server.py; `minivllm serve`'s
 shutdown, which uses it by default, in test_reliability_shutdown.py.)"""
 
@@ -18,9 +18,9 @@ import httpx
 import pytest
 
 from minivllm.engine.llm_engine import LLMEngine
+from minivllm.engine.runtime.engine_process import EngineProcess
 from minivllm.sampling_params import SamplingParams
 from minivllm.server import ServerThread, create_app
-from minivllm.server.engine_process import EngineProcess
 
 
 def _options(model_dir: Path) -> dict:
@@ -132,7 +132,7 @@ def test_the_engine_process_stops_when_the_server_dies(tiny_llama_long_dir: Path
     behind: it sees its end of the pipe close and exits."""
     script = textwrap.dedent(f"""
         import sys, time
-        from minivllm.server.engine_process import EngineProcess
+        from minivllm.engine.runtime.engine_process import EngineProcess
         engine = EngineProcess({_options(tiny_llama_long_dir)!r})
         engine.start()
         print(engine._process.pid, flush=True)

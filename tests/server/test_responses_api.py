@@ -25,8 +25,8 @@ from pydantic import BaseModel, Field, TypeAdapter
 from support.server_helpers import wait_idle
 
 from minivllm.engine.llm_engine import LLMEngine
+from minivllm.engine.runtime.engine_process import EngineProcess
 from minivllm.server import ServerThread, create_app
-from minivllm.server.engine_process import EngineProcess
 from minivllm.server.responses_api import ResponsesAPI
 from minivllm.server.responses_protocol import ResponseObject
 from minivllm.server.responses_store import ResponseStore, StoreOptions

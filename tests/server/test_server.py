@@ -23,8 +23,8 @@ from support.server_helpers import scrape_metrics, wait_idle
 
 from minivllm import SamplingParams
 from minivllm.engine.llm_engine import LLMEngine
+from minivllm.engine.runtime.engine_process import EngineProcess
 from minivllm.server import ServerThread, create_app
-from minivllm.server.engine_process import EngineProcess
 from minivllm.server.serving import OpenAIServer
 
 API_KEY = "test-key"
@@ -718,8 +718,8 @@ def test_default_model_usage_logprobs_seed(default_server: Live) -> None:
 def test_engine_loop_survives_a_failing_step(make_engine, monkeypatch) -> None:
     """An exception from LLMEngine.step itself (not the runner) ends the in-flight requests
     with finish_reason "error" and the loop keeps serving new ones."""
+    from minivllm.engine.runtime.async_engine import AsyncLLMEngine
     from minivllm.sampling_params import SamplingParams
-    from minivllm.server.async_engine import AsyncLLMEngine
 
     engine = make_engine()
     real_step = engine.step

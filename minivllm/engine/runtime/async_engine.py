@@ -27,8 +27,7 @@ from typing import Any
 from minivllm.config import EngineConfig
 from minivllm.engine.llm_engine import LLMEngine
 from minivllm.engine.requests import Choice
-from minivllm.outputs import RequestOutput
-from minivllm.server.engine_loop import (
+from minivllm.engine.runtime.engine_loop import (
     Abort,
     AbortAll,
     Add,
@@ -40,6 +39,7 @@ from minivllm.server.engine_loop import (
     StepRecorder,
     ThreadCommands,
 )
+from minivllm.outputs import RequestOutput
 
 __all__ = [
     "AsyncLLMEngine",

@@ -33,14 +33,14 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from minivllm.engine.requests import Choice
-from minivllm.server.async_engine import (
+from minivllm.engine.runtime.async_engine import (
     OutputHook,
     RequestStream,
     Stream,
     add_and_wait,
     call_output_hook,
 )
-from minivllm.server.engine_loop import (
+from minivllm.engine.runtime.engine_loop import (
     Abort,
     Add,
     Command,
@@ -48,7 +48,7 @@ from minivllm.server.engine_loop import (
     ShuttingDownError,
     final_output,
 )
-from minivllm.server.engine_messages import (
+from minivllm.engine.runtime.engine_messages import (
     AbortAllRequests,
     AbortRequest,
     AddRequest,
@@ -63,7 +63,7 @@ from minivllm.server.engine_messages import (
 )
 
 if TYPE_CHECKING:
-    from minivllm.server.engine_client import EngineClient
+    from minivllm.engine.runtime.engine_client import EngineClient
 
 logger = logging.getLogger(__name__)
 
@@ -99,7 +99,7 @@ class EngineProcess:
         self._reader: threading.Thread | None = None
         self._conn, child_conn = multiprocessing.Pipe()  # a socket pair
         fd = child_conn.fileno()
-        code = f"from minivllm.server.engine_core import engine_main; engine_main({fd})"
+        code = f"from minivllm.engine.runtime.engine_core import engine_main; engine_main({fd})"
         self._process = subprocess.Popen([sys.executable, "-c", code], pass_fds=[fd])
         child_conn.close()
         try:

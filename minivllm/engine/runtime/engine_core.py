@@ -10,8 +10,7 @@ import pickle
 import signal
 from multiprocessing.connection import Connection
 
-from minivllm.outputs import RequestOutput
-from minivllm.server.engine_loop import (
+from minivllm.engine.runtime.engine_loop import (
     Abort,
     AbortAll,
     Add,
@@ -20,7 +19,7 @@ from minivllm.server.engine_loop import (
     QueueFullError,
     ShuttingDownError,
 )
-from minivllm.server.engine_messages import (
+from minivllm.engine.runtime.engine_messages import (
     AbortAllRequests,
     AbortRequest,
     AddRequest,
@@ -33,6 +32,7 @@ from minivllm.server.engine_messages import (
     StepOutputs,
     StopAccepting,
 )
+from minivllm.outputs import RequestOutput
 
 logger = logging.getLogger(__name__)
 

@@ -14,7 +14,12 @@ from typing import Any, Protocol
 from minivllm.config import EngineConfig
 from minivllm.engine.llm_engine import LLMEngine
 from minivllm.engine.requests import Choice
-from minivllm.server.async_engine import AsyncLLMEngine, OutputHook, RequestStream, StepRecorder
+from minivllm.engine.runtime.async_engine import (
+    AsyncLLMEngine,
+    OutputHook,
+    RequestStream,
+    StepRecorder,
+)
 
 
 class EngineClient(Protocol):

@@ -206,8 +206,8 @@ class ModelRunner:
         self.graphs_on = use_cuda_graphs(config.enforce_eager, self.device, tp_size)
         self.kv_caches = self._allocate_kv_cache()
         self.sampler = Sampler(config.seed, self.device, config.eos_token_ids)
-        # torch threads for one-sequence decode steps, None: torch's own setting. The server
-        # leaves a core to its HTTP thread (see minivllm/server/serve.py).
+        # torch threads for one-sequence decode steps, None: torch's own setting. The in-process
+        # runtime leaves a core to its HTTP thread (minivllm/engine/runtime/cpu_share.py).
         self.small_step_threads: int | None = None
         self.compiled_decode = self._warm_up_compiled_decode(tp_size)
         self.cuda_graphs: CudaGraphDecode | None = None

@@ -103,8 +103,8 @@ class MinivllmReplica:
 
     def __serve_build_asgi_app__(self) -> Any:
         from minivllm.engine.llm_engine import LLMEngine
+        from minivllm.engine.runtime.cpu_share import share_the_cpu_with_http
         from minivllm.server.app import create_app
-        from minivllm.server.serve import share_the_cpu_with_http
 
         o = self.options
         engine = LLMEngine.from_options(**o.engine_options)

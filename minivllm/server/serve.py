@@ -24,6 +24,7 @@ from typing import Any
 import uvicorn
 
 from minivllm.engine.llm_engine import LLMEngine
+from minivllm.engine.runtime.cpu_share import share_the_cpu_with_http
 from minivllm.engine.runtime.engine_process import EngineProcess
 from minivllm.server.app import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_WAITING_REQUESTS, create_app
 from minivllm.server.responses_store import DEFAULT_MAX_BYTES, DEFAULT_MAX_RESPONSES, StoreOptions
@@ -129,24 +130,6 @@ def chat_options(args: argparse.Namespace) -> ChatOptions:
 
 def _or(value: float | None, default: float) -> float:
     return default if value is None else value
-
-
-def share_the_cpu_with_http(engine: LLMEngine) -> None:
-    """On the CPU the engine thread and the HTTP thread share the cores and the GIL. Measured
-    at one stream on 2 cores (`minivllm bench serve --compare llama.cpp`, docs/benchmarks.md):
-    with torch's default 5 ms GIL switch interval, the engine thread waited for the GIL after
-    its ops; and a one-sequence step on every core stalled in its threads' barriers whenever
-    the HTTP thread held a core. So: a 0.5 ms switch interval, and one-sequence steps on all
-    cores but one (steps of many sequences keep every core)."""
-    import sys
-
-    import torch
-
-    runner = engine.model_runner
-    if getattr(runner, "device", None) is None or runner.device.type != "cpu":
-        return
-    sys.setswitchinterval(0.0005)
-    runner.small_step_threads = max(1, torch.get_num_threads() - 1)
 
 
 def run_server(

@@ -197,10 +197,10 @@ def test_the_runner_compiles_bf16_and_qgemv_decode_steps_only(options, compiled,
 
 
 def test_one_sequence_steps_run_on_the_servers_thread_share(tiny_llama_dir):
-    """`small_step_threads` (set by the server on the CPU): one-token steps run on that many
-    torch threads, larger steps on torch's own count, which every step restores."""
+    """`small_step_threads` (set by the in-process runtime on the CPU): one-token steps run on
+    that many torch threads, larger steps on torch's own count, which every step restores."""
     from minivllm import LLM, SamplingParams
-    from minivllm.server.serve import share_the_cpu_with_http
+    from minivllm.engine.runtime.cpu_share import share_the_cpu_with_http
 
     llm = LLM(str(tiny_llama_dir), device="cpu", max_model_len=64, dtype="float32")
     runner = llm.llm_engine.model_runner

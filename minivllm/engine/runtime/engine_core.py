@@ -151,8 +151,6 @@ def engine_main(fd: int) -> None:
         bad_input = exc if isinstance(exc, (ValueError, FileNotFoundError, TypeError)) else None
         conn.send(EngineFailed(f"{type(exc).__name__}: {exc}", _portable(bad_input)))
         return
-    if start.small_step_threads is not None:
-        engine.model_runner.small_step_threads = start.small_step_threads
     sink = _PipeSink(conn)
     commands = _PipeCommands(conn, sink)
     loop = EngineLoop(engine, commands, sink, start.max_waiting_requests)

@@ -17,7 +17,6 @@ from minivllm.outputs import RequestOutput
 class EngineStart:
     engine_options: dict[str, Any]
     max_waiting_requests: int | None
-    small_step_threads: int | None
 
 
 @dataclass

@@ -84,7 +84,6 @@ class EngineProcess:
         self,
         engine_options: dict[str, Any],
         max_waiting_requests: int | None = None,
-        small_step_threads: int | None = None,
     ) -> None:
         self.on_output: OutputHook | None = None
         self.stats: dict[str, float] = {}
@@ -103,7 +102,7 @@ class EngineProcess:
         self._process = subprocess.Popen([sys.executable, "-c", code], pass_fds=[fd])
         child_conn.close()
         try:
-            self._send(EngineStart(engine_options, max_waiting_requests, small_step_threads))
+            self._send(EngineStart(engine_options, max_waiting_requests))
             ready = self._wait_ready()
         except BaseException:
             self.close()

@@ -11,6 +11,7 @@ from tqdm import tqdm
 from minivllm.engine import requests
 from minivllm.engine.llm_engine import LLMEngine, PromptInput
 from minivllm.engine.requests import Message
+from minivllm.engine.runtime.output_processor import OutputProcessor
 from minivllm.outputs import (
     CompletionOutput,
     EmbeddingOutput,
@@ -28,6 +29,7 @@ class LLM:
 
     def __init__(self, model: str | None = None, **options: Any) -> None:
         self.llm_engine = LLMEngine.from_options(model=model, **options)
+        self.output_processor = OutputProcessor(self.llm_engine)  # the outputs' text
 
     def close(self) -> None:
         """Stop the engine's worker processes (tensor parallelism); idempotent."""
@@ -169,7 +171,7 @@ class LLM:
                         decode_tokens += seq.num_scheduled_tokens
                     else:
                         prefill_tokens += seq.num_scheduled_tokens
-                for out in engine.execute_and_commit(batch):
+                for out in self.output_processor.process(engine.execute_and_commit(batch)):
                     if out.finished:
                         finals[out.request_id] = out
                         bar.update(1)

@@ -2,8 +2,8 @@
 
 A generated token's entry is a dict token id -> `Logprob`: the request's top-N tokens (ranks
 1..N) and the token itself, which is always there, with its rank in the whole vocabulary.
-The sampler (and the model runner, for prompt tokens) fills `logprob` and `rank`; the engine
-fills `decoded_token` with `TokenTexts` when it builds a request's output.
+The sampler (and the model runner, for prompt tokens) fills `logprob` and `rank`; the
+runtime's OutputProcessor fills `decoded_token` with `TokenTexts`.
 
 Pure Python: no torch here.
 """

@@ -57,8 +57,10 @@ def cmd_overhead(args: argparse.Namespace, options: dict[str, Any]) -> dict[str,
     over decode steps of a batch of `--num-requests` sequences, with the linear layers'
     GFLOP/s beside a plain torch matmul's at the same shapes."""
     from minivllm.engine.llm_engine import LLMEngine
+    from minivllm.engine.runtime.output_processor import OutputProcessor
 
     engine = LLMEngine.from_options(**options)
+    processor = OutputProcessor(engine)  # postprocess includes the outputs' text, as served
     timed = _TimedRunner(engine.model_runner)
     engine.model_runner = timed
     vocab = timed.vocab_size
@@ -71,7 +73,7 @@ def cmd_overhead(args: argparse.Namespace, options: dict[str, Any]) -> dict[str,
         batch = engine.plan()
         middle = time.perf_counter()
         run_before = timed.run_s + timed.prepare_s
-        engine.execute_and_commit(batch)
+        processor.process(engine.execute_and_commit(batch))
         end = time.perf_counter()
         plan_s += middle - start
         commit_s += (end - middle) - (timed.run_s + timed.prepare_s - run_before)

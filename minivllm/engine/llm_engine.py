@@ -1,6 +1,7 @@
 """LLMEngine: one step is plan (Scheduler.schedule), execute (ModelRunner.run), commit
-(Scheduler.postprocess). Around that: requests in and out, detokenization, stop strings,
-and the optional tracer the lab reads.
+(Scheduler.postprocess). Around that: requests in (tokenized here), token outputs out
+(`EngineOutput`: no text; the runtime's OutputProcessor detokenizes and applies stop strings,
+calling back `stop_sequence`), and the optional tracer the lab reads.
 
 The engine knows the model only through a runner with `num_kv_blocks`, `vocab_size` and
 `run(batch, token_bitmask) -> RunnerOutput`, so tests drive it with a fake runner and no torch.
@@ -14,14 +15,14 @@ from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 from minivllm.config import EngineConfig
+from minivllm.engine.engine_output import EngineOutput
 from minivllm.engine.generation_config import default_sampling_params, with_eos_token_ids
 from minivllm.engine.runner_output import RunnerOutput
 from minivllm.engine.scheduler import ScheduledBatch, Scheduler
 from minivllm.engine.sequence import FinishReason, Sequence
 from minivllm.engine.spec_decode import Proposer
 from minivllm.engine.tracing import NullTracer
-from minivllm.logprobs import TokenTexts
-from minivllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from minivllm.outputs import CompletionOutput, RequestMetrics
 from minivllm.pooling_params import PoolingParams
 from minivllm.sampling_params import SamplingParams
 from minivllm.structured import GrammarMatcher, StructuredOutputs
@@ -51,13 +52,9 @@ class _Request:
     prompt: str | None
     seq: Sequence
     metrics: RequestMetrics
-    text: str = ""
     num_cached_prompt_tokens: int | None = None  # set at admission (prefix-cache hits)
     error: str | None = None
     matcher: GrammarMatcher | None = None  # where a structured output is in its grammar
-    # Logprob entries (completion, prompt) whose decoded_token is filled already.
-    num_decoded_logprobs: int = 0
-    num_decoded_prompt_logprobs: int = 0
 
 
 class LLMEngine:
@@ -78,7 +75,6 @@ class LLMEngine:
         self.model_runner = model_runner
         self.tokenizer = tokenizer
         self.tracer = tracer or NullTracer()
-        self.token_texts = TokenTexts(tokenizer)  # the decoded_token of Logprob entries
         self.scheduler = Scheduler(
             config, model_runner.num_kv_blocks, draft_filter=self._grammar_drafts, proposer=proposer
         )
@@ -193,12 +189,23 @@ class LLMEngine:
             self.scheduler.finish(request.seq, FinishReason.ABORT)
         return True
 
+    def stop_sequence(self, seq: Sequence, num_completion_tokens: int) -> None:
+        """End `seq` with "stop" where the output processor found a stop string, keeping its
+        first `num_completion_tokens` (a speculative step may have appended tokens past it);
+        a sequence that finished in the same step only changes its reason."""
+        with self.tracer.phase("commit"):  # the step's commit, finished by its text
+            self.scheduler.finish(seq, FinishReason.STOP)  # a no-op if it finished already
+            seq.finish_reason = FinishReason.STOP
+            if num_completion_tokens < seq.num_completion_tokens:
+                seq.truncate(seq.num_prompt_tokens + num_completion_tokens)
+        self._requests.pop(seq.seq_id, None)
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
     # ---- one step -----------------------------------------------------------------------
 
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[EngineOutput]:
         """One engine step: plan, then execute and commit."""
         batch = self.plan()
         return self.execute_and_commit(batch)
@@ -214,7 +221,7 @@ class LLMEngine:
                 request.num_cached_prompt_tokens = seq.num_cached_tokens
         return batch
 
-    def execute_and_commit(self, batch: ScheduledBatch) -> list[RequestOutput]:
+    def execute_and_commit(self, batch: ScheduledBatch) -> list[EngineOutput]:
         """Execute: ModelRunner.run. Commit: Scheduler.postprocess, only if the run worked."""
         batch = batch.without_finished()
         if batch.is_empty:
@@ -269,7 +276,7 @@ class LLMEngine:
             if matcher.is_finished and not seq.is_finished:
                 self.scheduler.finish(seq, FinishReason.STOP)
 
-    def _fail(self, batch: ScheduledBatch, exc: Exception) -> list[RequestOutput]:
+    def _fail(self, batch: ScheduledBatch, exc: Exception) -> list[EngineOutput]:
         self.scheduler.discard(batch, FinishReason.ERROR)
         for seq in batch.seqs:
             request = self._requests.get(seq.seq_id)
@@ -279,85 +286,35 @@ class LLMEngine:
 
     # ---- outputs --------------------------------------------------------------------------
 
-    def _outputs(self, seqs: list[Sequence], sampled: set[int]) -> list[RequestOutput]:
+    def _outputs(self, seqs: list[Sequence], sampled: set[int]) -> list[EngineOutput]:
         now = time.monotonic()
         outputs = []
         for seq in seqs:
             request = self._requests.get(seq.seq_id)
             if request is None or (id(seq) not in sampled and not seq.is_finished):
                 continue
-            if id(seq) in sampled:
-                if request.metrics.first_token_time is None:
-                    request.metrics.first_token_time = now
-                self._detokenize(request)
+            if id(seq) in sampled and request.metrics.first_token_time is None:
+                request.metrics.first_token_time = now
             if seq.is_finished:
                 request.metrics.finished_time = now
                 del self._requests[seq.seq_id]
             outputs.append(self.make_output(request))
         return outputs
 
-    def _detokenize(self, request: _Request) -> None:
-        """Update the text and end the request at a stop string (cut from the text)."""
-        if self.tokenizer is None:
-            return
+    def make_output(self, request: _Request) -> EngineOutput:
+        """The request's tokens as committed so far (no text: the OutputProcessor's job)."""
         seq = request.seq
         sp = seq.sampling_params
-        previous = len(request.text)
-        request.text = self.tokenizer.decode(
-            seq.completion_token_ids, skip_special_tokens=sp.skip_special_tokens
-        )
-        if not sp.stop_strings:
-            return
-        longest = max(map(len, sp.stop_strings))
-        start = max(0, previous - longest)
-        hits = [(i, s) for s in sp.stop_strings if (i := request.text.find(s, start)) >= 0]
-        if hits:
-            request.text = request.text[: min(hits)[0]]
-            if seq.is_finished:
-                seq.finish_reason = FinishReason.STOP
-            else:
-                self.scheduler.finish(seq, FinishReason.STOP)
-            self._drop_tokens_past_stop(seq, sp.stop_strings, start)
-
-    def _drop_tokens_past_stop(self, seq: Sequence, stops: tuple[str, ...], start: int) -> None:
-        """Keep the completion tokens only up to the one that completed the stop string: a
-        speculative step appends several tokens, and some may follow the stop."""
-        sp, tokenizer = seq.sampling_params, self.tokenizer
-        if tokenizer is None:  # stop strings need a tokenizer: none were matched
-            return
-        n = seq.num_completion_tokens
-        while n > 1:
-            text = tokenizer.decode(
-                seq.completion_token_ids[: n - 1], skip_special_tokens=sp.skip_special_tokens
-            )
-            if not any(text.find(s, start) >= 0 for s in stops):
-                break
-            n -= 1
-        if n < seq.num_completion_tokens:
-            seq.truncate(seq.num_prompt_tokens + n)
-
-    def make_output(self, request: _Request) -> RequestOutput:
-        seq = request.seq
-        sp = seq.sampling_params
-        self._decode_logprobs(request)
-        logprobs = cumulative = prompt_logprobs = None
-        if sp.prompt_logprobs is not None:
-            prompt_logprobs = [None, *seq.prompt_logprobs]
-        if sp.logprobs is not None:
-            logprobs = list(seq.logprobs)
-            cumulative = sum(
-                entry[token].logprob for entry, token in zip(logprobs, seq.completion_token_ids)
-            )
+        prompt_logprobs = None if sp.prompt_logprobs is None else [None, *seq.prompt_logprobs]
         completion = CompletionOutput(
             index=0,
-            text=request.text,
+            text="",
             token_ids=list(seq.completion_token_ids),
             # the API speaks vLLM's plain strings
             finish_reason=None if seq.finish_reason is None else seq.finish_reason.value,
-            logprobs=logprobs,
-            cumulative_logprob=cumulative,
+            logprobs=None if sp.logprobs is None else list(seq.logprobs),
         )
-        return RequestOutput(
+        return EngineOutput(
             request_id=request.request_id,
             prompt=request.prompt,
             prompt_token_ids=list(seq.prompt_token_ids),
@@ -368,15 +325,8 @@ class LLMEngine:
             prompt_logprobs=prompt_logprobs,
             error=request.error,
             embedding=seq.embedding,
+            seq=seq,
         )
-
-    def _decode_logprobs(self, request: _Request) -> None:
-        """Fill the decoded_token of the Logprob entries committed since the last output."""
-        seq = request.seq
-        self.token_texts.fill(seq.logprobs[request.num_decoded_logprobs :])
-        request.num_decoded_logprobs = len(seq.logprobs)
-        self.token_texts.fill(seq.prompt_logprobs[request.num_decoded_prompt_logprobs :])
-        request.num_decoded_prompt_logprobs = len(seq.prompt_logprobs)
 
     # ---- introspection ----------------------------------------------------------------------
 

@@ -28,10 +28,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from minivllm.config import EngineConfig
+from minivllm.engine.engine_output import EngineOutput
 from minivllm.engine.llm_engine import LLMEngine
 from minivllm.engine.scheduler import ScheduledBatch
 from minivllm.engine.sequence import Sequence
-from minivllm.outputs import RequestOutput
 
 logger = logging.getLogger(__name__)
 
@@ -109,7 +109,7 @@ class LiveRecorder:
 
     # ---- the engine thread ------------------------------------------------------------
 
-    def step(self, engine: LLMEngine, request_ids: Mapping[int, str]) -> list[RequestOutput]:
+    def step(self, engine: LLMEngine, request_ids: Mapping[int, str]) -> list[EngineOutput]:
         """One engine step, recorded: plan, note the plan, execute and commit, photograph."""
         start = time.perf_counter()
         batch = engine.plan()

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from support.engine_checks import run_to_completion
 
 from minivllm.engine.llm_engine import LLMEngine
 from minivllm.engine.runtime.engine_process import EngineProcess
@@ -69,10 +70,8 @@ def test_outputs_equal_the_engine_run_in_this_process(tiny_llama_long_dir: Path)
     local = LLMEngine.from_options(**_options(tiny_llama_long_dir))
     for i, prompt in enumerate(prompts):
         local.add_request(prompt, params, request_id=str(i))
-    finals = {}
-    while local.has_unfinished_requests():
-        finals.update((o.request_id, o.outputs[0].text) for o in local.step() if o.finished)
-    want = [finals[str(i)] for i in range(len(prompts))]
+    finals = run_to_completion(local, check=False)  # its text through an OutputProcessor
+    want = [finals[str(i)].outputs[0].text for i in range(len(prompts))]
 
     engine = EngineProcess(_options(tiny_llama_long_dir))
     with ServerThread(create_app(engine, "tiny")) as thread:

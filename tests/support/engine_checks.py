@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from minivllm.engine.llm_engine import LLMEngine
+from minivllm.engine.runtime.output_processor import OutputProcessor
 
 
 def assert_no_leaks(engine: LLMEngine) -> None:
@@ -16,12 +17,14 @@ def assert_no_leaks(engine: LLMEngine) -> None:
 
 
 def run_to_completion(engine: LLMEngine, check: bool = True, max_steps: int = 10_000) -> dict:
-    """Step until idle; return {request_id: final RequestOutput}. Checks invariants each step."""
+    """Step until idle; return {request_id: final RequestOutput}, through an OutputProcessor
+    as `LLM` reads them (text, stop strings). Checks invariants each step."""
     finals = {}
+    processor = OutputProcessor(engine)
     for _ in range(max_steps):
         if not engine.has_unfinished_requests():
             return finals
-        for out in engine.step():
+        for out in processor.process(engine.step()):
             if out.finished:
                 assert out.request_id not in finals, "a request finished twice"
                 finals[out.request_id] = out

@@ -27,8 +27,10 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from minivllm.engine import requests
+from minivllm.engine.engine_output import EngineOutput
 from minivllm.engine.llm_engine import LLMEngine
 from minivllm.engine.requests import Choice
+from minivllm.engine.runtime.output_processor import OutputProcessor
 from minivllm.engine.sequence import FinishReason
 from minivllm.engine.stat_logger import StatLogger
 from minivllm.outputs import CompletionOutput, RequestOutput
@@ -97,7 +99,7 @@ class StepRecorder(Protocol):
     """Watches the engine on the engine thread (the lab's live view, `minivllm.lab.live`).
     `request_ids` maps the engine's seq_id to the request's id ("<request_id>/<index>")."""
 
-    def step(self, engine: LLMEngine, request_ids: Mapping[int, str]) -> list[RequestOutput]:
+    def step(self, engine: LLMEngine, request_ids: Mapping[int, str]) -> list[EngineOutput]:
         """One `engine.step()` (plan, then execute and commit), recorded."""
         ...
 
@@ -160,6 +162,7 @@ class EngineLoop:
         recorder: StepRecorder | None = None,
     ) -> None:
         self.engine = engine
+        self.output_processor = OutputProcessor(engine)  # the engine's tokens made text
         self.commands = commands
         self.sink = sink
         self.max_waiting_requests = max_waiting_requests
@@ -198,9 +201,10 @@ class EngineLoop:
                 self.commands.wait()
             return
         if self.recorder is None:
-            outputs = self.engine.step()
+            step_outputs = self.engine.step()
         else:
-            outputs = self.recorder.step(self.engine, self._request_ids())
+            step_outputs = self.recorder.step(self.engine, self._request_ids())
+        outputs = self.output_processor.process(step_outputs)  # before the next plan
         self.num_steps += 1
         self.stats = dict(self.engine.stats())
         self.stat_logger.record(self.stats)
@@ -227,7 +231,7 @@ class EngineLoop:
         if isinstance(command, Abort):
             request = self._requests.pop(command.request_id, None)
             for sub_id in request.sub_ids if request is not None else ():
-                self.engine.abort_request(self._subs.pop(sub_id).seq_id)
+                self._abort(self._subs.pop(sub_id).seq_id)
             return
         if not command.done.set_running_or_notify_cancel():
             return  # the caller stopped waiting before the add was applied
@@ -270,12 +274,16 @@ class EngineLoop:
             if not request.sub_ids:
                 del self._requests[sub.request_id]
 
+    def _abort(self, seq_id: int) -> None:
+        self.engine.abort_request(seq_id)
+        self.output_processor.abort(seq_id)
+
     def end_all(self, exc: Exception | None) -> None:
         """Abort every in-flight sub-request and deliver its final output: "error" after a
         failed step (`exc`), "abort" at shutdown (`exc` None)."""
         for sub in list(self._subs.values()):
             try:
-                self.engine.abort_request(sub.seq_id)
+                self._abort(sub.seq_id)
             except Exception:  # the engine is already broken; the client must still hear
                 logger.exception("abort of %s failed", sub.sub_id)
             self._deliver(final_output(sub.sub_id, exc))

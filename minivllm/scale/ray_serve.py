@@ -45,7 +45,7 @@ except ImportError as exc:  # the optional extra is not installed
     ) from exc
 
 from minivllm.server.app import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_WAITING_REQUESTS
-from minivllm.server.serving import ChatOptions
+from minivllm.server.openai.serving import ChatOptions
 
 logger = logging.getLogger("minivllm.scale")
 

@@ -34,17 +34,17 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from minivllm.engine.llm_engine import LLMEngine
 from minivllm.engine.runtime.engine_client import EngineClient, client_for
-from minivllm.server import responses
 from minivllm.server.anthropic import anthropic_routes
-from minivllm.server.chat import create_chat_completion
-from minivllm.server.completions import create_completion
-from minivllm.server.embeddings import create_embedding
 from minivllm.server.errors import APIError, install_error_handlers
 from minivllm.server.middleware import BodySizeLimitMiddleware
-from minivllm.server.responses_api import ResponsesAPI
-from minivllm.server.responses_store import StoreOptions
-from minivllm.server.serving import ChatOptions, OpenAIServer, json_response
-from minivllm.server.tokenize import detokenize, tokenize
+from minivllm.server.openai import response_models
+from minivllm.server.openai.chat import create_chat_completion
+from minivllm.server.openai.completions import create_completion
+from minivllm.server.openai.embeddings import create_embedding
+from minivllm.server.openai.serving import ChatOptions, OpenAIServer, json_response
+from minivllm.server.openai.tokenize import detokenize, tokenize
+from minivllm.server.responses.routes import ResponsesAPI
+from minivllm.server.responses.store import StoreOptions
 
 if TYPE_CHECKING:
     from minivllm.lab.live import LiveRecorder
@@ -115,8 +115,10 @@ def openai_routes(server: OpenAIServer) -> APIRouter:
     @router.get("/v1/models")
     async def models(request: Request) -> Response:
         server.check_auth(request)
-        card = responses.ModelCard(id=server.served_model_name, max_model_len=server.max_model_len)
-        return json_response(responses.ModelList(data=[card]))
+        card = response_models.ModelCard(
+            id=server.served_model_name, max_model_len=server.max_model_len
+        )
+        return json_response(response_models.ModelList(data=[card]))
 
     @router.post("/v1/completions")
     async def completions(request: Request) -> Response:

@@ -4,19 +4,38 @@ the app's exception handlers that turn every failure into one."""
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from minivllm.engine.sequence import FinishReason
 from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import SamplingParams
-from minivllm.server import responses
 
 logger = logging.getLogger("minivllm.server")
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo
+
+
+def error_body(
+    message: str, type: str, param: str | None = None, code: str | None = None
+) -> dict[str, Any]:
+    return ErrorResponse(
+        error=ErrorInfo(message=message, type=type, param=param, code=code)
+    ).model_dump()
 
 
 class APIError(Exception):
@@ -40,7 +59,7 @@ class APIError(Exception):
         )
 
     def response(self) -> JSONResponse:
-        body = responses.error_body(self.message, self.type, self.param, self.code)
+        body = error_body(self.message, self.type, self.param, self.code)
         return JSONResponse(body, status_code=self.status)
 
 
@@ -73,21 +92,21 @@ def validation_error(exc: ValidationError) -> APIError:
     return bad_request("invalid request: " + "; ".join(parts), param=param)
 
 
-def error_of(output: RequestOutput) -> responses.ErrorResponse:
+def error_of(output: RequestOutput) -> ErrorResponse:
     """The error body of a request that ended with finish_reason "abort" or "error"."""
     if output.outputs[0].finish_reason == FinishReason.ABORT:
-        info = responses.ErrorInfo(
+        info = ErrorInfo(
             message=output.error or "the request was aborted",
             type="service_unavailable",
             code="aborted",
         )
     else:
-        info = responses.ErrorInfo(
+        info = ErrorInfo(
             message=f"the engine failed while running this request: {output.error}",
             type="internal_server_error",
             code="engine_error",
         )
-    return responses.ErrorResponse(error=info)
+    return ErrorResponse(error=info)
 
 
 def is_failed(output: RequestOutput) -> bool:

@@ -27,8 +27,6 @@ from minivllm.server.app import (
     _version,
     new_app,
 )
-from minivllm.server.chat import create_chat_completion
-from minivllm.server.completions import create_completion
 from minivllm.server.errors import APIError, bad_request
 from minivllm.server.middleware import check_auth
 from minivllm.server.model_registry import (
@@ -40,10 +38,12 @@ from minivllm.server.model_registry import (
     UnknownModelError,
 )
 from minivllm.server.multi_metrics import MultiModelCollector
-from minivllm.server.responses import ModelCard
-from minivllm.server.serving import ChatOptions, OpenAIServer
-from minivllm.server.streaming import SSEResponse
-from minivllm.server.tokenize import detokenize, tokenize
+from minivllm.server.openai.chat import create_chat_completion
+from minivllm.server.openai.completions import create_completion
+from minivllm.server.openai.response_models import ModelCard
+from minivllm.server.openai.serving import ChatOptions, OpenAIServer
+from minivllm.server.openai.streaming import SSEResponse
+from minivllm.server.openai.tokenize import detokenize, tokenize
 
 Handler = Callable[[OpenAIServer, Request], Awaitable[Response]]
 

@@ -27,8 +27,8 @@ from minivllm.engine.llm_engine import LLMEngine
 from minivllm.engine.runtime.cpu_share import share_the_cpu_with_http
 from minivllm.engine.runtime.engine_process import EngineProcess
 from minivllm.server.app import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_WAITING_REQUESTS, create_app
-from minivllm.server.responses_store import DEFAULT_MAX_BYTES, DEFAULT_MAX_RESPONSES, StoreOptions
-from minivllm.server.serving import ChatOptions
+from minivllm.server.openai.serving import ChatOptions
+from minivllm.server.responses.store import DEFAULT_MAX_BYTES, DEFAULT_MAX_RESPONSES, StoreOptions
 
 logger = logging.getLogger("minivllm.server")
 

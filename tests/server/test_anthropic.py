@@ -27,7 +27,7 @@ from minivllm.engine.llm_engine import LLMEngine
 from minivllm.server import ServerThread, create_app
 from minivllm.server.anthropic.routes import error_response
 from minivllm.server.errors import APIError
-from minivllm.server.serving import ChatOptions, OpenAIServer
+from minivllm.server.openai.serving import ChatOptions, OpenAIServer
 
 WEATHER = {
     "type": "object",

@@ -14,7 +14,8 @@ import openai
 import pytest
 
 from minivllm import LLM, SamplingParams
-from minivllm.server import ServerThread, create_app, protocol
+from minivllm.server import ServerThread, create_app
+from minivllm.server.openai import protocol
 
 # top_k 1 makes the model's default greedy: outputs that follow it are deterministic.
 MODEL_DEFAULTS = {

@@ -27,11 +27,11 @@ from support.server_helpers import wait_idle
 from minivllm.engine.llm_engine import LLMEngine
 from minivllm.engine.runtime.engine_process import EngineProcess
 from minivllm.server import ServerThread, create_app
-from minivllm.server.responses_api import ResponsesAPI
-from minivllm.server.responses_protocol import ResponseObject
-from minivllm.server.responses_store import ResponseStore, StoreOptions
+from minivllm.server.openai.serving import ChatOptions
+from minivllm.server.responses.protocol import ResponseObject
+from minivllm.server.responses.routes import ResponsesAPI
+from minivllm.server.responses.store import ResponseStore, StoreOptions
 from minivllm.server.serve import response_store_options
-from minivllm.server.serving import ChatOptions
 
 WEATHER = {
     "type": "object",

@@ -25,7 +25,7 @@ from minivllm import SamplingParams
 from minivllm.engine.llm_engine import LLMEngine
 from minivllm.engine.runtime.engine_process import EngineProcess
 from minivllm.server import ServerThread, create_app
-from minivllm.server.serving import OpenAIServer
+from minivllm.server.openai.serving import OpenAIServer
 
 API_KEY = "test-key"
 MODEL = "tiny-llama"

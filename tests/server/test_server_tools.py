@@ -18,9 +18,9 @@ import pytest
 
 from minivllm.engine.llm_engine import LLMEngine
 from minivllm.server import ServerThread, create_app
-from minivllm.server.reasoning import ReasoningStream, split_reasoning
-from minivllm.server.serving import ChatOptions
-from minivllm.server.tools import ToolStream, parse_calls, with_fallback_prompt
+from minivllm.server.openai.reasoning import ReasoningStream, split_reasoning
+from minivllm.server.openai.serving import ChatOptions
+from minivllm.server.openai.tools import ToolStream, parse_calls, with_fallback_prompt
 
 WEATHER = {
     "type": "object",

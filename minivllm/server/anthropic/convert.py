@@ -25,8 +25,8 @@ from minivllm.server.anthropic.protocol import (
     InputMessage,
     MessagesRequest,
 )
-from minivllm.server.constraints import FieldError
-from minivllm.server.protocol import MAX_STOP
+from minivllm.server.openai.constraints import FieldError
+from minivllm.server.openai.protocol import MAX_STOP
 
 _TOOL_KEYS = {"type", "name", "description", "input_schema", "cache_control", "strict"}
 

@@ -10,7 +10,6 @@ from typing import Any
 
 from minivllm.outputs import CompletionOutput, RequestOutput
 from minivllm.sampling_params import SamplingParams
-from minivllm.server import tools
 from minivllm.server.anthropic.protocol import (
     ContentBlock,
     Message,
@@ -19,8 +18,9 @@ from minivllm.server.anthropic.protocol import (
     ToolUseBlock,
     Usage,
 )
-from minivllm.server.reasoning import split_reasoning
-from minivllm.server.serving import OpenAIServer
+from minivllm.server.openai import tools
+from minivllm.server.openai.reasoning import split_reasoning
+from minivllm.server.openai.serving import OpenAIServer
 
 
 @dataclass

@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from minivllm.server.protocol import _Body, _Request
+from minivllm.server.openai.protocol import _Body, _Request
 
 # Our chat extras (vLLM's, as chat has them) a Messages request may carry; in the SDK:
 # `extra_body`. Anthropic's own sampling fields are declared on MessagesRequest.

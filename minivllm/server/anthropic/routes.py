@@ -19,7 +19,6 @@ from fastapi.responses import JSONResponse, Response
 from fastapi.routing import APIRoute
 from pydantic import ValidationError
 
-from minivllm.server import protocol, tools
 from minivllm.server.anthropic.convert import chat_body
 from minivllm.server.anthropic.output import Turn, message_of
 from minivllm.server.anthropic.protocol import (
@@ -31,10 +30,11 @@ from minivllm.server.anthropic.protocol import (
     error_body,
 )
 from minivllm.server.anthropic.stream import events
-from minivllm.server.chat import chat_prompt, prepare_chat
 from minivllm.server.errors import APIError, bad_value, validation_error
-from minivllm.server.serving import OpenAIServer, json_response
-from minivllm.server.streaming import SSEResponse
+from minivllm.server.openai import protocol, tools
+from minivllm.server.openai.chat import chat_prompt, prepare_chat
+from minivllm.server.openai.serving import OpenAIServer, json_response
+from minivllm.server.openai.streaming import SSEResponse
 
 logger = logging.getLogger("minivllm.server")
 

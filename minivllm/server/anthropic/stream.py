@@ -17,12 +17,12 @@ from typing import Any
 
 from minivllm.engine.runtime.async_engine import RequestStream
 from minivllm.outputs import RequestOutput
-from minivllm.server import tools
 from minivllm.server.anthropic.output import Turn, tool_input
 from minivllm.server.anthropic.protocol import ContentBlock, TextBlock, ToolUseBlock, error_body
 from minivllm.server.errors import error_of, is_failed
-from minivllm.server.reasoning import ReasoningStream
-from minivllm.server.streaming import text_delta
+from minivllm.server.openai import tools
+from minivllm.server.openai.reasoning import ReasoningStream
+from minivllm.server.openai.streaming import text_delta
 
 
 def event(kind: str, **fields: Any) -> str:

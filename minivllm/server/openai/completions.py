@@ -16,10 +16,10 @@ from fastapi.responses import Response
 from minivllm.engine import requests
 from minivllm.engine.runtime.async_engine import RequestStream
 from minivllm.outputs import RequestOutput
-from minivllm.server import protocol, responses
 from minivllm.server.errors import APIError, bad_request
-from minivllm.server.serving import OpenAIServer, json_response, usage_of
-from minivllm.server.streaming import SSEResponse, StreamFormat, sse, stream_choices
+from minivllm.server.openai import protocol, response_models
+from minivllm.server.openai.serving import OpenAIServer, json_response, usage_of
+from minivllm.server.openai.streaming import SSEResponse, StreamFormat, sse, stream_choices
 
 
 async def create_completion(server: OpenAIServer, request: Request) -> Response:
@@ -71,13 +71,13 @@ class _Call:
     start: float  # time.monotonic() at the add
     echo: list[str] | None  # per prompt, with echo
 
-    def response(self, choices: list[responses.CompletionChoice], **kw: Any) -> Any:
-        return responses.CompletionResponse(
+    def response(self, choices: list[response_models.CompletionChoice], **kw: Any) -> Any:
+        return response_models.CompletionResponse(
             id=self.request_id, model=self.server.served_model_name, choices=choices, **kw
         )
 
 
-def _response(call: _Call, outputs: list[RequestOutput]) -> responses.CompletionResponse:
+def _response(call: _Call, outputs: list[RequestOutput]) -> response_models.CompletionResponse:
     formatter = call.server.logprobs
     choices = []
     for index, output in enumerate(outputs):
@@ -89,7 +89,7 @@ def _response(call: _Call, outputs: list[RequestOutput]) -> responses.Completion
         else:  # the prompt's tokens come first
             logprobs = formatter.echo_and_completion(output, offset)
         choices.append(
-            responses.CompletionChoice(
+            response_models.CompletionChoice(
                 index=index, text=text, logprobs=logprobs, finish_reason=out.finish_reason
             )
         )
@@ -107,7 +107,7 @@ def _stream(call: _Call, params: Any, include_usage: bool) -> AsyncIterator[str]
         return sse(
             call.response(
                 [
-                    responses.CompletionChoice(
+                    response_models.CompletionChoice(
                         index=index, text=delta, logprobs=logprobs, finish_reason=finish_reason
                     )
                 ]

@@ -8,9 +8,9 @@ import asyncio
 from fastapi import Request
 from fastapi.responses import Response
 
-from minivllm.server import protocol, responses
 from minivllm.server.errors import bad_request
-from minivllm.server.serving import OpenAIServer, json_response
+from minivllm.server.openai import protocol, response_models
+from minivllm.server.openai.serving import OpenAIServer, json_response
 
 
 async def tokenize(server: OpenAIServer, request: Request) -> Response:
@@ -24,7 +24,7 @@ async def tokenize(server: OpenAIServer, request: Request) -> Response:
         tokens = await asyncio.to_thread(_chat_tokens, server, req)
     strs = [server.logprobs.token_text(t) for t in tokens] if req.return_token_strs else None
     return json_response(
-        responses.TokenizeResponse(
+        response_models.TokenizeResponse(
             count=len(tokens), max_model_len=server.max_model_len, tokens=tokens, token_strs=strs
         )
     )
@@ -53,4 +53,4 @@ async def detokenize(server: OpenAIServer, request: Request) -> Response:
     if server.tokenizer is None:
         raise bad_request("this model has no tokenizer")
     text = await asyncio.to_thread(server.tokenizer.decode, req.tokens)
-    return json_response(responses.DetokenizeResponse(prompt=text))
+    return json_response(response_models.DetokenizeResponse(prompt=text))

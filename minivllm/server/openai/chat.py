@@ -20,11 +20,11 @@ from fastapi.responses import Response
 from minivllm.engine.runtime.async_engine import RequestStream
 from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import SamplingParams
-from minivllm.server import protocol, responses, tools
 from minivllm.server.errors import APIError, bad_request, bad_value
-from minivllm.server.reasoning import ReasoningStream, split_reasoning
-from minivllm.server.serving import OpenAIServer, json_response, usage_of
-from minivllm.server.streaming import SSEResponse, StreamFormat, sse, stream_choices
+from minivllm.server.openai import protocol, response_models, tools
+from minivllm.server.openai.reasoning import ReasoningStream, split_reasoning
+from minivllm.server.openai.serving import OpenAIServer, json_response, usage_of
+from minivllm.server.openai.streaming import SSEResponse, StreamFormat, sse, stream_choices
 
 
 async def prepare_chat(
@@ -98,20 +98,20 @@ class _Call:
     mode: tools.Mode
     named: str | None  # the function tool_choice names
 
-    def chunk(self, choices: list[responses.ChatChunkChoice], **kw: Any) -> str:
+    def chunk(self, choices: list[response_models.ChatChunkChoice], **kw: Any) -> str:
         return sse(
-            responses.ChatCompletionChunk(
+            response_models.ChatCompletionChunk(
                 id=self.request_id, model=self.server.served_model_name, choices=choices, **kw
             )
         )
 
-    def message(self, text: str) -> tuple[responses.ChatMessageOut, bool]:
+    def message(self, text: str) -> tuple[response_models.ChatMessageOut, bool]:
         """A finished output as the assistant's message, and whether it calls tools."""
         reasoning = None
         if self.server.reasoning_parser is not None:
             reasoning, text = split_reasoning(self.server.reasoning_parser, text)
         content, calls = tools.parse_calls(text, self.mode, self.named)
-        message = responses.ChatMessageOut(
+        message = response_models.ChatMessageOut(
             content=content, reasoning_content=reasoning, tool_calls=calls
         )
         return message, bool(calls)
@@ -125,13 +125,13 @@ def finish_reason_of(engine_reason: str | None, has_calls: bool) -> str | None:
     return engine_reason
 
 
-def _response(call: _Call, outputs: list[RequestOutput]) -> responses.ChatCompletionResponse:
+def _response(call: _Call, outputs: list[RequestOutput]) -> response_models.ChatCompletionResponse:
     choices = []
     for index, output in enumerate(outputs):
         out = output.outputs[0]
         message, has_calls = call.message(out.text)
         choices.append(
-            responses.ChatChoice(
+            response_models.ChatChoice(
                 index=index,
                 message=message,
                 logprobs=call.server.logprobs.chat(out, 0, call.num_top),
@@ -142,7 +142,7 @@ def _response(call: _Call, outputs: list[RequestOutput]) -> responses.ChatComple
     call.server.log_finished(
         call.request_id, call.prompt_tokens, usage.completion_tokens, call.start, "finished"
     )
-    return responses.ChatCompletionResponse(
+    return response_models.ChatCompletionResponse(
         id=call.request_id, model=call.server.served_model_name, choices=choices, usage=usage
     )
 
@@ -158,9 +158,9 @@ def _stream(call: _Call, include_usage: bool) -> AsyncIterator[str]:
             return ""  # everything held back this step
         return call.chunk(
             [
-                responses.ChatChunkChoice(
+                response_models.ChatChunkChoice(
                     index=index,
-                    delta=message or responses.DeltaMessage(content=""),
+                    delta=message or response_models.DeltaMessage(content=""),
                     logprobs=logprobs,
                     finish_reason=finish_reason,
                 )
@@ -170,8 +170,8 @@ def _stream(call: _Call, include_usage: bool) -> AsyncIterator[str]:
     roles = tuple(
         call.chunk(
             [
-                responses.ChatChunkChoice(
-                    index=i, delta=responses.DeltaMessage(role="assistant", content="")
+                response_models.ChatChunkChoice(
+                    index=i, delta=response_models.DeltaMessage(role="assistant", content="")
                 )
             ]
         )
@@ -223,9 +223,9 @@ class _DeltaSplitter:
         if not (reasoning or text or calls):
             return None, False
         deltas = [
-            responses.DeltaToolCall(index=i, id=c.id, type="function", function=c.function)
+            response_models.DeltaToolCall(index=i, id=c.id, type="function", function=c.function)
             for i, c in enumerate(calls)
         ]
-        return responses.DeltaMessage(
+        return response_models.DeltaMessage(
             content=text or None, reasoning_content=reasoning or None, tool_calls=deltas or None
         ), bool(calls)

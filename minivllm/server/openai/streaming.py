@@ -19,8 +19,8 @@ from starlette.types import Receive, Scope, Send
 from minivllm.engine.runtime.async_engine import RequestStream
 from minivllm.outputs import CompletionOutput, RequestOutput
 from minivllm.sampling_params import SamplingParams
-from minivllm.server import responses
 from minivllm.server.errors import error_of, is_failed
+from minivllm.server.openai import response_models
 
 DONE = "data: [DONE]\n\n"
 
@@ -81,7 +81,7 @@ class StreamFormat:
 
     logprobs_of: Callable[[CompletionOutput, ChoiceState], Any]
     choice_chunk: ChoiceChunk
-    usage_chunk: Callable[[responses.Usage], str] | None  # None: no usage chunk
+    usage_chunk: Callable[[response_models.Usage], str] | None  # None: no usage chunk
     preamble: tuple[str, ...] = ()  # events before any output (chat's role deltas)
     # The choice's first event and the characters it sent (completions' echoed prompt).
     first_chunk: Callable[[int, RequestOutput], tuple[str, int]] | None = None
@@ -130,7 +130,7 @@ async def stream_choices(
             yield fmt.choice_chunk(index, delta, logprobs, out.finish_reason)
         if fmt.usage_chunk is not None:
             yield fmt.usage_chunk(
-                responses.make_usage(prompt_tokens, completion_tokens, sum(cached.values()))
+                response_models.make_usage(prompt_tokens, completion_tokens, sum(cached.values()))
             )
         how = "finished"
         yield DONE

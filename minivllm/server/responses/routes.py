@@ -23,10 +23,12 @@ from pydantic import ValidationError
 from minivllm.engine.runtime.async_engine import RequestStream
 from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import SamplingParams
-from minivllm.server import protocol, tools
-from minivllm.server.chat import prepare_chat
 from minivllm.server.errors import APIError, bad_value, error_of, is_failed, validation_error
-from minivllm.server.responses_protocol import (
+from minivllm.server.openai import protocol, tools
+from minivllm.server.openai.chat import prepare_chat
+from minivllm.server.openai.serving import OpenAIServer, json_response
+from minivllm.server.openai.streaming import SSEResponse, text_delta
+from minivllm.server.responses.protocol import (
     IncompleteDetails,
     InputTokensDetails,
     OutputTokensDetails,
@@ -39,10 +41,8 @@ from minivllm.server.responses_protocol import (
     new_id,
     response_of,
 )
-from minivllm.server.responses_store import ResponseStore, StoredResponse, StoreOptions
-from minivllm.server.responses_stream import EventWriter, assistant_message, output_items
-from minivllm.server.serving import OpenAIServer, json_response
-from minivllm.server.streaming import SSEResponse, text_delta
+from minivllm.server.responses.store import ResponseStore, StoredResponse, StoreOptions
+from minivllm.server.responses.stream import EventWriter, assistant_message, output_items
 
 
 @dataclass

@@ -17,8 +17,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from minivllm.server.constraints import FieldError
-from minivllm.server.protocol import INFORMATIONAL_FIELDS, _Body
+from minivllm.server.openai.constraints import FieldError
+from minivllm.server.openai.protocol import INFORMATIONAL_FIELDS, _Body
 
 # Chat fields of ours (vLLM's extras, as chat has them) a Responses request may carry.
 CHAT_EXTRAS = (

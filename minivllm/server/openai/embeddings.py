@@ -20,8 +20,8 @@ from pydantic import BaseModel
 from minivllm.engine.llm_engine import PromptInput
 from minivllm.pooling_params import PoolingParams
 from minivllm.server.errors import bad_request
-from minivllm.server.protocol import _Body
-from minivllm.server.serving import OpenAIServer, json_response
+from minivllm.server.openai.protocol import _Body
+from minivllm.server.openai.serving import OpenAIServer, json_response
 
 EmbeddingInput = str | list[str] | list[int] | list[list[int]]
 

@@ -8,7 +8,7 @@ from typing import Any
 
 from minivllm.logprobs import Logprob, TokenTexts
 from minivllm.outputs import CompletionOutput, RequestOutput
-from minivllm.server import responses
+from minivllm.server.openai import response_models
 
 
 class LogprobFormatter:
@@ -20,7 +20,7 @@ class LogprobFormatter:
 
     def completion(
         self, out: CompletionOutput, start: int, offset: int
-    ) -> responses.CompletionLogprobs | None:
+    ) -> response_models.CompletionLogprobs | None:
         """Completions' logprobs of `out`'s tokens from `start`, the first at character
         `offset`; None if the request asked for none."""
         if out.logprobs is None:
@@ -29,10 +29,10 @@ class LogprobFormatter:
 
     def of_tokens(
         self, token_ids: list[int], scores: list[dict[int, Logprob] | None], offset: int
-    ) -> responses.CompletionLogprobs:
+    ) -> response_models.CompletionLogprobs:
         """OpenAI's completions logprobs of `token_ids`, the first at character `offset`; a
         None score (an echoed prompt's first token) has no logprobs."""
-        result = responses.CompletionLogprobs()
+        result = response_models.CompletionLogprobs()
         for token_id, top in zip(token_ids, scores, strict=False):
             text = self.token_text(token_id)
             result.tokens.append(text)
@@ -46,20 +46,20 @@ class LogprobFormatter:
         """Token id -> Logprob as OpenAI's token text -> logprob, most likely first."""
         return {self.token_text(t): lp for t, lp in _most_likely_first(top)}
 
-    def echo(self, output: RequestOutput) -> responses.CompletionLogprobs:
+    def echo(self, output: RequestOutput) -> response_models.CompletionLogprobs:
         """OpenAI's logprobs of an echoed prompt: every prompt token, None for the first."""
         scores = output.prompt_logprobs or [None] * len(output.prompt_token_ids)
         return self.of_tokens(output.prompt_token_ids, scores, 0)
 
     def echo_and_completion(
         self, output: RequestOutput, text_offset: int
-    ) -> responses.CompletionLogprobs | None:
+    ) -> response_models.CompletionLogprobs | None:
         """An echoed prompt's logprobs followed by the completion's (at `text_offset`)."""
         completion = self.completion(output.outputs[0], 0, text_offset)
         if completion is None:
             return None
         prompt = self.echo(output)
-        return responses.CompletionLogprobs(
+        return response_models.CompletionLogprobs(
             tokens=prompt.tokens + completion.tokens,
             token_logprobs=prompt.token_logprobs + completion.token_logprobs,
             top_logprobs=prompt.top_logprobs + completion.top_logprobs,
@@ -68,7 +68,7 @@ class LogprobFormatter:
 
     def chat(
         self, out: CompletionOutput, start: int, num_top: int
-    ) -> responses.ChatLogprobs | None:
+    ) -> response_models.ChatLogprobs | None:
         """Chat's logprobs of `out`'s tokens from `start`, `num_top` alternatives each."""
         if out.logprobs is None:
             return None
@@ -77,18 +77,18 @@ class LogprobFormatter:
             text = self.token_text(token_id)
             best = _most_likely_first(top)[:num_top]
             content.append(
-                responses.TokenLogprob(
+                response_models.TokenLogprob(
                     token=text,
                     logprob=_logprob(top, token_id),
                     bytes=list(text.encode()),
                     top_logprobs=[self._top(t, lp) for t, lp in best],
                 )
             )
-        return responses.ChatLogprobs(content=content)
+        return response_models.ChatLogprobs(content=content)
 
-    def _top(self, token_id: int, logprob: float) -> responses.TopLogprob:
+    def _top(self, token_id: int, logprob: float) -> response_models.TopLogprob:
         text = self.token_text(token_id)
-        return responses.TopLogprob(token=text, logprob=logprob, bytes=list(text.encode()))
+        return response_models.TopLogprob(token=text, logprob=logprob, bytes=list(text.encode()))
 
 
 def _logprob(entry: dict[int, Logprob], token_id: int) -> float:

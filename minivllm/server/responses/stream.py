@@ -16,9 +16,9 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from minivllm.server import tools
-from minivllm.server.reasoning import ReasoningStream, split_reasoning
-from minivllm.server.responses_protocol import (
+from minivllm.server.openai import tools
+from minivllm.server.openai.reasoning import ReasoningStream, split_reasoning
+from minivllm.server.responses.protocol import (
     FunctionCallItem,
     OutputItem,
     OutputMessage,

@@ -18,7 +18,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from minivllm.sampling_params import SamplingParams
-from minivllm.server.constraints import (
+from minivllm.server.openai.constraints import (
     Constraint,
     ResponseFormat,
     StructuredOutputsRequest,
@@ -27,7 +27,7 @@ from minivllm.server.constraints import (
     from_structured_outputs,
     one_constraint,
 )
-from minivllm.server.tools import NamedToolChoice, Tool, tool_constraint
+from minivllm.server.openai.tools import NamedToolChoice, Tool, tool_constraint
 
 MAX_N = 128  # choices per request
 MAX_STOP = 64  # stop strings per request

@@ -22,9 +22,9 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from minivllm.sampling_params import StructuredOutputsParams
-from minivllm.server import responses
-from minivllm.server.constraints import Constraint, FieldError
-from minivllm.server.reasoning import partial_tag
+from minivllm.server.openai import response_models
+from minivllm.server.openai.constraints import Constraint, FieldError
+from minivllm.server.openai.reasoning import partial_tag
 
 FALLBACK_PROMPT = (
     "You may call these tools. To call one, answer with "
@@ -192,10 +192,10 @@ def _required_items(text: str) -> list[tuple[str, str]]:
     return items
 
 
-def _call(name: str, arguments: str) -> responses.ToolCallOut:
-    return responses.ToolCallOut(
+def _call(name: str, arguments: str) -> response_models.ToolCallOut:
+    return response_models.ToolCallOut(
         id=f"call_{uuid.uuid4().hex[:24]}",
-        function=responses.FunctionCallOut(name=name, arguments=arguments),
+        function=response_models.FunctionCallOut(name=name, arguments=arguments),
     )
 
 

@@ -28,14 +28,14 @@ from minivllm.engine.runtime.async_engine import (
 from minivllm.engine.runtime.engine_client import EngineClient
 from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import SamplingParams
-from minivllm.server import protocol, responses
-from minivllm.server.constraints import Constraint
 from minivllm.server.errors import APIError, bad_request, bad_value, raise_if_failed
 from minivllm.server.errors import validation_error as _validation_error
-from minivllm.server.logprobs import LogprobFormatter
 from minivllm.server.metrics import ServerMetrics
 from minivllm.server.middleware import check_auth
-from minivllm.server.reasoning import PARSERS
+from minivllm.server.openai import protocol, response_models
+from minivllm.server.openai.constraints import Constraint
+from minivllm.server.openai.logprobs import LogprobFormatter
+from minivllm.server.openai.reasoning import PARSERS
 from minivllm.structured import GrammarError, compile_grammar
 
 logger = logging.getLogger("minivllm.server")
@@ -282,12 +282,12 @@ def json_response(body: BaseModel) -> Response:
     return Response(body.model_dump_json(), media_type="application/json")
 
 
-def usage_of(prompt_tokens: int, outputs: list[RequestOutput], n: int) -> responses.Usage:
+def usage_of(prompt_tokens: int, outputs: list[RequestOutput], n: int) -> response_models.Usage:
     """Usage of a request's final outputs (n choices per prompt, prompt-major): each prompt
     counted once, its cached tokens those of its first choice."""
     completion = sum(len(o.outputs[0].token_ids) for o in outputs)
     cached = sum(o.num_cached_prompt_tokens for o in outputs[::n])
-    return responses.make_usage(prompt_tokens, completion, cached)
+    return response_models.make_usage(prompt_tokens, completion, cached)
 
 
 async def _until_disconnected(request: Request) -> None:

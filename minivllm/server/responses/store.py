@@ -14,7 +14,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
-from minivllm.server.responses_protocol import ResponseObject
+from minivllm.server.responses.protocol import ResponseObject
 
 DEFAULT_MAX_RESPONSES = 1024
 DEFAULT_MAX_BYTES = 64 * 1024 * 1024

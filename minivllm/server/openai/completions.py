@@ -16,6 +16,7 @@ from fastapi.responses import Response
 from minivllm.engine import requests
 from minivllm.engine.runtime.async_engine import RequestStream
 from minivllm.outputs import RequestOutput
+from minivllm.sampling_params import SamplingParams
 from minivllm.server.errors import APIError, bad_request
 from minivllm.server.openai import protocol, response_models
 from minivllm.server.openai.serving import OpenAIServer, json_response, usage_of
@@ -23,6 +24,54 @@ from minivllm.server.openai.streaming import SSEResponse, StreamFormat, sse, str
 
 
 async def create_completion(server: OpenAIServer, request: Request) -> Response:
+    """One straight pipeline: parse -> submit -> stream -> format."""
+    call = await _parse(server, request)
+    stream = await server.start(call.request_id, call.prompts, call.params)
+    if call.streamed:
+        return SSEResponse(_stream(call, stream), on_close=stream.close)
+    try:
+        outputs = await server.collect(request, stream, call.num_choices)
+    except APIError as exc:
+        server.log_finished(
+            call.request_id, call.prompt_tokens, 0, call.start, f"failed ({exc.status})"
+        )
+        raise
+    return json_response(_format(call, outputs))
+
+
+@dataclass
+class _Call:
+    """One completions request, parsed: what it runs as and what its response is built from."""
+
+    server: OpenAIServer
+    request_id: str
+    params: SamplingParams
+    prompts: list[list[int]]  # token ids per prompt
+    echo: list[str] | None  # per prompt, with echo
+    streamed: bool
+    include_usage: bool  # a streamed request's usage chunk
+    start: float  # time.monotonic() when parsed
+
+    @property
+    def n(self) -> int:
+        return self.params.n
+
+    @property
+    def num_choices(self) -> int:  # prompts x n
+        return len(self.prompts) * self.n
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(map(len, self.prompts))
+
+    def response(self, choices: list[response_models.CompletionChoice], **kw: Any) -> Any:
+        return response_models.CompletionResponse(
+            id=self.request_id, model=self.server.served_model_name, choices=choices, **kw
+        )
+
+
+async def _parse(server: OpenAIServer, request: Request) -> _Call:
+    """The body, its sampling parameters and its prompts as token ids; 400 if any is bad."""
     req = await server.parse(request, protocol.CompletionRequest)
     params = await server.sampling_params(req, default_max_tokens=16, logprobs=req.logprobs)
     raw_prompts = requests.as_prompt_list(req.prompt)
@@ -34,50 +83,21 @@ async def create_completion(server: OpenAIServer, request: Request) -> Response:
             prompts.append(await asyncio.to_thread(server.encode, p, True))
         else:
             prompts.append(list(p))
-    echo = [_echo_text(server, p) for p in raw_prompts] if req.echo else None  # per prompt
-    request_id = f"cmpl-{uuid.uuid4().hex}"
-    start = time.monotonic()
-    stream = await server.start(request_id, prompts, params)
-    call = _Call(
+    echo = [_echo_text(server, p) for p in raw_prompts] if req.echo else None
+    return _Call(
         server,
-        request_id,
-        stream,
-        len(prompts) * params.n,
-        params.n,
-        sum(map(len, prompts)),
-        start,
+        f"cmpl-{uuid.uuid4().hex}",
+        params,
+        prompts,
         echo,
+        bool(req.stream),
+        req.include_usage,
+        time.monotonic(),
     )
-    if req.stream:
-        return SSEResponse(_stream(call, params, req.include_usage), on_close=stream.close)
-    try:
-        outputs = await server.collect(request, stream, call.num_choices)
-    except APIError as exc:
-        server.log_finished(request_id, call.prompt_tokens, 0, start, f"failed ({exc.status})")
-        raise
-    return json_response(_response(call, outputs))
 
 
-@dataclass
-class _Call:
-    """One completions request in flight: what its response is built from."""
-
-    server: OpenAIServer
-    request_id: str
-    stream: RequestStream
-    num_choices: int  # prompts x n
-    n: int
-    prompt_tokens: int
-    start: float  # time.monotonic() at the add
-    echo: list[str] | None  # per prompt, with echo
-
-    def response(self, choices: list[response_models.CompletionChoice], **kw: Any) -> Any:
-        return response_models.CompletionResponse(
-            id=self.request_id, model=self.server.served_model_name, choices=choices, **kw
-        )
-
-
-def _response(call: _Call, outputs: list[RequestOutput]) -> response_models.CompletionResponse:
+def _format(call: _Call, outputs: list[RequestOutput]) -> response_models.CompletionResponse:
+    """The finished choices as one CompletionResponse (echo, logprobs, usage)."""
     formatter = call.server.logprobs
     choices = []
     for index, output in enumerate(outputs):
@@ -100,8 +120,8 @@ def _response(call: _Call, outputs: list[RequestOutput]) -> response_models.Comp
     return call.response(choices, usage=usage)
 
 
-def _stream(call: _Call, params: Any, include_usage: bool) -> AsyncIterator[str]:
-    formatter = call.server.logprobs
+def _stream(call: _Call, stream: RequestStream) -> AsyncIterator[str]:
+    formatter, params = call.server.logprobs, call.params
 
     def choice(index: int, delta: str, logprobs: Any, finish_reason: str | None) -> str:
         return sse(
@@ -126,11 +146,13 @@ def _stream(call: _Call, params: Any, include_usage: bool) -> AsyncIterator[str]
             out, state.tokens_sent, state.offset + state.text_sent
         ),
         choice_chunk=choice,
-        usage_chunk=(lambda usage: sse(call.response([], usage=usage))) if include_usage else None,
+        usage_chunk=(lambda usage: sse(call.response([], usage=usage)))
+        if call.include_usage
+        else None,
         first_chunk=echo_chunk if call.echo is not None else None,
     )
     return stream_choices(
-        call.stream,
+        stream,
         params,
         call.num_choices,
         call.prompt_tokens,

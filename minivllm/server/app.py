@@ -1,9 +1,9 @@
 """The OpenAI-compatible HTTP server: the app factory and its routes over an EngineClient.
 
 Routes: GET /v1/models, POST /v1/completions, POST /v1/chat/completions, POST /v1/embeddings
-(`embeddings.py`), the Responses API
+(`openai/embeddings.py`), the Responses API
 (POST /v1/responses, GET, DELETE /v1/responses/{id}, POST /v1/responses/{id}/cancel,
-`responses_api.py`), Anthropic's POST /v1/messages and /v1/messages/count_tokens (`anthropic/`,
+`responses/`), Anthropic's POST /v1/messages and /v1/messages/count_tokens (`anthropic/`,
 errors in Anthropic's shape), POST /tokenize,
 POST /detokenize, GET /version (vLLM's), GET /health, GET /metrics, and with `lab=True` the
 live Engine Lab (GET /lab, /lab/api/*: the engine recorded between steps,
@@ -12,12 +12,14 @@ code}}`: 400 bad input (malformed JSON, non-UTF-8, invalid parameters, a prompt 
 401 a missing or wrong API key, 404 an unknown model or route, 413 a body over the limit, 500
 an engine fault, 503 an overloaded waiting queue or a server shutting down.
 
-Streaming follows OpenAI's server-sent events (`streaming.py`). A client that disconnects
+Streaming follows OpenAI's server-sent events (`openai/streaming.py`). A client that disconnects
 (streamed or not) has its request aborted at once.
 
-Where things live: request/response models in `protocol.py`, errors in `errors.py`, the body
-limit and API key in `middleware.py`, the shared request steps in `serving.py`, the two
-endpoints in `completions.py` and `chat.py`, logprob formatting in `logprobs.py`.
+Where things live: one package per API (`openai/`: request and response models, the shared
+request steps in `serving.py`, the endpoints, logprob formatting, SSE; `responses/`;
+`anthropic/`); here, what they share: errors in `errors.py`, the body limit and API key in
+`middleware.py`, metrics in `metrics.py`. The engine is reached through the runtime's
+`EngineClient` only (`minivllm/engine/runtime/`).
 """
 
 from __future__ import annotations

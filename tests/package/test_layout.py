@@ -4,7 +4,9 @@ Guards against the drift that made `server/app.py` an 800-line file: no module o
 lines, no function over 60, no import cycle between the package's modules, and every import
 pointing down the floors (helpers -> layers -> models -> engine -> the API -> the lab, the
 benchmarks, the server -> scale -> the CLI), lazy imports (inside functions) included, found by
-reading the source with `ast`.
+reading the source with `ast`. Inside those floors: the engine core never imports its runtime
+(engine/runtime/), the server reaches the engine only through that runtime, and the server's
+API packages (openai/, responses/, anthropic/) point one way.
 """
 
 from __future__ import annotations
@@ -186,3 +188,80 @@ def test_every_import_points_down_the_floors() -> None:
                 where = path.relative_to(PACKAGE.parent)
                 upward.append(f"{where}:{line} imports {target} ({unit} may not import it)")
     assert not upward, "imports that point up a floor:\n" + "\n".join(upward)
+
+
+def _imports_of(prefix: str) -> dict[str, set[str]]:
+    """The package modules each module under `prefix` imports (lazily or not)."""
+    modules = _modules()
+    known = set(modules)
+    return {
+        name: _imports(name, path, known)
+        for name, path in modules.items()
+        if name == prefix or name.startswith(prefix + ".")
+    }
+
+
+def _within(module: str, prefixes: set[str]) -> bool:
+    return any(module == p or module.startswith(p + ".") for p in prefixes)
+
+
+RUNTIME = "minivllm.engine.runtime"
+
+
+def test_the_engine_core_never_imports_its_runtime() -> None:
+    """The runtime (engine loop, async engine, engine process, output processor) drives the
+    engine core from above: nothing else in engine/ imports it."""
+    upward = {
+        f"{name} imports {target}"
+        for name, targets in _imports_of("minivllm.engine").items()
+        if not _within(name, {RUNTIME})
+        for target in targets
+        if _within(target, {RUNTIME})
+    }
+    assert not upward, sorted(upward)
+
+
+# What server/ may see of the layers below it: the runtime (its client, streams and errors)
+# and the seams the runtime hands it: request building, the engine it wraps, finish reasons
+# and the speculative counters' names. Never the scheduler, the runner, the layers or a model.
+SERVER_SEES = {
+    RUNTIME,
+    "minivllm.engine.requests",
+    "minivllm.engine.llm_engine",
+    "minivllm.engine.sequence",
+    "minivllm.engine.spec_decode",
+}
+
+
+def test_the_server_reaches_the_engine_only_through_its_runtime() -> None:
+    """server/ holds HTTP: a request goes server -> runtime -> engine and never back."""
+    inner = {"minivllm.engine", "minivllm.layers", "minivllm.models"}
+    reached = {
+        f"{name} imports {target}"
+        for name, targets in _imports_of("minivllm.server").items()
+        for target in targets
+        # `from minivllm.engine import requests` names the package too: only its modules count
+        if _within(target, inner) and target not in inner and not _within(target, SERVER_SEES)
+    }
+    assert not reached, sorted(reached)
+
+
+def test_the_server_is_split_by_api() -> None:
+    """server/openai/ is the base API; responses/ and anthropic/ build on it, never on each
+    other; the shared HTTP bits (errors, middleware, metrics) import no API package."""
+    apis = {f"minivllm.server.{api}" for api in ("openai", "responses", "anthropic")}
+    allowed = {
+        "minivllm.server.openai": set(),
+        "minivllm.server.responses": {"minivllm.server.openai"},
+        "minivllm.server.anthropic": {"minivllm.server.openai"},
+        "minivllm.server.errors": set(),
+        "minivllm.server.middleware": set(),
+        "minivllm.server.metrics": set(),
+    }
+    crossed = set()
+    for owner, may in allowed.items():
+        for name, targets in _imports_of(owner).items():
+            for target in targets:
+                if _within(target, apis - {owner} - may):
+                    crossed.add(f"{name} imports {target}")
+    assert not crossed, sorted(crossed)

@@ -3,8 +3,9 @@
 
 Two implementations: `AsyncLLMEngine` (async_engine.py: the engine loop on a thread of this
 process) and `EngineProcess` (engine_process.py: the loop in a process of its own). The server
-(`app.py`, `serving.py`) reads the model's facts and drives requests through this protocol
-only; `client_for` is the one place an `LLMEngine` of this process becomes a client.
+(`server/app.py`, `server/openai/serving.py`) reads the model's facts and drives requests
+through this protocol only; `client_for` is the one place an `LLMEngine` of this process
+becomes a client.
 """
 
 from __future__ import annotations

@@ -1,10 +1,12 @@
-"""EngineLoop: the side of the server that owns an LLMEngine and steps it.
+"""EngineLoop: the runtime's side that owns an LLMEngine and steps it for a server.
 
 It runs on one thread: the engine thread of an in-process server (`AsyncLLMEngine`), or the
 main thread of the engine process (`engine_process`). The contract:
 - Commands (add, abort, abort all) come from a `CommandSource` and are applied between steps,
   never during one.
 - The loop steps while work exists and waits on the source when idle.
+- Each step's token outputs go through the `OutputProcessor` (text, stop strings, logprob
+  texts) at once, before the next plan, so a stop string ends its request where it is found.
 - Each committed output goes to the `OutputSink` with the request's `target` (whatever the
   caller attached to the add: an asyncio stream, or a request id to send back), the choice's
   index, and how many tokens it adds; the sink's `flush` runs after each step and before the

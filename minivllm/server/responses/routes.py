@@ -1,11 +1,11 @@
 """POST /v1/responses, GET and DELETE /v1/responses/{id}, POST /v1/responses/{id}/cancel:
 OpenAI's Responses API over the chat completions machinery.
 
-A request becomes a chat completion request (`responses_protocol.chat_body`): its prompt
+A request becomes a chat completion request (`protocol.chat_body`): its prompt
 is the chat template's, its tools and tool_choice are enforced as chat enforces them, its
 `text.format` is chat's `response_format`. The output is split into items as chat splits
-its message (`responses_stream.py`). Stored responses (`store`, the default) live in this
-process's bounded store (`responses_store.py`); `previous_response_id` continues one.
+its message (`stream.py`). Stored responses (`store`, the default) live in this
+process's bounded store (`store.py`); `previous_response_id` continues one.
 """
 
 from __future__ import annotations

@@ -5,8 +5,8 @@ content part and text (or arguments) deltas and dones, `response.output_item.don
 `response.completed` (or `response.incomplete` / `response.failed`), each event numbered by
 `sequence_number`, as the `openai` SDK's `responses.stream` reads them.
 
-The split of the text is the chat path's: `reasoning.py` for `<think>`, `tools.py` for the
-calls (which, as in chat, arrive whole at the end of the output).
+The split of the text is the chat path's: `openai/reasoning.py` for `<think>`,
+`openai/tools.py` for the calls (which, as in chat, arrive whole at the end of the output).
 """
 
 from __future__ import annotations

@@ -69,7 +69,7 @@ class Turn:
         return ("stop_sequence", matched) if matched is not None else ("end_turn", None)
 
     def matched_stop(self, out: CompletionOutput) -> str | None:
-        """The stop sequence that ended `out`: the engine cuts it from the text but keeps the
+        """The stop sequence that ended `out`: the runtime cuts it from the text but keeps the
         token that completed it, so the tokens' text goes on with it where the text ends."""
         stops = self.params.stop_strings
         tokenizer = self.server.tokenizer

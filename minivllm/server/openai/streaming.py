@@ -60,7 +60,7 @@ def text_delta(out: CompletionOutput, sent: int, hold_back: int) -> tuple[str, i
     """The new text of a cumulative output, and the new count of characters sent.
 
     While running, hold back the last `hold_back` characters (a stop string may be forming;
-    the engine cuts it from the text once complete) and a trailing incomplete UTF-8
+    the runtime cuts it from the text once complete) and a trailing incomplete UTF-8
     character ('\\ufffd', completed by a later token)."""
     text = out.text
     end = len(text)

@@ -116,6 +116,9 @@ def test_the_engine_core_imports_neither_torch_nor_the_server_nor_the_lab() -> N
         "minivllm.engine.scheduler",
         "minivllm.engine.llm_engine",
         "minivllm.engine.tracing",
+        "minivllm.engine.engine_output",
+        "minivllm.engine.runtime.output_processor",
+        "minivllm.engine.runtime.engine_loop",
         "minivllm.config",
     ]:
         source = modules[name].read_text()

@@ -135,9 +135,23 @@ def allowed_tokens(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
     return allowed[:, :vocab]
 
 
+def unpack_words(words: torch.Tensor, vocab: int) -> torch.Tensor:
+    """`allowed_tokens` by shifts on the words' own device: on an accelerator only the packed
+    words (V/8 bytes a row) cross the bus, not a bool per token, and nothing waits on the host."""
+    shifts = torch.arange(32, device=words.device, dtype=torch.int32)
+    bits = ((words.unsqueeze(-1) >> shifts) & 1).bool()  # [N, W, 32]; & 1 ignores sign extension
+    allowed = bits.reshape(words.shape[0], -1)  # [N, 32W]
+    if allowed.shape[1] < vocab:
+        allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]))
+    return allowed[:, :vocab]
+
+
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
     """The grammar's mask: -inf for every token a row's bitmask does not allow. [N, V]."""
-    allowed = allowed_tokens(bitmask, logits.shape[-1]).to(logits.device)  # [N, V]
+    if logits.device.type == "cpu":
+        allowed = allowed_tokens(bitmask, logits.shape[-1])  # [N, V]
+    else:
+        allowed = unpack_words(bitmask.to(logits.device, non_blocking=True), logits.shape[-1])
     return torch.where(allowed, logits, float("-inf"))
 
 

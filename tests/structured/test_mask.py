@@ -14,7 +14,7 @@ import pytest
 import torch
 from support.model_fixtures import TINY_VOCAB_SIZE, build_tokenizer
 
-from minivllm.layers.sampler import allowed_tokens, apply_token_bitmask
+from minivllm.layers.sampler import allowed_tokens, apply_token_bitmask, unpack_words
 from minivllm.sampling_params import SamplingParams, StructuredOutputsParams
 from minivllm.structured import GrammarError, StructuredOutputs, compile_grammar
 
@@ -163,3 +163,14 @@ def test_structured_outputs_params_needs_exactly_one_valid_constraint(kw) -> Non
 
 def test_the_regex_oracle_is_the_regex() -> None:
     assert all(re.fullmatch(REGEX, s) for s in REGEX_STRINGS)
+
+
+@pytest.mark.parametrize("vocab", [5, 32, 70, 100])
+def test_device_unpacking_matches_the_host_unpacking(vocab) -> None:
+    """The accelerator's shift-based unpacking of the packed mask allows exactly the tokens the
+    host's byte-wise unpacking allows, sign bit and a vocabulary past 32W included."""
+    rng = np.random.default_rng(vocab)
+    words = torch.from_numpy(rng.integers(-(2**31), 2**31, size=(3, 3), dtype=np.int64))
+    words = words.to(torch.int32)
+    words[0, 0] = -1  # every bit, the sign bit too
+    assert torch.equal(unpack_words(words, vocab), allowed_tokens(words, vocab))

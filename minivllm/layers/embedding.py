@@ -176,7 +176,11 @@ class ParallelLMHead(VocabParallelEmbedding):
             logits = packed.matmul(hidden)  # [num_tokens, vocab_size / tp_size]
             if self.exact_rows is not None:
                 return refine_top_logits(logits.float(), hidden, self.exact_rows)
-        elif packed is not None and hidden.dtype == torch.float32 and hidden.device.type == "cpu":
+        elif (
+            isinstance(packed, nn.Module)
+            and hidden.dtype == torch.float32
+            and hidden.device.type == "cpu"
+        ):
             logits = packed(hidden.contiguous())  # [num_tokens, vocab_size / tp_size]
         else:
             logits = F.linear(hidden, self.weight)  # [num_tokens, vocab_size / tp_size]

@@ -92,6 +92,12 @@ def attach_blocks(
     return supplied | _attach_embedding_blocks(model, reader, activations)
 
 
+def _head_segment(head: ParallelLMHead) -> BlockSegment:
+    """The rows a head given its blocks computes on (as the kernels read them)."""
+    assert head.head_blocks is not None  # set_blocks has just run
+    return head.head_blocks.segments[0]
+
+
 def _attach_embedding_blocks(
     model: nn.Module, reader: GGUFFile, activations: Activations
 ) -> set[str]:
@@ -112,7 +118,7 @@ def _attach_embedding_blocks(
             head.set_blocks(segment, activations([segment]))
             supplied.add("lm_head.weight")
             # one table for both: the head's, moved into tiles where its kind has them
-            segment = head.head_blocks.segments[0]
+            segment = _head_segment(head)
             if segment.x8:
                 reader.release_tensor_pages(table)
         embedding.set_blocks(segment)
@@ -127,6 +133,6 @@ def _attach_embedding_blocks(
         segment = _segment(reader, output, "lm_head.weight")
         head.set_blocks(segment, activations([segment]))
         supplied.add("lm_head.weight")
-        if head.head_blocks.segments[0].x8:
+        if _head_segment(head).x8:
             reader.release_tensor_pages(output)
     return supplied

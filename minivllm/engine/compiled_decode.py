@@ -48,7 +48,7 @@ from minivllm.layers.attention import AttentionMetadata
 from minivllm.layers.attention.decode import DecodeMetadata
 from minivllm.layers.attention.kv_quant import KVCache
 from minivllm.layers.cpu_kernels import cpu_caps
-from minivllm.layers.kernel_rows import kernel_rows
+from minivllm.layers.quantization.rows import kernel_rows
 
 logger = logging.getLogger(__name__)
 

@@ -39,7 +39,7 @@ from minivllm.layers.ggml_blocks import (
     row_bytes,
     x8_tile_bytes,
 )
-from minivllm.layers.kernel_rows import kernel_rows
+from minivllm.layers.quantization.rows import kernel_rows
 
 # The one table of which GGUF tensor types run as stored blocks.
 BLOCK_TYPES = frozenset(
@@ -59,7 +59,7 @@ _K_KINDS = (GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K, GGMLQuantizati
 
 def int_dot_max_rows(qtype: GGMLQuantizationType, x8: bool = False) -> float:
     """Up to how many rows a step of `qtype` blocks takes the integer kernel on this CPU (the
-    row table, minivllm.layers.kernel_rows): the K kinds' (activations rounded per block of
+    row table, minivllm.layers.quantization.rows): the K kinds' (activations rounded per block of
     256) and the x8 layout's (a group's float work shared by 8 columns) beat the dequantizing
     path at every row count; the other 32-input kinds' (a float multiply each group and
     column) only up to a threshold."""

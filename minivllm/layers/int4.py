@@ -12,7 +12,7 @@ The kernel is vectorised for bf16 activations only (fp32 activations run it scal
 than dense fp32), so int4 is used where the model computes in bf16. It reads 4x fewer bytes
 than dense bf16 and wins at decode-sized row counts; at prefill sizes the dense bf16 matmul is
 faster, so a layer with int4 weights keeps its dense weight too and picks per call
-(`PackedInt4.fits`, crossover `int4` of `minivllm.layers.kernel_rows`, per CPU kind).
+(`PackedInt4.fits`, crossover `int4` of `minivllm.layers.quantization.rows`, per CPU kind).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from minivllm.layers.kernel_rows import kernel_rows
+from minivllm.layers.quantization.rows import kernel_rows
 
 GROUP_SIZE = 32
 

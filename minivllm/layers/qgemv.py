@@ -14,7 +14,7 @@ columns interleaved group by group (`QGemvWeight` packs them), read in one strea
 scales and mins as GGUF stores them. It is the torch operator `minivllm::qgemv`, built and
 loaded by `minivllm.layers.cpu_kernels` (so compiled graphs call it too).
 
-The kernel is for few rows (decode steps); above `qgemv` rows (`minivllm.layers.kernel_rows`)
+The kernel is for few rows (decode steps); above `qgemv` rows (`minivllm.layers.quantization.rows`)
 the dense fp32 matmul (MKL) is as fast, so a layer keeps its dense weight for those steps and
 picks per call (`QGemvWeight.fits`), as the int4 layers do.
 """
@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 
 from minivllm.layers.int4 import GROUP_SIZE, Int4Weight
-from minivllm.layers.kernel_rows import kernel_rows
+from minivllm.layers.quantization.rows import kernel_rows
 
 COLUMNS = 4  # output columns whose groups the kernel stores interleaved
 

@@ -26,7 +26,7 @@ from minivllm.layers.block_weight import (
 )
 from minivllm.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from minivllm.layers.linear import LinearBase
-from minivllm.layers.linear_method import GgmlBlockMethod
+from minivllm.layers.quantization.methods import GgmlBlockMethod
 from minivllm.models.gguf import hf_tensor_name, qk_heads, unpermute_qk
 from minivllm.models.gguf_arch import architecture
 from minivllm.models.gguf_file import GGUFFile, GGUFTensor

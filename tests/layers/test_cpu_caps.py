@@ -1,5 +1,5 @@
 """The one CPU probe (`minivllm.layers.cpu_kernels.cpu_caps`) and the one table of row
-thresholds (`minivllm.layers.kernel_rows`): probed once, frozen, read by every module that
+thresholds (`minivllm.layers.quantization.rows`): probed once, frozen, read by every module that
 picks a CPU path (none probes the CPU itself), `ATEN_CPU_CAPABILITY=avx2` read as an AVX2-only
 CPU, and each kernel taking its threshold from the table."""
 
@@ -20,7 +20,7 @@ import minivllm
 from minivllm.layers import block_weight
 from minivllm.layers.cpu_kernels import cpu_caps
 from minivllm.layers.int4 import PackedInt4, PackedInt4Pair, quantize_int4, split_int8
-from minivllm.layers.kernel_rows import KERNEL_ROWS, kernel_rows
+from minivllm.layers.quantization.rows import KERNEL_ROWS, kernel_rows
 from minivllm.layers.qgemv import QGemvWeight
 
 PROBES = re.compile(
@@ -53,7 +53,7 @@ def test_forcing_torchs_avx2_kernels_reads_as_an_avx2_only_cpu() -> None:
     kind AVX2, no native bf16 (dtype "auto" is fp32), the AVX2 row thresholds."""
     script = (
         "from minivllm.layers.cpu_kernels import cpu_caps\n"
-        "from minivllm.layers.kernel_rows import KERNEL_ROWS, kernel_rows\n"
+        "from minivllm.layers.quantization.rows import KERNEL_ROWS, kernel_rows\n"
         "c = cpu_caps()\n"
         "print(c.capability, c.kind, c.native_bf16, kernel_rows() == KERNEL_ROWS['AVX2'])"
     )

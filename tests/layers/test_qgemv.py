@@ -16,9 +16,9 @@ from minivllm.engine.weight_policy import stored_weight_kernel
 from minivllm.layers.cpu_kernels import KernelBuildError, _build, cpu_caps, cpu_kernels_available
 from minivllm.layers.embedding import ParallelLMHead
 from minivllm.layers.int4 import GROUP_SIZE, quantize_int4, split_int8
-from minivllm.layers.kernel_rows import kernel_rows
+from minivllm.layers.quantization.rows import kernel_rows
 from minivllm.layers.linear import MergedColumnParallelLinear
-from minivllm.layers.linear_method import Int4Method, Int4WithQGemvRow, pack_8bit_halves
+from minivllm.layers.quantization.methods import Int4Method, Int4WithQGemvRow, pack_8bit_halves
 from minivllm.layers.qgemv import QGemvWeight, quantize_activations
 
 x86 = platform.machine().lower() in ("x86_64", "amd64")

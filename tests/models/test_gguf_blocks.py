@@ -18,7 +18,7 @@ from support.hf_reference import hf_prompt_logprobs
 from minivllm import LLM, SamplingParams
 from minivllm.layers.cpu_kernels import cpu_kernels_available
 from minivllm.layers.linear import LinearBase
-from minivllm.layers.linear_method import GgmlBlockMethod
+from minivllm.layers.quantization.methods import GgmlBlockMethod
 from minivllm.models.gguf import convert_gguf
 
 pytestmark = pytest.mark.skipif(

@@ -17,8 +17,8 @@ from typing import Any
 
 from minivllm import LLM, SamplingParams
 from minivllm.bench.workloads import Workload
-from minivllm.layers.quantization import rows as kernel_rows
 from minivllm.layers.cpu_kernels import cpu_caps
+from minivllm.layers.quantization import rows as kernel_rows
 
 
 def decoding_engine(vnni: bool, context: int) -> Any:

@@ -32,6 +32,7 @@ from minivllm.layers.cpu_kernels import cpu_caps
 from minivllm.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from minivllm.layers.int4 import Int4Weight, int4_supported, quantize_int4
 from minivllm.layers.linear import LinearBase
+from minivllm.layers.quantization.int8 import INT8_LAYERS, check_quantization
 from minivllm.layers.quantization.methods import (
     GgmlBlockMethod,
     Int4Method,
@@ -39,7 +40,6 @@ from minivllm.layers.quantization.methods import (
     UnquantizedMethod,
     pack_8bit_halves,
 )
-from minivllm.layers.quantization.int8 import INT8_LAYERS, check_quantization
 from minivllm.models.gguf_blocks import q8_0_head_rows
 from minivllm.models.gguf_file import GGUFFile
 from minivllm.models.gguf_int4 import LM_HEAD_HIGH, LM_HEAD_LOW, read_int4_weights

@@ -20,8 +20,8 @@ import minivllm
 from minivllm.layers import block_weight
 from minivllm.layers.cpu_kernels import cpu_caps
 from minivllm.layers.int4 import PackedInt4, PackedInt4Pair, quantize_int4, split_int8
-from minivllm.layers.quantization.rows import KERNEL_ROWS, kernel_rows
 from minivllm.layers.qgemv import QGemvWeight
+from minivllm.layers.quantization.rows import KERNEL_ROWS, kernel_rows
 
 PROBES = re.compile(
     r"get_cpu_capability|_is_vnni_supported|_is_avx512_bf16_supported|"

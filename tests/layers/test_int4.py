@@ -14,9 +14,9 @@ from minivllm.layers.int4 import (
     quantize_int4,
     split_int8,
 )
-from minivllm.layers.quantization.rows import kernel_rows
 from minivllm.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 from minivllm.layers.quantization.methods import Int4Method
+from minivllm.layers.quantization.rows import kernel_rows
 
 needs_int4 = pytest.mark.skipif(
     not int4_supported(torch.device("cpu"), torch.bfloat16), reason="no int4 CPU kernel"

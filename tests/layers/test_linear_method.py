@@ -14,8 +14,8 @@ from gguf.quants import quantize
 
 from minivllm.layers.block_weight import BlockSegment, BlockWeight
 from minivllm.layers.linear import ReplicatedLinear, RowParallelLinear
-from minivllm.layers.quantization.methods import GgmlBlockMethod, Int8Method, UnquantizedMethod
 from minivllm.layers.quantization.int8 import int8_linear, pack_int8
+from minivllm.layers.quantization.methods import GgmlBlockMethod, Int8Method, UnquantizedMethod
 
 
 def _blocks(weight: torch.Tensor) -> BlockWeight:

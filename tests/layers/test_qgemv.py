@@ -16,10 +16,10 @@ from minivllm.engine.weight_policy import stored_weight_kernel
 from minivllm.layers.cpu_kernels import KernelBuildError, _build, cpu_caps, cpu_kernels_available
 from minivllm.layers.embedding import ParallelLMHead
 from minivllm.layers.int4 import GROUP_SIZE, quantize_int4, split_int8
-from minivllm.layers.quantization.rows import kernel_rows
 from minivllm.layers.linear import MergedColumnParallelLinear
-from minivllm.layers.quantization.methods import Int4Method, Int4WithQGemvRow, pack_8bit_halves
 from minivllm.layers.qgemv import QGemvWeight, quantize_activations
+from minivllm.layers.quantization.methods import Int4Method, Int4WithQGemvRow, pack_8bit_halves
+from minivllm.layers.quantization.rows import kernel_rows
 
 x86 = platform.machine().lower() in ("x86_64", "amd64")
 pytestmark = pytest.mark.skipif(not x86, reason="the qgemv kernel is for x86 CPUs (AVX2)")

@@ -7,7 +7,7 @@ once it is loaded, and `apply(layer, x, bias)` at every step, which is all
 
 - `UnquantizedMethod`: the dense weight (fp32, or bf16 prepacked for oneDNN where this CPU's
   oneDNN has bf16 kernels: `minivllm.layers.onednn`).
-- `Int8Method`: int8 weights for fbgemm (`quantization="int8"`, `minivllm.layers.quantization.int8`).
+- `Int8Method`: int8 weights for fbgemm (`quantization="int8"`, `.int8`).
 - `Int4Method`: 4-bit weights for steps of few rows (torch's int4 kernel in bf16, with our
   qgemv at one row where its VNNI path runs; qgemv in fp32), the dense weight above.
 - `GgmlBlockMethod`: a GGUF's quantized blocks as stored, every step size
@@ -28,10 +28,10 @@ from torch import nn
 from minivllm.layers.block_weight import BlockWeight
 from minivllm.layers.cpu_kernels import cpu_caps
 from minivllm.layers.int4 import Int4Weight, PackedInt4, PackedInt4Pair
-from minivllm.layers.quantization.rows import kernel_rows
 from minivllm.layers.onednn import OneDnnWeight, onednn_prepack_supported
 from minivllm.layers.qgemv import QGemvWeight
 from minivllm.layers.quantization.int8 import int8_linear, pack_int8
+from minivllm.layers.quantization.rows import kernel_rows
 
 
 class LinearLayer(Protocol):

@@ -1,5 +1,5 @@
 """A one-sequence decode step with the 4-bit layers on torch's int4 kernel and on our qgemv
-kernel's AVX-512 VNNI path (`minivllm.layers.quantization.methods.Int4WithQGemvRow`), two engines
+kernel's AVX-512 VNNI path (the first entry of `chooser.int4_table`'s row table), two engines
 in one process stepped in interleaved rounds, so that the machine's drift hits both alike.
 
     .venv/bin/python benchmarks/one_row_kernels.py [--rounds 12] [--steps 20] [--context 200]

@@ -294,10 +294,9 @@ class ModelRunner:
         return report
 
     def _load_model(self, model_dir: Path, tp_rank: int, tp_size: int) -> tuple[Any, Any]:
-        """Build the model and load its weights, how each runs decided first, once
-        (`minivllm.engine.weight_policy`). A GGUF is read in place (memory-mapped; `model_dir`
-        then holds its config and tokenizer), its K-quant and 8-bit linear weights kept as
-        stored blocks where the policy says so."""
+        """Build the model and load its weights, how each runs decided first, once (`WeightPolicy`).
+        A GGUF is read in place (memory-mapped; `model_dir` then holds its config and
+        tokenizer), its quantized weights kept as stored blocks where the policy says so."""
         source = gguf_source(self.config.model)
         self.gguf = GGUFFile(source) if source else None
         warn_dense_fallback(self.gguf, self.dtype)

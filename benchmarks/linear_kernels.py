@@ -11,7 +11,7 @@ halves (`minivllm.layers.int4.split_int8`, `int8_as_int4_pair`); and our qgemv k
 (`minivllm.layers.qgemv`: fp32 activations, 4-bit weights, or the Q8_0 head's 8-bit ones), the
 fp32 path of AVX2-only CPUs. It prints microseconds per call and the speed-up over fp32, from
 which the `int4` row threshold (packed int4 at or below it, dense bf16 above) and the `qgemv`
-one of `minivllm.layers.kernel_rows.KERNEL_ROWS` are chosen for each CPU kind. Columns a CPU
+one of `minivllm.layers.quantization.rows.KERNEL_ROWS` are chosen for each CPU kind. Columns a CPU
 cannot run (oneDNN bf16 on an AVX2-only CPU) are left out. The layer's shapes are timed over
 `--layers` distinct copies (default 30, SmolLM2's depth) so that their weights stream from
 memory as in the model, not from cache. Run it on each CPU kind:

@@ -1,5 +1,5 @@
 """A one-sequence decode step with the 4-bit layers on torch's int4 kernel and on our qgemv
-kernel's AVX-512 VNNI path (`minivllm.layers.linear_method.Int4WithQGemvRow`), two engines
+kernel's AVX-512 VNNI path (the first entry of `chooser.int4_table`'s row table), two engines
 in one process stepped in interleaved rounds, so that the machine's drift hits both alike.
 
     .venv/bin/python benchmarks/one_row_kernels.py [--rounds 12] [--steps 20] [--context 200]
@@ -17,8 +17,8 @@ from typing import Any
 
 from minivllm import LLM, SamplingParams
 from minivllm.bench.workloads import Workload
-from minivllm.layers import kernel_rows
 from minivllm.layers.cpu_kernels import cpu_caps
+from minivllm.layers.quantization import rows as kernel_rows
 
 
 def decoding_engine(vnni: bool, context: int) -> Any:

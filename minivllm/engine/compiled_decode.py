@@ -48,7 +48,7 @@ from minivllm.layers.attention import AttentionMetadata
 from minivllm.layers.attention.decode import DecodeMetadata
 from minivllm.layers.attention.kv_quant import KVCache
 from minivllm.layers.cpu_kernels import cpu_caps
-from minivllm.layers.kernel_rows import kernel_rows
+from minivllm.layers.quantization.rows import compiled_steps_max_seqs
 
 logger = logging.getLogger(__name__)
 
@@ -247,15 +247,10 @@ class CompiledDecode:
         every step size."""
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = inductor_cache_dir()
         self.paged = paged
-        # As many sequences as the int4 kernel takes rows: above, the eager step's
-        # oneDNN-prepacked matmuls (opaque to Inductor) beat the graph's aten::mm
-        # (docs/benchmarks.md, "The thresholds the code uses"). Block weights run our operator
-        # in both, so every decode step is compiled: the eager one's gathered SDPA and
-        # unfused element-wise ops cost more (docs/performance.md, "The compiled decode step").
-        if not paged:
-            self.max_seqs: float = 1
-        else:
-            self.max_seqs = float("inf") if stored_blocks else kernel_rows().int4
+        # The row table's answer (docs/benchmarks.md, "The thresholds the code uses"); with
+        # blocks every step is compiled: the eager one's gathered SDPA and unfused element-wise
+        # ops cost more (docs/performance.md, "The compiled decode step").
+        self.max_seqs: float = compiled_steps_max_seqs(stored_blocks) if paged else 1
         # Without this, a context length that happens to equal a model dim (head_dim / 2 at
         # warm-up, say) is traced as that dim, and the graph holds for that length only.
         torch.fx.experimental._config.use_duck_shape = False

@@ -33,6 +33,7 @@ from minivllm.layers.attention import AttentionMetadata, kv_quant
 from minivllm.layers.attention.backends import AttentionSpec
 from minivllm.layers.attention.layer import bind_attention_backends
 from minivllm.layers.attention.paged_decode import paged_decode_supported
+from minivllm.layers.quantization.policy import WeightPolicy
 from minivllm.layers.rejection_sampler import verify
 from minivllm.layers.sampler import Sampler, SamplingBatch
 from minivllm.models.gguf import iter_state, warn_dense_fallback
@@ -293,14 +294,13 @@ class ModelRunner:
         return report
 
     def _load_model(self, model_dir: Path, tp_rank: int, tp_size: int) -> tuple[Any, Any]:
-        """Build the model and load its weights, how each runs decided first, once
-        (`minivllm.engine.weight_policy`). A GGUF is read in place (memory-mapped; `model_dir`
-        then holds its config and tokenizer), its K-quant and 8-bit linear weights kept as
-        stored blocks where the policy says so."""
+        """Build the model and load its weights, how each runs decided first, once (`WeightPolicy`).
+        A GGUF is read in place (memory-mapped; `model_dir` then holds its config and
+        tokenizer), its quantized weights kept as stored blocks where the policy says so."""
         source = gguf_source(self.config.model)
         self.gguf = GGUFFile(source) if source else None
         warn_dense_fallback(self.gguf, self.dtype)
-        self.weight_policy = weight_policy.WeightPolicy.decide(
+        self.weight_policy = WeightPolicy.decide(
             self.config, self.device, self.dtype, tp_size, gguf=self.gguf is not None
         )
         # checkpoint names of the weights kept as the GGUF's blocks, filled before loading
@@ -324,7 +324,7 @@ class ModelRunner:
 
     def _attach_blocks(self, model: torch.nn.Module) -> set[str]:
         assert self.gguf is not None
-        self.block_weights.update(attach_blocks(model, self.gguf, weight_policy.block_activations))
+        self.block_weights.update(attach_blocks(model, self.gguf, self.weight_policy))
         return self.block_weights
 
     def _quantize(self) -> str | None:

@@ -7,7 +7,7 @@ on them (`minivllm.layers.ggml_blocks`):
 
 - the integer kernel: the activations rounded to 8 bits (for Q4_0/Q4_1 two 8-bit codes each,
   about 15 bits) and integer dot products, each weight row unpacked once for 4 activation
-  rows; every step size for the K kinds and Q4_0/Q4_1, up to `int_dot_max_rows` rows for the
+  rows; every step size for the K kinds and Q4_0/Q4_1, up to `rows.block_rows` rows for the
   other 32-input ones. Q4_0, Q4_1, Q4_K and Q6_K tensors of 8k rows are moved at load into
   tiles of 8 rows ("x8": `csrc/ggml_q4x8_simd.h`, `csrc/ggml_q4kx8_simd.h`,
   `csrc/ggml_q6kx8_simd.h`), the same values, so that one vector instruction serves 8 output
@@ -22,7 +22,9 @@ type (Q4_K_M stores some `attn_v` in Q6_K): one kernel call computes them side b
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 from gguf import GGMLQuantizationType
@@ -39,7 +41,7 @@ from minivllm.layers.ggml_blocks import (
     row_bytes,
     x8_tile_bytes,
 )
-from minivllm.layers.kernel_rows import kernel_rows
+from minivllm.layers.quantization.rows import K_KINDS, RowTable, block_rows, pick
 
 # The one table of which GGUF tensor types run as stored blocks.
 BLOCK_TYPES = frozenset(
@@ -54,19 +56,6 @@ BLOCK_TYPES = frozenset(
         GGMLQuantizationType.Q4_1,
     }
 )
-_K_KINDS = (GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K, GGMLQuantizationType.Q6_K)
-
-
-def int_dot_max_rows(qtype: GGMLQuantizationType, x8: bool = False) -> float:
-    """Up to how many rows a step of `qtype` blocks takes the integer kernel on this CPU (the
-    row table, minivllm.layers.kernel_rows): the K kinds' (activations rounded per block of
-    256) and the x8 layout's (a group's float work shared by 8 columns) beat the dequantizing
-    path at every row count; the other 32-input kinds' (a float multiply each group and
-    column) only up to a threshold."""
-    rows = kernel_rows()
-    if x8:
-        return rows.ggml_q4x8
-    return rows.ggml_int_dot_k if qtype in _K_KINDS else rows.ggml_int_dot
 
 
 # The token embedding and the LM head run as stored blocks in every block type: a lookup
@@ -128,11 +117,14 @@ def two_code_block(segments: list[BlockSegment]) -> int | None:
     rounds the activations of all `segments`, where a second code can follow it; None where
     the segments' kinds round differently (or, Q4_0/Q4_1 in tiles, keep two codes already)."""
     blocks = {
-        256 if s.qtype in _K_KINDS else 32 if not (s.x8 and s.qtype in X8_KINDS) else 0
+        256 if s.qtype in K_KINDS else 32 if not (s.x8 and s.qtype in X8_KINDS) else 0
         for s in segments
     }
     return blocks.pop() if len(blocks) == 1 and 0 not in blocks else None
 
+
+# `x` `[..., in]` -> `x @ W.T` `[..., out]` on one kernel
+Kernel = Callable[[torch.Tensor], torch.Tensor]
 
 # How a BlockWeight rounds the activations of its integer-kernel steps (chosen per layer by
 # `minivllm.engine.weight_policy`, docs/ggml-kernels.md "Activation precision"):
@@ -169,10 +161,17 @@ class BlockWeight:
         # operator with no Python checks in between (each would break its graph).
         self._blocks = [s.blocks.contiguous() for s in segments]
         self._qtypes = [int(s.qtype) + (X8_FLAG if s.x8 else 0) for s in segments]
-        self._limits = [int_dot_max_rows(s.qtype, s.x8) for s in segments]
-        if activations == "float":
-            self._limits = [0 for _ in segments]
-        self._int_dot_rows = min(self._limits)
+        # The row tables: up to the smallest segment's integer-kernel rows one call computes
+        # every segment (x rounded once); above, each segment its own way at that count.
+        limits = [0.0 if activations == "float" else block_rows(s.qtype, s.x8) for s in segments]
+        self.table: RowTable[Kernel] = (
+            (min(limits), self._one_call),
+            (float("inf"), self._by_segment),
+        )
+        self._segment_tables: list[RowTable[Kernel]] = [
+            ((limit, partial(self._int_dot, i)), (float("inf"), partial(self._dequant, i)))
+            for i, limit in enumerate(limits)
+        ]
         # the block of the second code's residual; None: one code (or no integer kernel)
         self._residual_block = two_code_block(segments) if activations == "int8x2" else None
         self.activations = (
@@ -189,33 +188,44 @@ class BlockWeight:
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """`x @ W.T`: `[..., in]` -> `[..., out]` in x's dtype (fp32 or bf16)."""
-        rows = x.numel() // x.shape[-1]
-        if rows <= self._int_dot_rows:  # one call: x rounded once
-            if self._kernels:
-                flat = x.reshape(-1, self.cols)  # [M, in]
-                if self._residual_block is not None:  # [2M, in]: x, then what its code leaves
-                    flat = torch.cat([flat.float(), int8_residual(flat, self._residual_block)])
-                out = torch.ops.minivllm.ggml_matmul_segments(flat, self._blocks, self._qtypes, 0)
-                if self._residual_block is not None:
-                    out = out[:rows] + out[rows:]  # [M, out]
-                return out.view(*x.shape[:-1], out.shape[-1]).to(x.dtype)
+        return pick(self.table, x)(x)
+
+    def _one_call(self, x: torch.Tensor) -> torch.Tensor:
+        """Every segment in one integer-kernel call, x rounded once."""
+        if not self._kernels:
             pairs = [(s.blocks, s.qtype) for s in self.segments]
             return ggml_matmul_segments(x, pairs).to(x.dtype)
-        outs = [self._segment_matmul(x, i, rows) for i in range(len(self.segments))]
+        rows = x.numel() // x.shape[-1]
+        flat = x.reshape(-1, self.cols)  # [M, in]
+        if self._residual_block is not None:  # [2M, in]: x, then what its code leaves
+            flat = torch.cat([flat.float(), int8_residual(flat, self._residual_block)])
+        out = torch.ops.minivllm.ggml_matmul_segments(flat, self._blocks, self._qtypes, 0)
+        if self._residual_block is not None:
+            out = out[:rows] + out[rows:]  # [M, out]
+        return out.view(*x.shape[:-1], out.shape[-1]).to(x.dtype)
+
+    def _by_segment(self, x: torch.Tensor) -> torch.Tensor:
+        """Each segment on its own row table, the outputs side by side."""
+        outs = [pick(table, x)(x) for table in self._segment_tables]
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
 
-    def _segment_matmul(self, x: torch.Tensor, i: int, rows: int) -> torch.Tensor:
-        """Segment i's columns on the path for `rows` rows."""
+    def _int_dot(self, i: int, x: torch.Tensor) -> torch.Tensor:
+        """Segment i's columns on the integer kernel."""
         segment = self.segments[i]
         if not segment.x8:
-            if rows > self._limits[i]:
-                return dequant_matmul(x, segment.blocks, segment.qtype)
             return ggml_matmul_segments(x, [(segment.blocks, segment.qtype)]).to(x.dtype)
         flat = x.reshape(-1, self.cols)
-        ops = torch.ops.minivllm
-        if rows > self._limits[i]:
-            tile_rows = max(16, DEQUANT_TILE_BYTES // (self.cols * x.element_size()))
-            out = ops.ggml_dequant_matmul(flat, self._blocks[i], self._qtypes[i], tile_rows)
-        else:
-            out = ops.ggml_matmul_segments(flat, [self._blocks[i]], [self._qtypes[i]], 0)
+        out = torch.ops.minivllm.ggml_matmul_segments(flat, [self._blocks[i]], [self._qtypes[i]], 0)
+        return out.view(*x.shape[:-1], out.shape[-1]).to(x.dtype)
+
+    def _dequant(self, i: int, x: torch.Tensor) -> torch.Tensor:
+        """Segment i's columns with its weight dequantized a tile at a time."""
+        segment = self.segments[i]
+        if not segment.x8:
+            return dequant_matmul(x, segment.blocks, segment.qtype)
+        flat = x.reshape(-1, self.cols)
+        tile_rows = max(16, DEQUANT_TILE_BYTES // (self.cols * x.element_size()))
+        out = torch.ops.minivllm.ggml_dequant_matmul(
+            flat, self._blocks[i], self._qtypes[i], tile_rows
+        )
         return out.view(*x.shape[:-1], out.shape[-1]).to(x.dtype)

@@ -145,7 +145,7 @@ class CpuCaps:
 
     @property
     def rows_kind(self) -> str:
-        """The row table this CPU reads (`minivllm.layers.kernel_rows`): its kind, or
+        """The row table this CPU reads (`minivllm.layers.quantization.rows`): its kind, or
         "AVX512_AMX" where oneDNN's bf16 matmuls run on AMX tiles, so fast that a weight
         dequantized to bf16 a tile at a time beats the integer kernels at prefill sizes."""
         return "AVX512_AMX" if self.native_bf16 and self.amx and self.onednn_bf16 else self.kind

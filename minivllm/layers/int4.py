@@ -11,8 +11,8 @@ The packed layout depends on the CPU, so weights are packed at load and never ca
 The kernel is vectorised for bf16 activations only (fp32 activations run it scalar, far slower
 than dense fp32), so int4 is used where the model computes in bf16. It reads 4x fewer bytes
 than dense bf16 and wins at decode-sized row counts; at prefill sizes the dense bf16 matmul is
-faster, so a layer with int4 weights keeps its dense weight too and picks per call
-(`PackedInt4.fits`, crossover `int4` of `minivllm.layers.kernel_rows`, per CPU kind).
+faster, so a layer with int4 weights keeps its dense weight too, and its method's row table
+hands over at `int4` rows (`minivllm.layers.quantization.rows`, per CPU kind).
 """
 
 from __future__ import annotations
@@ -20,8 +20,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-
-from minivllm.layers.kernel_rows import kernel_rows
 
 GROUP_SIZE = 32
 
@@ -101,7 +99,6 @@ class PackedInt4:
         if size % GROUP_SIZE:
             raise ValueError(f"int4 needs the input size ({size}) to be a multiple of {GROUP_SIZE}")
         self.out_features = out
-        self.max_rows = kernel_rows().int4  # read here, once: the compiled step cannot call it
         self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
             weight.codes.to(torch.int32).contiguous(), 2
         )
@@ -109,11 +106,6 @@ class PackedInt4:
         self.scales_and_zeros = (
             torch.stack([weight.scales, weight.zeros], dim=-1).transpose(0, 1).contiguous()
         ).to(dtype)
-
-    def fits(self, x: torch.Tensor) -> bool:
-        """The dispatch: packed int4 for decode-sized steps (up to `max_rows` rows of `x`),
-        dense bf16 for prefill-sized ones."""
-        return x.numel() // x.shape[-1] <= self.max_rows
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """`x @ W.T`: `[..., in]` -> `[..., out]` in x's dtype."""
@@ -130,11 +122,6 @@ class PackedInt4Pair:
 
     def __init__(self, high: Int4Weight, low: Int4Weight) -> None:
         self.high, self.low = PackedInt4(high), PackedInt4(low)
-        self.max_rows = kernel_rows().int8_as_int4_pair
-
-    def fits(self, x: torch.Tensor) -> bool:
-        """Decode-sized bf16 steps (up to `max_rows` rows of `x`)."""
-        return x.dtype == torch.bfloat16 and x.numel() // x.shape[-1] <= self.max_rows
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         return self.high.matmul(x).float() + self.low.matmul(x).float()

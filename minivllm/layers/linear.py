@@ -14,7 +14,7 @@ A rank's slice is `[tp_rank * size, (tp_rank + 1) * size)` unless a layer is giv
 (`minivllm.distributed.heads`), and so are the q/k/v and o_proj slices that follow them.
 
 How a layer's weight runs (dense, int8, 4-bit kernels, a GGUF's stored blocks) is its `method`
-(`minivllm.layers.linear_method`), chosen once at load by `minivllm.engine.weight_policy`.
+(`minivllm.layers.quantization.methods`), chosen once at load by `minivllm.engine.weight_policy`.
 """
 
 from typing import Any
@@ -24,7 +24,7 @@ from torch import nn
 
 from minivllm.distributed import parallel_state
 from minivllm.distributed.heads import shard_heads
-from minivllm.layers.linear_method import LinearMethod, UnquantizedMethod
+from minivllm.layers.quantization.methods import LinearMethod, UnquantizedMethod
 
 
 def _divide(numerator: int, denominator: int, what: str) -> int:

@@ -14,9 +14,9 @@ columns interleaved group by group (`QGemvWeight` packs them), read in one strea
 scales and mins as GGUF stores them. It is the torch operator `minivllm::qgemv`, built and
 loaded by `minivllm.layers.cpu_kernels` (so compiled graphs call it too).
 
-The kernel is for few rows (decode steps); above `qgemv` rows (`minivllm.layers.kernel_rows`)
-the dense fp32 matmul (MKL) is as fast, so a layer keeps its dense weight for those steps and
-picks per call (`QGemvWeight.fits`), as the int4 layers do.
+The kernel is for few rows (decode steps); above `qgemv` rows (`minivllm.layers.quantization.
+rows`) the dense fp32 matmul (MKL) is as fast, so a layer keeps its dense weight for those
+steps, its method's row table handing over there, as the int4 layers do.
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ from __future__ import annotations
 import torch
 
 from minivllm.layers.int4 import GROUP_SIZE, Int4Weight
-from minivllm.layers.kernel_rows import kernel_rows
 
 COLUMNS = 4  # output columns whose groups the kernel stores interleaved
 
@@ -58,7 +57,6 @@ class QGemvWeight:
         scales: torch.Tensor,
         mins: torch.Tensor | None,
         bits: int,
-        max_rows: int | None = None,
     ) -> None:
         out, width = codes.shape
         groups = width * 8 // bits // GROUP_SIZE
@@ -79,7 +77,6 @@ class QGemvWeight:
             if mins is None
             else _interleave(mins.half()[..., None])
         )
-        self.max_rows = kernel_rows().qgemv if max_rows is None else max_rows
 
     @staticmethod
     def supports(weight: Int4Weight) -> bool:
@@ -96,20 +93,11 @@ class QGemvWeight:
         return QGemvWeight(packed, weight.scales, weight.zeros - 8 * weight.scales, 4)
 
     @staticmethod
-    def from_int8_halves(
-        high: Int4Weight, low: Int4Weight, max_rows: int | None = None
-    ) -> QGemvWeight:
+    def from_int8_halves(high: Int4Weight, low: Int4Weight) -> QGemvWeight:
         """The 8-bit weight that `int4.split_int8` split in two halves, whole again: codes
         `q = 16 (h - 8) + l` (int8), scales those of the low half."""
         q = 16 * (high.codes.to(torch.int16) - 8) + low.codes.to(torch.int16)  # [out, in]
-        return QGemvWeight(q.to(torch.int8), low.scales, None, 8, max_rows)
-
-    def fits(self, x: torch.Tensor) -> bool:
-        """The dispatch: this kernel for fp32 (or bf16, widened) steps of up to `max_rows`
-        rows of `x`."""
-        return (
-            x.dtype in (torch.float32, torch.bfloat16) and x.numel() // x.shape[-1] <= self.max_rows
-        )
+        return QGemvWeight(q.to(torch.int8), low.scales, None, 8)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """`x @ W.T`: `[..., in]` fp32 or bf16 -> `[..., out]` fp32."""

@@ -81,8 +81,8 @@ TESTED_TENSOR_TYPES = (
 )
 
 # Types some path of ours runs as they are: dense floats, the stored-block kernels
-# (minivllm.layers.block_weight) and the 4-bit ones (minivllm.layers.linear_method). Any other
-# type gguf-py can decode (IQ*, TQ*, Q2_K, Q3_K, MXFP4, ...) is dequantized at load into dense
+# (minivllm.layers.block_weight) and the 4-bit ones (minivllm.layers.quantization.methods). Any
+# other type gguf-py can decode (IQ*, TQ*, Q2_K, Q3_K, MXFP4, ...) is dequantized at load into dense
 # weights, with a warning saying what that costs.
 KERNEL_TYPES = BLOCK_TYPES | {
     GGMLQuantizationType.F32,

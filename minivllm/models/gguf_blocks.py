@@ -1,32 +1,30 @@
 """A GGUF's quantized linear weights given to the model as stored blocks, no dense copy.
 
 `attach_blocks` runs after the model is built and before its weights are loaded: every linear
-layer whose checkpoint tensors all have a type in `BLOCK_TYPES` gets a `GgmlBlockMethod` over
-a `BlockWeight` of the memory-mapped file (`minivllm.layers.block_weight`) and drops its dense
-weight, never written; the names it returns are the checkpoint tensors the dense loader then
-skips. llama's q/k rows, permuted by llama.cpp's converter, are put back in HF's order by
-moving whole rows of blocks.
+layer whose checkpoint tensors all have a type in `BLOCK_TYPES`, and the token embedding and
+LM head, get the chooser's method for those blocks (`minivllm.layers.quantization.chooser`;
+for a linear layer a `GgmlBlockMethod` over a `BlockWeight` of the memory-mapped file) and
+drop their dense weights, never written; the names it returns are the checkpoint tensors the
+dense loader then skips. llama's q/k rows, permuted by llama.cpp's converter, are put back in
+HF's order by moving whole rows of blocks.
 """
 
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import torch
 from torch import nn
 
-from minivllm.layers.block_weight import (
-    BLOCK_TYPES,
-    EMBEDDING_BLOCK_TYPES,
-    BlockSegment,
-    BlockWeight,
-)
+from minivllm.layers.block_weight import BLOCK_TYPES, EMBEDDING_BLOCK_TYPES, BlockSegment
 from minivllm.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from minivllm.layers.linear import LinearBase
-from minivllm.layers.linear_method import GgmlBlockMethod
+from minivllm.layers.quantization.chooser import StoredFormat, choose_method
+from minivllm.layers.quantization.head import BlockHead
+from minivllm.layers.quantization.methods import GgmlBlockMethod
+from minivllm.layers.quantization.policy import WeightPolicy, block_activations
 from minivllm.models.gguf import hf_tensor_name, qk_heads, unpermute_qk
 from minivllm.models.gguf_arch import architecture
 from minivllm.models.gguf_file import GGUFFile, GGUFTensor
@@ -51,17 +49,11 @@ def q8_0_head_rows(reader: GGUFFile) -> BlockSegment | None:
     return None if head is None else _segment(reader, head, "lm_head.weight")
 
 
-# The activation precision for a weight's segments (`BlockWeight`'s `activations`).
-Activations = Callable[[list[BlockSegment]], str]
-
-
-def attach_blocks(
-    model: nn.Module, reader: GGUFFile, activations: Activations = lambda _: "int8"
-) -> set[str]:
-    """Give each linear layer whose checkpoint tensors are all block-typed its BlockWeight,
-    its activations rounded as `activations` says for its segments; returns the checkpoint
-    names so supplied. A fused layer with a shard of another type (e.g. a float v_proj)
-    stays dense."""
+def attach_blocks(model: nn.Module, reader: GGUFFile, policy: WeightPolicy) -> set[str]:
+    """Give each linear layer whose checkpoint tensors are all block-typed the chooser's
+    method for its stored blocks, its activations rounded as `block_activations` says for its
+    segments; returns the checkpoint names so supplied. A fused layer with a shard of another
+    type (e.g. a float v_proj) stays dense."""
     arch = architecture(reader)
     packed: PackedMapping = getattr(model, "packed_modules_mapping", {})
     found: dict[str, dict[Any, tuple[str, GGUFTensor]]] = {}
@@ -83,18 +75,32 @@ def attach_blocks(
             continue
         names = [parts[i][0] for i in module.shard_ids]
         segments = [_segment(reader, parts[i][1], parts[i][0]) for i in module.shard_ids]
-        weight = BlockWeight(segments, module.input_size, activations(segments))
-        module.set_method(GgmlBlockMethod(weight))
+        method = choose_method(module, _stored(segments), policy, prefix=module_name)
         supplied.update(names)
-        for i, segment in zip(module.shard_ids, weight.segments, strict=True):
+        assert isinstance(method, GgmlBlockMethod)  # what the chooser gives stored blocks
+        for i, segment in zip(module.shard_ids, method.weight.segments, strict=True):
             if segment.x8:  # moved into tiles: the file's pages are not read again
                 reader.release_tensor_pages(parts[i][1])
-    return supplied | _attach_embedding_blocks(model, reader, activations)
+    return supplied | _attach_embedding_blocks(model, reader, policy)
 
 
-def _attach_embedding_blocks(
-    model: nn.Module, reader: GGUFFile, activations: Activations
-) -> set[str]:
+def _stored(segments: list[BlockSegment]) -> StoredFormat:
+    return StoredFormat(blocks=tuple(segments), activations=block_activations(segments))
+
+
+def _attach_head(
+    head: ParallelLMHead, reader: GGUFFile, tensor: GGUFTensor, policy: WeightPolicy
+) -> BlockSegment:
+    """The LM head on `tensor`'s blocks; returns its rows as the kernels read them (moved
+    into tiles where its kind has them: then the file's pages are not read again)."""
+    method = choose_method(head, _stored([_segment(reader, tensor, "lm_head.weight")]), policy)
+    assert isinstance(method, BlockHead)  # what the chooser gives stored blocks
+    if method.segment.x8:
+        reader.release_tensor_pages(tensor)
+    return method.segment
+
+
+def _attach_embedding_blocks(model: nn.Module, reader: GGUFFile, policy: WeightPolicy) -> set[str]:
     """The token embedding (and the LM head tied to it) or an untied LM head as stored
     blocks, where their tensors have a type of EMBEDDING_BLOCK_TYPES."""
     supplied: set[str] = set()
@@ -107,15 +113,13 @@ def _attach_embedding_blocks(
         and table is not None
         and table.tensor_type in EMBEDDING_BLOCK_TYPES
     ):
-        segment = _segment(reader, table, "model.embed_tokens.weight")
         if tied and isinstance(head, ParallelLMHead):
-            head.set_blocks(segment, activations([segment]))
+            # one table for both: the head's rows, in tiles where its kind has them
+            segment = _attach_head(head, reader, table, policy)
             supplied.add("lm_head.weight")
-            # one table for both: the head's, moved into tiles where its kind has them
-            segment = head.head_blocks.segments[0]
-            if segment.x8:
-                reader.release_tensor_pages(table)
-        embedding.set_blocks(segment)
+        else:
+            segment = _segment(reader, table, "model.embed_tokens.weight")
+        choose_method(embedding, StoredFormat(blocks=(segment,)), policy)
         supplied.add("model.embed_tokens.weight")
     output = reader.by_name.get("output.weight")
     if (
@@ -124,9 +128,6 @@ def _attach_embedding_blocks(
         and output is not None
         and output.tensor_type in EMBEDDING_BLOCK_TYPES
     ):
-        segment = _segment(reader, output, "lm_head.weight")
-        head.set_blocks(segment, activations([segment]))
+        _attach_head(head, reader, output, policy)
         supplied.add("lm_head.weight")
-        if head.head_blocks.segments[0].x8:
-            reader.release_tensor_pages(output)
     return supplied

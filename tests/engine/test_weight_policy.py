@@ -1,4 +1,4 @@
-"""The one decision of how weights run (minivllm/engine/weight_policy.py), without a model:
+"""The one decision of how weights run (minivllm/layers/quantization/policy.py), no model:
 the default keeps a GGUF's blocks and 4-bit tensors as stored on the CPU, float32 asked for
 explicitly is the token-exact dense path, and a quantization that cannot run here is refused
 with a message, before any weight is loaded."""
@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from minivllm.config import EngineConfig
-from minivllm.engine.weight_policy import WeightPolicy
 from minivllm.layers.cpu_kernels import cpu_caps
+from minivllm.layers.quantization.policy import TOKEN_EXACT, WeightPolicy
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 kernels = pytest.mark.skipif(not cpu_caps().kernels, reason="our CPU kernels do not run here")
@@ -38,6 +38,7 @@ def test_the_default_fp32_cpu_path_keeps_blocks_and_runs_4bit_weights_on_qgemv()
 def test_explicit_float32_is_the_token_exact_dense_path() -> None:
     """No blocks and no qgemv: every weight dense, as HF computes it."""
     policy = _decide(torch.float32, dtype="float32")
+    assert policy is TOKEN_EXACT  # the one named policy
     assert policy.token_exact and not policy.keep_blocks and policy.stored_kernel is None
 
 

@@ -1,5 +1,5 @@
 """The one CPU probe (`minivllm.layers.cpu_kernels.cpu_caps`) and the one table of row
-thresholds (`minivllm.layers.kernel_rows`): probed once, frozen, read by every module that
+thresholds (`minivllm.layers.quantization.rows`): probed once, frozen, read by every module that
 picks a CPU path (none probes the CPU itself), `ATEN_CPU_CAPABILITY=avx2` read as an AVX2-only
 CPU, and each kernel taking its threshold from the table."""
 
@@ -17,11 +17,17 @@ import torch
 from gguf import GGMLQuantizationType
 
 import minivllm
-from minivllm.layers import block_weight
+from minivllm.layers.block_weight import Kernel
 from minivllm.layers.cpu_kernels import cpu_caps
-from minivllm.layers.int4 import PackedInt4, PackedInt4Pair, quantize_int4, split_int8
-from minivllm.layers.kernel_rows import KERNEL_ROWS, kernel_rows
-from minivllm.layers.qgemv import QGemvWeight
+from minivllm.layers.int4 import quantize_int4, split_int8
+from minivllm.layers.quantization.chooser import int4_table, int8_head_table
+from minivllm.layers.quantization.rows import (
+    KERNEL_ROWS,
+    RowTable,
+    block_rows,
+    compiled_steps_max_seqs,
+    kernel_rows,
+)
 
 PROBES = re.compile(
     r"get_cpu_capability|_is_vnni_supported|_is_avx512_bf16_supported|"
@@ -53,7 +59,7 @@ def test_forcing_torchs_avx2_kernels_reads_as_an_avx2_only_cpu() -> None:
     kind AVX2, no native bf16 (dtype "auto" is fp32), the AVX2 row thresholds."""
     script = (
         "from minivllm.layers.cpu_kernels import cpu_caps\n"
-        "from minivllm.layers.kernel_rows import KERNEL_ROWS, kernel_rows\n"
+        "from minivllm.layers.quantization.rows import KERNEL_ROWS, kernel_rows\n"
         "c = cpu_caps()\n"
         "print(c.capability, c.kind, c.native_bf16, kernel_rows() == KERNEL_ROWS['AVX2'])"
     )
@@ -72,21 +78,32 @@ def test_forcing_torchs_avx2_kernels_reads_as_an_avx2_only_cpu() -> None:
 
 
 def test_each_kernel_reads_its_threshold_from_the_table() -> None:
+    """The chooser's row tables take their counts from the one table, per CPU kind."""
     rows = kernel_rows()
     weight = quantize_int4(torch.randn(16, 64))
-    assert QGemvWeight.from_int4(weight).max_rows == rows.qgemv
-    int_dot = block_weight.int_dot_max_rows
-    assert int_dot(GGMLQuantizationType.Q8_0) == rows.ggml_int_dot
-    assert int_dot(GGMLQuantizationType.Q4_K) == rows.ggml_int_dot_k
-    assert int_dot(GGMLQuantizationType.Q4_K, x8=True) == rows.ggml_q4x8
+    caps = cpu_caps()
+    with_vnni, without = (dataclasses.replace(caps, qgemv_vnni=v, kernels=v) for v in (True, False))
+    assert _counts(int4_table(weight, torch.float32, caps)) == [rows.qgemv]
+    assert block_rows(GGMLQuantizationType.Q8_0) == rows.ggml_int_dot
+    assert block_rows(GGMLQuantizationType.Q4_K) == rows.ggml_int_dot_k
+    assert block_rows(GGMLQuantizationType.Q4_K, x8=True) == rows.ggml_q4x8
+    assert compiled_steps_max_seqs(stored_blocks=False) == rows.int4
     avx512, avx2, amx = KERNEL_ROWS["AVX512"], KERNEL_ROWS["AVX2"], KERNEL_ROWS["AVX512_AMX"]
     assert (avx512.ggml_int_dot, avx512.ggml_int_dot_k) == (avx2.ggml_int_dot, avx2.ggml_int_dot_k)
     # the GGUF block kernels cross over at the same rows on both CPU kinds; with AMX, bf16
     # tiles for oneDNN take every kind's prefill-sized steps
     assert max(amx.ggml_int_dot, amx.ggml_int_dot_k, amx.ggml_q4x8) < 128
     assert rows == KERNEL_ROWS[cpu_caps().rows_kind]
+    halves = split_int8(torch.randint(-128, 128, (16, 64), dtype=torch.int8), torch.rand(16, 2))
+    assert _counts(int8_head_table(*halves, torch.float32, caps)) == [rows.qgemv]
+    assert _counts(int8_head_table(*halves, torch.bfloat16, with_vnni)) == [rows.qgemv_bf16_head]
     if hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"):
-        assert PackedInt4(weight).max_rows == rows.int4
-        codes = torch.randint(-128, 128, (16, 64), dtype=torch.int8)
-        pair = PackedInt4Pair(*split_int8(codes, torch.rand(16, 2)))
-        assert pair.max_rows == rows.int8_as_int4_pair
+        bf16 = torch.bfloat16
+        assert _counts(int4_table(weight, bf16, with_vnni)) == [rows.qgemv_vnni_bf16, rows.int4]
+        assert _counts(int4_table(weight, bf16, without)) == [rows.int4]
+        assert _counts(int8_head_table(*halves, bf16, without)) == [rows.int8_as_int4_pair]
+
+
+def _counts(table: RowTable[Kernel] | None) -> list[float]:
+    assert table is not None
+    return [count for count, _ in table]

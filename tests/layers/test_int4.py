@@ -3,9 +3,12 @@ of the same (dequantized) weights, and the linear layer's dispatch by row count.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
+from minivllm.layers.cpu_kernels import cpu_caps
 from minivllm.layers.int4 import (
     GROUP_SIZE,
     PackedInt4,
@@ -14,9 +17,10 @@ from minivllm.layers.int4 import (
     quantize_int4,
     split_int8,
 )
-from minivllm.layers.kernel_rows import kernel_rows
 from minivllm.layers.linear import MergedColumnParallelLinear, RowParallelLinear
-from minivllm.layers.linear_method import Int4Method
+from minivllm.layers.quantization.chooser import int8_head_table
+from minivllm.layers.quantization.rows import kernel_rows
+from tests.support.weight_methods import give_int4
 
 needs_int4 = pytest.mark.skipif(
     not int4_supported(torch.device("cpu"), torch.bfloat16), reason="no int4 CPU kernel"
@@ -58,7 +62,7 @@ def test_linear_layer_uses_int4_for_decode_rows_and_dense_for_prefill_rows():
     gate, up = torch.randn(32, 64) * 0.1, torch.randn(32, 64) * 0.1
     layer.weight.data.copy_(torch.cat([gate, up]))
     q = quantize_int4(torch.cat([gate, up]))
-    layer.set_method(Int4Method.for_layer(layer, q))
+    give_int4(layer, q)
     layer.weight.data.zero_()  # only the int4 path can give a non-zero output now
     few = torch.randn(kernel_rows().int4, 64).bfloat16()
     many = torch.randn(kernel_rows().int4 + 1, 64).bfloat16()
@@ -71,9 +75,9 @@ def test_linear_layer_uses_int4_for_decode_rows_and_dense_for_prefill_rows():
 def test_int4_weights_of_the_wrong_shape_or_with_tensor_parallelism_are_refused():
     layer = RowParallelLinear(64, 32)
     with pytest.raises(ValueError, match="shape"):
-        Int4Method.for_layer(layer, quantize_int4(torch.randn(32, 96)))
+        give_int4(layer, quantize_int4(torch.randn(32, 96)))
     with pytest.raises(ValueError, match="tensor_parallel_size=1"):
-        Int4Method.for_layer(
+        give_int4(
             RowParallelLinear(64, 32, tp_size=2, tp_rank=0), quantize_int4(torch.randn(32, 32))
         )
 
@@ -130,6 +134,10 @@ def test_the_int4_pair_matmul_equals_the_dense_8bit_matmul_for_few_rows():
     got = pair.matmul(x)
     assert got.dtype == torch.float32
     torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
-    assert pair.fits(x) == (pair.max_rows >= 2)
-    assert not pair.fits(torch.randn(pair.max_rows + 1, 256).bfloat16())
-    assert not pair.fits(x.float())  # the kernel is fast with bf16 activations only
+    # where no qgemv is built, the chooser's row table runs the pair for bf16 steps of up to
+    # `int8_as_int4_pair` rows; an fp32 head never (the kernel is fast with bf16 only)
+    no_qgemv = dataclasses.replace(cpu_caps(), kernels=False)
+    table = int8_head_table(*split_int8(codes, scales), torch.bfloat16, no_qgemv)
+    assert table is not None and [rows for rows, _ in table] == [kernel_rows().int8_as_int4_pair]
+    fp32 = int8_head_table(*split_int8(codes, scales), torch.float32, no_qgemv)
+    assert fp32 is None or not isinstance(fp32[0][1].__self__, PackedInt4Pair)

@@ -1,4 +1,4 @@
-"""A linear layer's method (minivllm/layers/linear_method.py): `forward` is
+"""A linear layer's method (minivllm/layers/quantization/methods.py): `forward` is
 `method.apply(layer, x, bias)`; a new layer is dense; stored GGUF blocks drop the dense weight,
 refuse a weight of another shape or a split layer, and add the bias; int8 weights compute as
 `int8_linear` does."""
@@ -14,8 +14,8 @@ from gguf.quants import quantize
 
 from minivllm.layers.block_weight import BlockSegment, BlockWeight
 from minivllm.layers.linear import ReplicatedLinear, RowParallelLinear
-from minivllm.layers.linear_method import GgmlBlockMethod, Int8Method, UnquantizedMethod
-from minivllm.layers.quantization import int8_linear, pack_int8
+from minivllm.layers.quantization.int8 import int8_linear, pack_int8
+from minivllm.layers.quantization.methods import GgmlBlockMethod, Int8Method, UnquantizedMethod
 
 
 def _blocks(weight: torch.Tensor) -> BlockWeight:

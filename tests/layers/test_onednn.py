@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from minivllm.layers.embedding import ParallelLMHead
 from minivllm.layers.linear import ReplicatedLinear
 from minivllm.layers.onednn import OneDnnWeight, onednn_prepack_supported
+from minivllm.layers.quantization.head import DenseHead
 
 pytestmark = pytest.mark.skipif(
     not onednn_prepack_supported(torch.zeros(1, dtype=torch.bfloat16)),
@@ -56,7 +57,8 @@ def test_the_bf16_lm_head_prepacked_gives_the_same_logits() -> None:
     head.weight.data = torch.randn(300, 64).bfloat16()
     hidden = torch.randn(7, 64).bfloat16()
     before = head(hidden)
-    assert head.pack_for_cpu()
+    head.method.process_weights_after_loading(head)
+    assert isinstance(head.method, DenseHead) and isinstance(head.method.packed, OneDnnWeight)
     after = head(hidden)
     assert after.dtype == torch.float32 and torch.equal(after, before)
 
@@ -68,7 +70,7 @@ def test_a_q8_0_heads_top_logits_are_refined_to_fp32() -> None:
     from gguf import GGMLQuantizationType, dequantize, quantize
 
     from minivllm.layers.block_weight import BlockSegment
-    from minivllm.layers.embedding import REFINED_LOGITS
+    from minivllm.layers.quantization.head import REFINED_LOGITS
 
     torch.manual_seed(2)
     q8_0 = GGMLQuantizationType.Q8_0
@@ -79,9 +81,11 @@ def test_a_q8_0_heads_top_logits_are_refined_to_fp32() -> None:
 
     head = ParallelLMHead(4000, 64)
     head.weight.data = exact.bfloat16()
-    assert head.pack_for_cpu()
+    head.method.process_weights_after_loading(head)
     rounded = head(hidden)
-    head.set_exact_rows(BlockSegment(torch.from_numpy(blocks), q8_0))
+    exact_head = DenseHead(exact_rows=BlockSegment(torch.from_numpy(blocks), q8_0))
+    exact_head.process_weights_after_loading(head)
+    head.set_method(exact_head)
     refined = head(hidden)
 
     top = rounded.topk(REFINED_LOGITS, dim=-1).indices

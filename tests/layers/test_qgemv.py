@@ -12,14 +12,14 @@ import platform
 import pytest
 import torch
 
-from minivllm.engine.weight_policy import stored_weight_kernel
 from minivllm.layers.cpu_kernels import KernelBuildError, _build, cpu_caps, cpu_kernels_available
 from minivllm.layers.embedding import ParallelLMHead
 from minivllm.layers.int4 import GROUP_SIZE, quantize_int4, split_int8
-from minivllm.layers.kernel_rows import kernel_rows
 from minivllm.layers.linear import MergedColumnParallelLinear
-from minivllm.layers.linear_method import Int4Method, Int4WithQGemvRow, pack_8bit_halves
 from minivllm.layers.qgemv import QGemvWeight, quantize_activations
+from minivllm.layers.quantization.policy import stored_weight_kernel
+from minivllm.layers.quantization.rows import kernel_rows
+from tests.support.weight_methods import give_int4, give_q8_0_head
 
 x86 = platform.machine().lower() in ("x86_64", "amd64")
 pytestmark = pytest.mark.skipif(not x86, reason="the qgemv kernel is for x86 CPUs (AVX2)")
@@ -102,7 +102,7 @@ def test_8bit_matmul_equals_the_fp32_matmul_of_the_q8_0_weight(rows):
     codes[0, :2] = torch.tensor([-128, 127], dtype=torch.int8)
     scales = torch.rand(300, 128 // GROUP_SIZE, generator=gen) * 0.01
     scales = scales.half().float()  # fp16, as Q8_0 stores them
-    head = pack_8bit_halves(*split_int8(codes, scales), torch.float32)
+    head = QGemvWeight.from_int8_halves(*split_int8(codes, scales))
     dense = codes.float() * scales.repeat_interleave(GROUP_SIZE, dim=1)  # [300, 128]
     x = torch.randn(rows, 128, generator=gen)
     torch.testing.assert_close(head.matmul(x), _reference(x, dense, None), rtol=1e-4, atol=1e-4)
@@ -140,8 +140,7 @@ def test_linear_layer_uses_the_kernel_for_few_fp32_rows_and_dense_for_many():
     layer = MergedColumnParallelLinear(64, [32, 32])
     layer.weight.data.normal_()
     q = _int4_weight(64, 64, seed=3)
-    layer.set_method(Int4Method.for_layer(layer, q))
-    assert isinstance(layer.method.small, QGemvWeight)
+    assert "QGemvWeight <= " in give_int4(layer, q).name
     few, many = torch.randn(kernel_rows().qgemv, 64), torch.randn(kernel_rows().qgemv + 1, 64)
     torch.testing.assert_close(
         layer(few), _reference(few, q.dequantize(), q.zeros - 8 * q.scales), rtol=1e-4, atol=1e-4
@@ -155,7 +154,7 @@ def test_lm_head_runs_its_q8_0_weight_for_small_fp32_steps():
     scales = torch.rand(52, 2, generator=gen) * 0.01
     head = ParallelLMHead(52, 64)
     head.weight.data.zero_()  # the dense weight: logits of zero tell which path ran
-    head.set_int8_head(pack_8bit_halves(*split_int8(codes, scales), torch.float32))
+    assert "QGemvWeight" in give_q8_0_head(head, codes, scales).name
     hidden = torch.randn(1, 64, generator=gen)
     assert head(hidden).abs().sum() > 0
     assert head(torch.randn(kernel_rows().qgemv + 1, 64)).abs().sum() == 0
@@ -168,9 +167,7 @@ def test_a_bf16_models_q8_0_head_runs_the_kernel_for_one_row_only():
     scales = (torch.rand(52, 2, generator=gen) * 0.01).half().float()
     head = ParallelLMHead(52, 64).to(torch.bfloat16)
     head.weight.data.zero_()  # the dense weight: logits of zero tell which path ran
-    packed = pack_8bit_halves(*split_int8(codes, scales), torch.bfloat16)
-    assert isinstance(packed, QGemvWeight)
-    head.set_int8_head(packed)
+    assert "QGemvWeight" in give_q8_0_head(head, codes, scales).name
     hidden = torch.randn(1, 64, generator=gen).bfloat16()
     dense = codes.float() * scales.repeat_interleave(GROUP_SIZE, dim=1)  # [52, 64]
     logits = head(hidden)
@@ -193,8 +190,7 @@ def test_a_bf16_layer_runs_one_row_on_the_vnni_path_and_more_on_torchs_int4_kern
     layer = MergedColumnParallelLinear(576, [480, 480]).to(torch.bfloat16)
     layer.weight.data.normal_()
     q = _int4_weight(960, 576, seed=6)
-    layer.set_method(Int4Method.for_layer(layer, q))
-    assert isinstance(layer.method.small, Int4WithQGemvRow)
+    assert "qgemv_vnni <= " in give_int4(layer, q).name
     one = torch.randn(1, 576).bfloat16()
     out = layer(one)
     assert out.dtype == torch.bfloat16

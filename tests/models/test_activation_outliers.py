@@ -17,8 +17,8 @@ from support.gguf_files import gguf_writer
 
 from minivllm import LLM
 from minivllm.bench.quality import compare, engine_scores, hf_reference
-from minivllm.engine import weight_policy
 from minivllm.layers.cpu_kernels import cpu_kernels_available
+from minivllm.layers.quantization import policy as weight_policy
 from minivllm.models.gguf import convert_gguf
 
 pytestmark = pytest.mark.skipif(

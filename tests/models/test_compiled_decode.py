@@ -25,8 +25,8 @@ from minivllm.engine.compiled_decode import (
 from minivllm.engine.weight_policy import quantize_linear_int4
 from minivllm.layers.attention import Attention
 from minivllm.layers.cpu_kernels import cpu_kernels_available
-from minivllm.layers.qgemv import QGemvWeight
 from minivllm.models.loader import load_model
+from tests.support.weight_methods import STORED_4BIT
 
 BLOCK = 4
 # A torch whose torch.compile lacks the step's options (a GPU image's 2.11) runs no such step.
@@ -116,7 +116,7 @@ def test_the_compiled_step_of_several_sequences_matches_the_eager_one(
     GGUF blocks (the same operator at every step size)."""
     model_dir = tiny_llama_dir if family == "llama" else tiny_family_dirs["gemma2"]
     model, config = load_model(model_dir, torch.bfloat16, "cpu")
-    assert quantize_linear_int4(model) > 0
+    assert quantize_linear_int4(model, STORED_4BIT) > 0
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     compiled = CompiledDecode(model, paged=True)
     with torch.inference_mode():
@@ -155,8 +155,8 @@ def test_the_compiled_fp32_step_with_qgemv_weights_matches_the_eager_one(tiny_ll
     """fp32 activations, every linear layer's 4-bit weights through `minivllm::qgemv` inside
     the Inductor graph: the same hidden states as the eager step, to float rounding."""
     model, config = load_model(tiny_llama_dir, torch.float32, "cpu")
-    assert quantize_linear_int4(model) > 0
-    assert isinstance(model.model.layers[0].mlp.down_proj.method.small, QGemvWeight)
+    assert quantize_linear_int4(model, STORED_4BIT) > 0
+    assert "QGemvWeight" in model.model.layers[0].mlp.down_proj.method.name
 
     def caches():
         return allocate_kv_caches(

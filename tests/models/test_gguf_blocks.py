@@ -18,7 +18,9 @@ from support.hf_reference import hf_prompt_logprobs
 from minivllm import LLM, SamplingParams
 from minivllm.layers.cpu_kernels import cpu_kernels_available
 from minivllm.layers.linear import LinearBase
-from minivllm.layers.linear_method import GgmlBlockMethod
+from minivllm.layers.quantization.head import BlockHead
+from minivllm.layers.quantization.lookup import BlockLookup
+from minivllm.layers.quantization.methods import GgmlBlockMethod
 from minivllm.models.gguf import convert_gguf
 
 pytestmark = pytest.mark.skipif(
@@ -164,9 +166,10 @@ def test_block_typed_layers_hold_no_dense_weight(llm: LLM) -> None:
     assert layers[1].mlp.gate_up_proj.weight.numel() == INTER * 2 * HIDDEN
     assert len(runner.block_weights) == LAYERS * 7 - 2 + 2  # + the embedding and tied head
     embedding, head = runner.model.model.embed_tokens, runner.model.lm_head
-    assert head.head_blocks is not None and head.weight.numel() == 0
-    assert embedding.block_weight is head.head_blocks.segments[0] and embedding.weight.numel() == 0
-    assert embedding.block_weight.x8 and embedding.block_weight.qtype == QT.Q6_K
+    assert isinstance(head.method, BlockHead) and head.weight.numel() == 0
+    assert isinstance(embedding.lookup, BlockLookup) and embedding.weight.numel() == 0
+    assert embedding.lookup.segment is head.method.segment  # one table for both
+    assert embedding.lookup.segment.x8 and embedding.lookup.segment.qtype == QT.Q6_K
 
 
 def _engine_logprobs(llm: LLM, prompt: list[int], new: int) -> tuple[list[int], list[float]]:

@@ -8,7 +8,7 @@ from support.prompts import MIXED_PROMPTS
 
 from minivllm import LLM, SamplingParams
 from minivllm.config import EngineConfig
-from minivllm.layers.quantization import check_quantization, int8_linear, pack_int8
+from minivllm.layers.quantization.int8 import check_quantization, int8_linear, pack_int8
 
 
 def test_int8_linear_is_close_to_fp32():

@@ -65,7 +65,9 @@ def decode_attention(
             *kv_scales(kv_cache),
         )  # [S, H, D]
         return out.reshape(num_seqs, -1).to(q.dtype)  # [S, H*D]
+    # the gathered path: the runner built all three index tensors (no block tables)
     assert meta.kv_index is not None and meta.kv_valid is not None
+    assert meta.key_positions is not None
     keys = gather_rows(kv_cache, 0, meta.kv_index, maths)  # [S, L, KVH, D]
     values = gather_rows(kv_cache, 1, meta.kv_index, maths)  # [S, L, KVH, D]
     queries = q.view(num_seqs, num_kv_heads, group, head_dim).to(maths)  # [S, KVH, G, D]

@@ -379,48 +379,67 @@ struct Segment {
   bool x8;
 };
 
-// Columns [begin, end) of one segment, on the chosen instruction set.
+// One kernel over output columns [begin, end) of a segment: every entry of the traits table
+// below has this signature (qtype, weights, bytes a row or tile, xq, rows, k, y, ldy, begin, end).
+using ColumnsFn = void (*)(int, const uint8_t*, int64_t, const QuantizedRows&, int64_t, int64_t,
+                           float*, int64_t, int64_t, int64_t);
+using OneKindFn = void (*)(const uint8_t*, int64_t, const QuantizedRows&, int64_t, int64_t, float*,
+                           int64_t, int64_t, int64_t);
+
+// A kernel written for one kind (no qtype argument) in the table's signature.
+template <OneKindFn F>
+void one_kind(int, const uint8_t* w, int64_t bytes, const QuantizedRows& xq, int64_t rows,
+              int64_t k, float* y, int64_t ldy, int64_t begin, int64_t end) {
+  F(w, bytes, xq, rows, k, y, ldy, begin, end);
+}
+
+// The K kinds' tiles on no vector unit: each row moved back, then the stored layout's scalar loop.
+void matmul_columns_kx8_scalar(int qtype, const uint8_t* tiles, int64_t tile_bytes,
+                               const QuantizedRows& xq, int64_t rows, int64_t k, float* y,
+                               int64_t ldy, int64_t begin, int64_t end) {
+  std::vector<uint8_t> row(k / 256 * geometry(qtype).bytes);
+  for (int64_t n = begin; n < end; ++n) {
+    x8_row(qtype, tiles + (n / 8) * tile_bytes, static_cast<int>(n % 8), k / 256, row.data());
+    matmul_columns_scalar(qtype, row.data(), 0, xq, rows, k, y + n, ldy, 0, 1);
+  }
+}
+
+// The traits table, llama.cpp's `type_traits_cpu[]` for our kernels: one row per (kind family,
+// layout), one kernel per instruction set (kScalar, kAvx2, kVnni). The K kinds on plain rows
+// run the same integer kernel on both vector sets.
+enum Family { kFamily32 = 0, kFamilyK = 1, kFamilyQ6K = 2 };  // Q4_0..Q8_0 | Q4_K, Q5_K | Q6_K
+enum Layout { kRowLayout = 0, kTileLayout = 1 };                 // [N, row_bytes] | x8 tiles
+struct ColumnTraits {
+  ColumnsFn by_isa[3];  // indexed by Isa - kScalar
+};
+constexpr ColumnTraits kColumnTraits[3][2] = {
+    {{{matmul_columns_scalar, avx2::matmul_columns, vnni::matmul_columns}},
+     {{matmul_columns_q4x8_scalar, avx2::matmul_columns_q4x8, vnni::matmul_columns_q4x8}}},
+    {{{matmul_columns_scalar, avx2::matmul_columns_k, avx2::matmul_columns_k}},
+     {{matmul_columns_kx8_scalar, one_kind<avx2::matmul_columns_q4kx8>,
+       one_kind<vnni::matmul_columns_q4kx8>}}},
+    {{{matmul_columns_scalar, avx2::matmul_columns_k, avx2::matmul_columns_k}},
+     {{matmul_columns_kx8_scalar, one_kind<avx2::matmul_columns_q6kx8>,
+       one_kind<vnni::matmul_columns_q6kx8>}}},
+};
+
+Family family(int qtype) {
+  return qtype == kQ6_K ? kFamilyQ6K : is_k_kind(qtype) ? kFamilyK : kFamily32;
+}
+
+// Columns [begin, end) of one segment, on the chosen instruction set: one look-up, one call.
 void segment_columns(const Segment& seg, Isa isa, const QuantizedRows& x32,
                      const QuantizedRows& x256, int64_t rows, int64_t k, float* y, int64_t ldy,
                      int64_t begin, int64_t end) {
-  const bool k_kind = is_k_kind(seg.qtype);
-  const QuantizedRows& xq = k_kind ? x256 : x32;
-  float* ys = y + seg.column;
+  const QuantizedRows& xq = is_k_kind(seg.qtype) ? x256 : x32;
+  const ColumnsFn kernel =
+      kColumnTraits[family(seg.qtype)][seg.x8 ? kTileLayout : kRowLayout].by_isa[isa - kScalar];
   if (seg.x8) {  // the tiles whose first column is in [begin, end): each computed once
-    const int64_t b = (begin + 7) / 8 * 8, e = std::min(seg.rows, (end + 7) / 8 * 8);
-    if (b >= e) return;
-    if (k_kind && isa == kScalar) {  // each row moved back: the stored layout's scalar loop
-      std::vector<uint8_t> row(k / 256 * geometry(seg.qtype).bytes);
-      for (int64_t n = b; n < e; ++n) {
-        x8_row(seg.qtype, seg.weights + (n / 8) * seg.row_bytes, static_cast<int>(n % 8), k / 256, row.data());
-        matmul_columns_scalar(seg.qtype, row.data(), 0, xq, rows, k, ys + n, ldy, 0, 1);
-      }
-    } else if (seg.qtype == kQ6_K && isa == kVnni) {
-      vnni::matmul_columns_q6kx8(seg.weights, seg.row_bytes, xq, rows, k, ys, ldy, b, e);
-    } else if (seg.qtype == kQ6_K) {
-      avx2::matmul_columns_q6kx8(seg.weights, seg.row_bytes, xq, rows, k, ys, ldy, b, e);
-    } else if (k_kind && isa == kVnni) {
-      vnni::matmul_columns_q4kx8(seg.weights, seg.row_bytes, xq, rows, k, ys, ldy, b, e);
-    } else if (k_kind) {
-      avx2::matmul_columns_q4kx8(seg.weights, seg.row_bytes, xq, rows, k, ys, ldy, b, e);
-    } else if (isa == kScalar) {
-      matmul_columns_q4x8_scalar(seg.qtype, seg.weights, seg.row_bytes, xq, rows, k, ys, ldy, b, e);
-    } else if (isa == kVnni) {
-      vnni::matmul_columns_q4x8(seg.qtype, seg.weights, seg.row_bytes, xq, rows, k, ys, ldy, b, e);
-    } else {
-      avx2::matmul_columns_q4x8(seg.qtype, seg.weights, seg.row_bytes, xq, rows, k, ys, ldy, b, e);
-    }
-    return;
+    begin = (begin + 7) / 8 * 8;
+    end = std::min(seg.rows, (end + 7) / 8 * 8);
+    if (begin >= end) return;
   }
-  if (isa == kScalar) {
-    matmul_columns_scalar(seg.qtype, seg.weights, seg.row_bytes, xq, rows, k, ys, ldy, begin, end);
-  } else if (k_kind) {  // the same integer kernel on both instruction sets
-    avx2::matmul_columns_k(seg.qtype, seg.weights, seg.row_bytes, xq, rows, k, ys, ldy, begin, end);
-  } else if (isa == kVnni) {
-    vnni::matmul_columns(seg.qtype, seg.weights, seg.row_bytes, xq, rows, k, ys, ldy, begin, end);
-  } else {
-    avx2::matmul_columns(seg.qtype, seg.weights, seg.row_bytes, xq, rows, k, ys, ldy, begin, end);
-  }
+  kernel(seg.qtype, seg.weights, seg.row_bytes, xq, rows, k, y + seg.column, ldy, begin, end);
 }
 
 // x @ [W_0; W_1; ...].T: the segments' outputs side by side in one [M, sum N_i] tensor. The

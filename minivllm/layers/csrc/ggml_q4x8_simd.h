@@ -108,9 +108,12 @@ void dot_tile_q4x8(const uint8_t* tile, int64_t groups, const QuantizedRows& xq,
 // and activation rows [r0, r0 + Rows) of `rows`, Rows a std::integral_constant of 1..4 (or 8,
 // where `MaxRows` is 8): activation rows 64 at a time (their codes stay in L2), tiles 4 at a
 // time (32 weight rows stay in L1 while each 4 or 8 activation rows meet them). The x8
-// kernels' loop.
+// kernels' loop. Kept out of line: inlined into the traits table's thin wrappers in
+// ggml_blocks.cpp, GCC compiled the AVX2 tile loops slower at several activation rows
+// (`benchmarks/ggml_kernels.py --rows 16`); out of line, as when an if-chain called them,
+// they run as before.
 template <int MaxRows = 4, typename Tile>
-inline void for_each_x8_tile(int64_t rows, int64_t begin, int64_t end, Tile tile) {
+[[gnu::noinline]] void for_each_x8_tile(int64_t rows, int64_t begin, int64_t end, Tile tile) {
   for (int64_t c0 = 0; c0 < rows; c0 += 64) {
     const int64_t c1 = std::min(rows, c0 + 64);
     for (int64_t t0 = begin / 8; t0 < end / 8; t0 += 4) {

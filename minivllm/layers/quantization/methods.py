@@ -7,31 +7,29 @@ once it is loaded, and `apply(layer, x, bias)` at every step, which is all
 
 - `UnquantizedMethod`: the dense weight (fp32, or bf16 prepacked for oneDNN where this CPU's
   oneDNN has bf16 kernels: `minivllm.layers.onednn`).
-- `Int8Method`: int8 weights for fbgemm (`quantization="int8"`, `minivllm.layers.quantization`).
+- `Int8Method`: int8 weights for fbgemm (`quantization="int8"`, `.int8`).
 - `Int4Method`: 4-bit weights for steps of few rows (torch's int4 kernel in bf16, with our
   qgemv at one row where its VNNI path runs; qgemv in fp32), the dense weight above.
 - `GgmlBlockMethod`: a GGUF's quantized blocks as stored, every step size
   (`BlockWeight.matmul`); the dense weight is dropped.
 
-The row counts at which one kernel hands over to the next are in `minivllm.layers.
-kernel_rows`; which layer gets which method is decided in `minivllm.engine.weight_policy`.
+The row counts at which one kernel hands over to the next are in `minivllm.layers.quantization.
+rows`; which layer gets which method is decided in `minivllm.layers.quantization.chooser`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from minivllm.layers.block_weight import BlockWeight
-from minivllm.layers.cpu_kernels import cpu_caps
-from minivllm.layers.int4 import Int4Weight, PackedInt4, PackedInt4Pair
-from minivllm.layers.kernel_rows import kernel_rows
+from minivllm.layers.block_weight import BlockWeight, Kernel
 from minivllm.layers.onednn import OneDnnWeight, onednn_prepack_supported
-from minivllm.layers.qgemv import QGemvWeight
-from minivllm.layers.quantization import int8_linear, pack_int8
+from minivllm.layers.quantization.int8 import int8_linear, pack_int8
+from minivllm.layers.quantization.rows import RowTable, pick
 
 
 class LinearLayer(Protocol):
@@ -93,60 +91,7 @@ class Int8Method(LinearMethod):
         return out if bias is None else out + bias
 
 
-class Int4WithQGemvRow:
-    """A 4-bit weight for bf16 steps: our qgemv kernel up to `kernel_rows().qgemv_vnni_bf16`
-    rows (its AVX-512 VNNI path, faster there than torch's int4 kernel), torch's int4 kernel
-    above. It holds the weight in both layouts (5 more bits a weight)."""
-
-    def __init__(self, weight: Int4Weight, dtype: torch.dtype) -> None:
-        self.packed = PackedInt4(weight, dtype)
-        self.one_row = QGemvWeight.from_int4(weight)
-        self.one_row_max = kernel_rows().qgemv_vnni_bf16  # read once: compiled steps too
-        self.max_rows = self.packed.max_rows
-
-    def fits(self, x: torch.Tensor) -> bool:
-        return self.packed.fits(x)
-
-    def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """`x @ W.T`: `[..., in]` -> `[..., out]` in x's dtype."""
-        if x.numel() // x.shape[-1] <= self.one_row_max:
-            return self.one_row.matmul(x).to(x.dtype)
-        return self.packed.matmul(x)
-
-
-SmallStepWeight = PackedInt4 | PackedInt4Pair | QGemvWeight | Int4WithQGemvRow
-
-
-def pack_4bit(
-    weight: Int4Weight, dtype: torch.dtype
-) -> PackedInt4 | QGemvWeight | Int4WithQGemvRow | None:
-    """A 4-bit weight in the layout of the kernel that runs `dtype` activations: qgemv for
-    fp32, torch's int4 (with qgemv's VNNI path at one row where it runs) for bf16; None where
-    that kernel does not take its shape (the layer stays dense)."""
-    if dtype == torch.float32:
-        return QGemvWeight.from_int4(weight) if QGemvWeight.supports(weight) else None
-    if QGemvWeight.supports(weight) and cpu_caps().qgemv_vnni:
-        return Int4WithQGemvRow(weight, dtype)
-    return PackedInt4(weight, dtype)
-
-
-def pack_8bit_halves(
-    high: Int4Weight, low: Int4Weight, dtype: torch.dtype
-) -> PackedInt4Pair | QGemvWeight | None:
-    """An 8-bit weight given as `int4.split_int8`'s two halves (a Q8_0 LM head), for `dtype`
-    activations: whole again for our kernel (bf16 activations too, up to
-    `kernel_rows().qgemv_bf16_head` rows), else two packed int4 halves for torch's; None
-    where no kernel takes its shape."""
-    if not QGemvWeight.supports(low):
-        return None if dtype == torch.float32 else PackedInt4Pair(high, low)
-    if dtype == torch.float32:
-        return QGemvWeight.from_int8_halves(high, low)
-    if cpu_caps().kernels:
-        return QGemvWeight.from_int8_halves(high, low, kernel_rows().qgemv_bf16_head)
-    return PackedInt4Pair(high, low)
-
-
-def _check_whole(layer: LinearLayer, shape: tuple[int, int], what: str) -> None:
+def check_whole(layer: LinearLayer, shape: tuple[int, int], what: str) -> None:
     """Weights kept as stored are the whole `[out, in]` weight: one process only."""
     if layer.tp_size != 1:
         raise ValueError(f"{what} weights are supported with tensor_parallel_size=1 only")
@@ -157,34 +102,41 @@ def _check_whole(layer: LinearLayer, shape: tuple[int, int], what: str) -> None:
         )
 
 
+# A method's `apply`: (layer, x, bias) -> x @ W.T + bias
+Apply = Callable[[LinearLayer, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
+
+
+def small_step(kernel: Kernel) -> Apply:
+    """A kernel of x alone as an `apply` entry of a row table (the bias added after it)."""
+
+    def apply(layer: LinearLayer, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        out = kernel(x)
+        return out if bias is None else out + bias
+
+    return apply
+
+
 class Int4Method(LinearMethod):
-    """4-bit weights for steps of up to `small.max_rows` rows, the dense weight above."""
+    """4-bit weights for steps of few rows, the dense weight above: its row table, built by
+    `minivllm.layers.quantization.chooser`, ends with the dense method's `apply`."""
 
-    def __init__(self, small: SmallStepWeight) -> None:
-        self.small = small
-        self.dense = UnquantizedMethod()
-
-    @staticmethod
-    def for_layer(layer: LinearLayer, weight: Int4Weight) -> Int4Method | None:
-        """The method for `layer` with `weight`, its whole `[out, in]` 4-bit weight (shards
-        stacked), packed for the kernel of the layer's dtype; None where that kernel does
-        not take the layer's shape (it stays dense)."""
-        _check_whole(layer, weight.shape, "int4")
-        small = pack_4bit(weight, layer.weight.dtype)
-        return None if small is None else Int4Method(small)
+    def __init__(self, small: RowTable[Kernel], dense: UnquantizedMethod, kernel: str) -> None:
+        self.dense = dense
+        self.table: RowTable[Apply] = (
+            *((rows, small_step(k)) for rows, k in small),
+            (float("inf"), dense.apply),
+        )
+        self.kernel = kernel  # what the small steps run, for the log
 
     @property
     def name(self) -> str:  # type: ignore[override]
-        return f"4-bit {type(self.small).__name__} + {self.dense.name}"
+        return f"4-bit {self.kernel} + {self.dense.name}"
 
     def process_weights_after_loading(self, layer: LinearLayer) -> None:
         self.dense.process_weights_after_loading(layer)
 
     def apply(self, layer: LinearLayer, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if not self.small.fits(x):
-            return self.dense.apply(layer, x, bias)
-        out = self.small.matmul(x)
-        return out if bias is None else out + bias
+        return pick(self.table, x)(layer, x, bias)
 
 
 class GgmlBlockMethod(LinearMethod):
@@ -196,7 +148,7 @@ class GgmlBlockMethod(LinearMethod):
         self.weight = weight
 
     def create_weights(self, layer: LinearLayer) -> None:
-        _check_whole(layer, self.weight.shape, "GGUF block")
+        check_whole(layer, self.weight.shape, "GGUF block")
         # [0, in]: keeps the dtype and device for whoever asks, holds nothing
         layer.weight = nn.Parameter(
             layer.weight.new_empty(0, layer.weight.shape[1]), requires_grad=False

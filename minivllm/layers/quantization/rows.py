@@ -2,6 +2,10 @@
 runs a layer, per kind of CPU kernels torch dispatches to; above it the layer's next path
 takes over (its dense weight, or for stored GGUF blocks tile-by-tile dequantization).
 
+A method chosen at load (`minivllm.layers.quantization.chooser`) turns these values into its
+`RowTable`: its kernels in order, each with the most rows it runs. A step then looks up its
+row count in the table and calls that kernel (`pick`): no check per kernel, no probe.
+
 Each value is where two kernels cross over the same weights, measured by
 `benchmarks/linear_kernels.py`, `benchmarks/one_row_kernels.py` and
 `benchmarks/ggml_kernels.py`; the figures are in docs/benchmarks.md ("The thresholds the code
@@ -12,8 +16,26 @@ a compiled step cannot call back into the probe.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import TypeVar
+
+import torch
+from gguf import GGMLQuantizationType
 
 from minivllm.layers.cpu_kernels import cpu_caps
+
+# (most rows, kernel) in ascending order; the last entry takes every count (`float("inf")`).
+# A kernel is whatever its owner calls: `x -> x @ W.T` in a BlockWeight, a method's `apply`.
+K = TypeVar("K")
+RowTable = tuple[tuple[float, K], ...]
+
+
+def pick(table: RowTable[K], x: torch.Tensor) -> K:
+    """The first kernel of `table` that takes x's row count (`[..., in]`: all but the last dim)."""
+    rows = x.numel() // x.shape[-1]
+    for max_rows, kernel in table[:-1]:
+        if rows <= max_rows:
+            return kernel
+    return table[-1][1]
 
 
 @dataclass(frozen=True)
@@ -64,3 +86,28 @@ KERNEL_ROWS = {
 def kernel_rows() -> KernelRows:
     """The thresholds for the kernels torch runs on this CPU."""
     return KERNEL_ROWS[cpu_caps().rows_kind]
+
+
+# The K kinds: activations rounded per block of 256 (`block_rows`, the integer kernel)
+K_KINDS = frozenset(
+    {GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K, GGMLQuantizationType.Q6_K}
+)
+
+
+def block_rows(qtype: int, x8: bool = False) -> float:
+    """Up to how many rows a step of `qtype` blocks takes the integer kernel on this CPU: the K
+    kinds' (activations rounded per block of 256) and the x8 layout's (a group's float work
+    shared by 8 columns) beat the dequantizing path at every row count; the other 32-input
+    kinds' (a float multiply each group and column) only up to a threshold."""
+    rows = kernel_rows()
+    if x8:
+        return rows.ggml_q4x8
+    return rows.ggml_int_dot_k if qtype in K_KINDS else rows.ggml_int_dot
+
+
+def compiled_steps_max_seqs(stored_blocks: bool) -> float:
+    """Up to how many sequences a decode step runs compiled: every count where the linear
+    layers run our operator on stored blocks (the same kernel at every size), else as many
+    as torch's int4 kernel takes rows (above, the eager step's oneDNN-prepacked matmuls,
+    opaque to Inductor, beat the graph's aten::mm)."""
+    return float("inf") if stored_blocks else kernel_rows().int4

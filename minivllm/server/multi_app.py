@@ -6,7 +6,8 @@ Routes: GET /v1/models (every model with its state, llama-server's `status: {val
 /models/load and /models/unload ({"model": NAME}), GET /health, /metrics (multi_metrics.py),
 /version. An unknown model is a 404 listing the names; a model that cannot be loaded a 503;
 an unload of a busy model a 409; all in OpenAI's error shape (errors.py). With `live` (a
-multi_lab.LiveModels, `--lab`) the live lab too: GET /lab?model=NAME and its API.
+multi_lab.LiveModels, `--lab`) the live lab too: GET /lab?model=NAME and its API. The
+Responses API and Anthropic's /v1/messages serve one model: here they answer a 404 saying so.
 """
 
 from __future__ import annotations
@@ -184,6 +185,12 @@ def _routes(router: ModelRouter) -> APIRouter:
     for path, handler in routed.items():
         routes.add_api_route(path, _routed(router, handler), methods=["POST"])
 
+    one_model = {"/v1/responses": "The Responses API", "/v1/messages": "Anthropic's API"}
+    for prefix, api in one_model.items():
+        routes.add_api_route(
+            prefix + "{rest:path}", _one_model_only(api), methods=["GET", "POST", "DELETE"]
+        )
+
     @routes.get("/v1/models")
     async def models(request: Request) -> Response:
         check_auth(request, router.api_key)
@@ -222,6 +229,17 @@ def _routes(router: ModelRouter) -> APIRouter:
         return JSONResponse({"version": _version()})
 
     return routes
+
+
+def _one_model_only(api: str) -> Callable[[], Awaitable[Response]]:
+    """A clear 404 for an API this server does not offer yet (its stored state is one
+    model's), rather than a bare "Not Found"."""
+
+    async def endpoint() -> Response:
+        message = f"{api} serves one model: start `minivllm serve` with one --model for it"
+        raise APIError(404, message, code="not_served_with_several_models")
+
+    return endpoint
 
 
 def _routed(router: ModelRouter, handler: Handler) -> Callable[[Request], Awaitable[Response]]:

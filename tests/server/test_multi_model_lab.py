@@ -7,6 +7,8 @@ accepts --lab with several models."""
 from __future__ import annotations
 
 import argparse
+import re
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -96,6 +98,14 @@ def test_the_picker_lists_every_model_with_its_state(base: str) -> None:
     assert list(models) == ["llama", "qwen"] and models["qwen"] == "loaded"
 
 
+@pytest.mark.parametrize("path", ["/v1/responses", "/v1/messages", "/v1/responses/resp_1"])
+def test_one_model_apis_say_so(base: str, path: str) -> None:
+    """The APIs that serve one model answer a 404 that says so, in OpenAI's shape."""
+    r = httpx.post(f"{base}{path}", json={"model": "llama"}, headers=AUTH, timeout=10)
+    assert r.status_code == 404
+    assert "serves one model" in r.json()["error"]["message"]
+
+
 def test_serve_refuses_flags_it_cannot_honour_with_several_models() -> None:
     """--lab is accepted with several models now; the flags that still serve one model stop
     the command with a message naming the flag (never silently ignored)."""
@@ -104,3 +114,50 @@ def test_serve_refuses_flags_it_cannot_honour_with_several_models() -> None:
     )
     with pytest.raises(SystemExit, match="--served-model-name serves one model"):
         serve_models(args, {})
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Any]:
+    """Headless Chromium (skipped without it, as the lab's own page tests are)."""
+    chromium = shutil.which("chromium") or "/usr/bin/chromium"
+    if not Path(chromium).exists():
+        pytest.skip(f"chromium not found at {chromium}")
+    sync_api = pytest.importorskip("playwright.sync_api")
+    with sync_api.sync_playwright() as p:
+        browser = p.chromium.launch(
+            executable_path=chromium, args=["--headless", "--no-sandbox", "--disable-gpu"]
+        )
+        yield browser
+        browser.close()
+
+
+def test_the_page_moves_to_a_loaded_model_and_its_picker_switches(base: str, browser) -> None:
+    """The page opened without ?model= moves to the first loaded model once the key is in;
+    its picker lists both models and choosing one reloads the page on it, whose poll then
+    shows that model's frames (its own pool size; no error banner, no page error)."""
+    from playwright.sync_api import expect
+
+    _complete(base, "llama")
+    _complete(base, "qwen")
+    context = browser.new_context(viewport={"width": 1440, "height": 1000})
+    page = context.new_page()
+    errors: list[str] = []
+    page.on("pageerror", lambda exc: errors.append(str(exc)))
+    try:
+        page.goto(f"{base}/lab")
+        page.get_by_test_id("key-input").fill(KEY)
+        page.get_by_test_id("key-apply").click()
+        page.wait_for_url("**/lab?model=llama")
+        select = page.get_by_test_id("model-select")
+        expect(page.get_by_test_id("model-pick")).to_be_visible()
+        expect(select).to_have_value("llama")
+        expect(page.get_by_test_id("live-free")).to_have_text(re.compile(r" / 32$"))  # llama's pool
+        assert select.locator("option").all_inner_texts() == ["llama (loaded)", "qwen (loaded)"]
+        select.select_option("qwen")
+        page.wait_for_url("**/lab?model=qwen")
+        expect(page.get_by_test_id("model-select")).to_have_value("qwen")
+        expect(page.get_by_test_id("live-free")).to_have_text(re.compile(r" / 48$"))  # qwen's
+        expect(page.get_by_test_id("banner")).to_be_hidden()
+    finally:
+        context.close()
+    assert errors == []

@@ -48,7 +48,8 @@ def main() -> None:
         print(
             f"{name}: relative RMS error, scale per token and head {100 * per_token:.2f}% "
             f"({8 + 32 / head_dim:.2f} bits a value); per {block}-token block and head "
-            f"{100 * per_block:.2f}% ({8 + 32 / (head_dim * block):.2f} bits)"
+            f"{100 * per_block:.2f}% ({8 + 32 / (head_dim * block):.2f} bits); "
+            f"largest magnitude {rows.abs().max().item():.1f}"
         )
 
 

@@ -4,6 +4,10 @@
 - GET /lab/api/live: the latest frame as docs/lab.md's JSON (`LiveRecorder.live`).
 - GET /lab/api/frames?after=N: the frames recorded after frame N, which the page polls.
 
+A server of several models (`minivllm serve --model A --model B --lab`) records each loaded
+model apart: its routes take `?model=NAME` (the page passes its own on), and the page offers
+the names of GET /lab/api/models as a picker (`model_live_routes`).
+
 The API obeys the server's API key like /v1 (`check_auth`, a 401 in OpenAI's error shape);
 the page itself holds no data, so it loads without one and sends the key its user types.
 The server passes its check in, so the lab imports nothing from the server.
@@ -34,8 +38,33 @@ PAGE_FILES = {
 _NO_STORE = {"Cache-Control": "no-store"}
 
 
+RecorderOf = Callable[[Request], LiveRecorder]
+
+
 def live_routes(recorder: LiveRecorder, check_auth: Callable[[Request], None]) -> APIRouter:
     """The live lab's router over `recorder`; `check_auth(request)` raises for a bad key."""
+    return _routes(lambda _request: recorder, check_auth)
+
+
+def model_live_routes(
+    recorder_of: RecorderOf,
+    check_auth: Callable[[Request], None],
+    models: Callable[[], list[dict[str, str]]],
+) -> APIRouter:
+    """The live lab of a server of several models: `recorder_of(request)` is the recorder of
+    the model the request's `?model=` names (it raises a 4xx for one it cannot watch), and
+    GET /lab/api/models lists `models()` ({"name", "state"} each) for the page's picker."""
+    router = _routes(recorder_of, check_auth)
+
+    @router.get("/lab/api/models")
+    async def model_list(request: Request) -> Response:
+        check_auth(request)
+        return JSONResponse({"models": models()}, headers=_NO_STORE)
+
+    return router
+
+
+def _routes(recorder_of: RecorderOf, check_auth: Callable[[Request], None]) -> APIRouter:
     router = APIRouter()
 
     @router.get("/lab", include_in_schema=False)
@@ -52,11 +81,11 @@ def live_routes(recorder: LiveRecorder, check_auth: Callable[[Request], None]) -
     @router.get("/lab/api/live")
     async def live(request: Request) -> Response:
         check_auth(request)
-        return JSONResponse(recorder.live(), headers=_NO_STORE)
+        return JSONResponse(recorder_of(request).live(), headers=_NO_STORE)
 
     @router.get("/lab/api/frames")
     async def frames(request: Request, after: int = Query(-1, ge=-1)) -> Response:
         check_auth(request)
-        return JSONResponse(recorder.frames_after(after), headers=_NO_STORE)
+        return JSONResponse(recorder_of(request).frames_after(after), headers=_NO_STORE)
 
     return router

@@ -5,8 +5,9 @@ Routes: GET /v1/models (every model with its state, llama-server's `status: {val
 /v1/completions, /v1/chat/completions, /tokenize, /detokenize (routed by `route`), POST
 /models/load and /models/unload ({"model": NAME}), GET /health, /metrics (multi_metrics.py),
 /version. An unknown model is a 404 listing the names; a model that cannot be loaded a 503;
-an unload of a busy model a 409; all in OpenAI's error shape (errors.py). The Responses API
-and the live lab serve one model: `minivllm serve` with one --model.
+an unload of a busy model a 409; all in OpenAI's error shape (errors.py). With `live` (a
+multi_lab.LiveModels, `--lab`) the live lab too: GET /lab?model=NAME and its API. The
+Responses API and Anthropic's /v1/messages serve one model: here they answer a 404 saying so.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from minivllm.server.model_registry import (
     ModelUnavailableError,
     UnknownModelError,
 )
+from minivllm.server.multi_lab import LiveModels
 from minivllm.server.multi_metrics import MultiModelCollector
 from minivllm.server.openai.chat import create_chat_completion
 from minivllm.server.openai.completions import create_completion
@@ -59,8 +61,10 @@ class ModelRouter:
         api_key: str | None,
         max_waiting_requests: int | None,
         chat: ChatOptions | None,
+        live: LiveModels | None = None,
     ) -> None:
         self.engine = self.registry = registry
+        self.live = live
         self.api_key = api_key
         self.max_waiting_requests = max_waiting_requests
         self.chat = chat
@@ -75,6 +79,8 @@ class ModelRouter:
 
     def _unloaded(self, name: str) -> None:
         self.servers.pop(name, None)
+        if self.live is not None:
+            self.live.forget(name)
 
     def metric_registries(self) -> dict[str, CollectorRegistry]:
         return {name: server.metrics.registry for name, server in self.servers.items()}
@@ -142,11 +148,13 @@ def create_multi_app(
     max_waiting_requests: int | None = DEFAULT_MAX_WAITING_REQUESTS,
     chat: ChatOptions | None = None,
     allowed_origins: list[str] | None = None,
+    live: LiveModels | None = None,
 ) -> FastAPI:
     """An OpenAI-compatible app serving the models of `registry`, loaded on demand; the
     registry starts with the app's lifespan and unloads every model when it ends.
-    `app.state.server` is the ModelRouter."""
-    router = ModelRouter(registry, api_key, max_waiting_requests, chat)
+    `app.state.server` is the ModelRouter. `live`: the live lab, whose `start` must be the
+    registry's `start_client` (multi_lab.py)."""
+    router = ModelRouter(registry, api_key, max_waiting_requests, chat, live)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -158,6 +166,8 @@ def create_multi_app(
 
     app = new_app(router, lifespan, max_body_bytes, allowed_origins)
     app.include_router(_routes(router))
+    if live is not None:
+        app.include_router(live.routes(registry, lambda request: check_auth(request, api_key)))
     return app
 
 
@@ -174,6 +184,12 @@ def _routes(router: ModelRouter) -> APIRouter:
     }
     for path, handler in routed.items():
         routes.add_api_route(path, _routed(router, handler), methods=["POST"])
+
+    one_model = {"/v1/responses": "The Responses API", "/v1/messages": "Anthropic's API"}
+    for prefix, api in one_model.items():
+        routes.add_api_route(
+            prefix + "{rest:path}", _one_model_only(api), methods=["GET", "POST", "DELETE"]
+        )
 
     @routes.get("/v1/models")
     async def models(request: Request) -> Response:
@@ -213,6 +229,17 @@ def _routes(router: ModelRouter) -> APIRouter:
         return JSONResponse({"version": _version()})
 
     return routes
+
+
+def _one_model_only(api: str) -> Callable[[], Awaitable[Response]]:
+    """A clear 404 for an API this server does not offer yet (its stored state is one
+    model's), rather than a bare "Not Found"."""
+
+    async def endpoint() -> Response:
+        message = f"{api} serves one model: start `minivllm serve` with one --model for it"
+        raise APIError(404, message, code="not_served_with_several_models")
+
+    return endpoint
 
 
 def _routed(router: ModelRouter, handler: Handler) -> Callable[[Request], Awaitable[Response]]:

@@ -8,9 +8,10 @@ import logging
 from typing import Any
 
 from minivllm.server.app import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_WAITING_REQUESTS
-from minivllm.server.model_registry import ModelRegistry, RegistryLimits
+from minivllm.server.model_registry import ModelRegistry, RegistryLimits, start_engine_process
 from minivllm.server.model_specs import model_specs
 from minivllm.server.multi_app import create_multi_app
+from minivllm.server.multi_lab import LiveModels
 from minivllm.server.serve import GracefulServer, _uvicorn_config, chat_options
 
 logger = logging.getLogger("minivllm.server")
@@ -36,7 +37,6 @@ def registry_limits(args: argparse.Namespace) -> RegistryLimits:
 def serve_models(args: argparse.Namespace, engine_options: dict[str, Any]) -> int:
     """Serve the models of `args.model` (a list) and `args.models_dir` until SIGINT/SIGTERM."""
     for flag, value in [
-        ("--lab", getattr(args, "lab", False)),
         ("--ray", getattr(args, "ray", False)),
         ("--served-model-name", args.served_model_name),
         ("--no-engine-process", not getattr(args, "engine_process", True)),
@@ -45,7 +45,9 @@ def serve_models(args: argparse.Namespace, engine_options: dict[str, Any]) -> in
             raise SystemExit(f"{flag} serves one model: give one --model")
     try:
         specs = model_specs(list(args.model or []), args.models_dir, engine_options)
-        registry = ModelRegistry(specs, registry_limits(args))
+        live = LiveModels() if getattr(args, "lab", False) else None
+        start = start_engine_process if live is None else live.start
+        registry = ModelRegistry(specs, registry_limits(args), start)
     except ValueError as exc:
         raise SystemExit(str(exc)) from None
     if not logging.getLogger().handlers:
@@ -59,8 +61,11 @@ def serve_models(args: argparse.Namespace, engine_options: dict[str, Any]) -> in
         or DEFAULT_MAX_WAITING_REQUESTS,
         chat=chat_options(args),
         allowed_origins=getattr(args, "allowed_origins", None),
+        live=live,
     )
     logger.info("serving %s on http://%s:%d/v1", registry.names, args.host, args.port)
+    if live is not None:
+        logger.info("live Engine Lab on http://%s:%d/lab?model=NAME", args.host, args.port)
     grace = getattr(args, "shutdown_timeout", None) or 5.0
     config = _uvicorn_config(app, grace, host=args.host, port=args.port, log_level="warning")
     GracefulServer(config, grace).run()

@@ -7,6 +7,9 @@ import { WORDS } from "./live-i18n.js";
 import { historyChart, timelineChart } from "./live-charts.js";
 
 const POLL_MS = 300;
+// A server of several models records each apart: the page watches the one ?model= names.
+const MODEL = new URLSearchParams(location.search).get("model");
+const MODEL_QUERY = MODEL ? `&model=${encodeURIComponent(MODEL)}` : "";
 const FIELDS = ["num_tokens", "num_prompt_tokens", "num_cached_tokens", "num_scheduled_tokens"];
 const S = {
   lang: initialLang(),
@@ -37,9 +40,8 @@ async function poll() {
     setTimeout(poll, POLL_MS);
     return;
   }
-  const headers = S.key ? { Authorization: `Bearer ${S.key}` } : {};
   try {
-    const res = await fetch(`/lab/api/frames?after=${S.after}`, { headers, cache: "no-store" });
+    const res = await fetch(`/lab/api/frames?after=${S.after}${MODEL_QUERY}`, { headers: authHeaders(), cache: "no-store" });
     const body = await res.json();
     if (!res.ok) {
       S.error = res.status === 401 ? t("unauthorized", { msg: body.error?.message || res.status }) : `${res.status}: ${body.error?.message}`;
@@ -52,6 +54,34 @@ async function poll() {
   }
   render();
   setTimeout(poll, POLL_MS);
+}
+
+function authHeaders() {
+  return S.key ? { Authorization: `Bearer ${S.key}` } : {};
+}
+
+// The model picker, on a server of several models only (a one-model server has no
+// /lab/api/models): choosing a model reloads the page on it; without ?model= the page
+// moves to the first loaded model.
+async function loadModels() {
+  let body;
+  try {
+    const res = await fetch("/lab/api/models", { headers: authHeaders(), cache: "no-store" });
+    if (!res.ok) return;
+    body = await res.json();
+  } catch {
+    return;
+  }
+  const loaded = body.models.find((m) => m.state === "loaded");
+  if (!MODEL && loaded) {
+    location.replace(`?model=${encodeURIComponent(loaded.name)}`);
+    return;
+  }
+  const select = $("model-select");
+  select.replaceChildren(...body.models.map((m) =>
+    h("option", { value: m.name, text: `${m.name} (${m.state})` })));
+  select.value = MODEL || "";
+  $("model-pick").hidden = false;
 }
 
 function take(body) {
@@ -233,6 +263,10 @@ function setup() {
     S.key = $("key-input").value.trim();
     sessionStorage.setItem("minivllm-live-key", S.key);
     S.error = null;
+    loadModels();
+  });
+  $("model-select").addEventListener("change", (e) => {
+    location.search = `?model=${encodeURIComponent(e.target.value)}`;
   });
   $("lang-toggle").addEventListener("click", () => {
     S.lang = S.lang === "en" ? "zh" : "en";
@@ -247,6 +281,7 @@ function setup() {
   $("scrub").addEventListener("input", (e) => pause(Number(e.target.value)));
   applyWords();
   render();
+  loadModels();
   poll();
 }
 

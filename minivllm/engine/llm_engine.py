@@ -22,6 +22,7 @@ from minivllm.engine.scheduler import ScheduledBatch, Scheduler
 from minivllm.engine.sequence import FinishReason, Sequence
 from minivllm.engine.spec_decode import Proposer
 from minivllm.engine.tracing import NullTracer
+from minivllm.lora_request import LoRARequest
 from minivllm.outputs import CompletionOutput, RequestMetrics
 from minivllm.pooling_params import PoolingParams
 from minivllm.sampling_params import SamplingParams
@@ -130,9 +131,11 @@ class LLMEngine:
         prompt: PromptInput,
         sampling_params: SamplingParams | PoolingParams | None = None,
         request_id: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> Sequence:
         """Queue a request; ValueError if it is malformed or could never fit. With
-        PoolingParams it is an embedding request: its prompt runs, pooled, and it ends."""
+        PoolingParams it is an embedding request: its prompt runs, pooled, and it ends. With
+        `lora_request` it runs under that adapter (loaded now if it is not resident)."""
         pooling = None
         if isinstance(sampling_params, PoolingParams):  # the engine's method unless it names one
             method = sampling_params.method or self.config.pooling or "last"
@@ -148,10 +151,12 @@ class LLMEngine:
                 f"logit_bias token id {outside[0]} is outside the vocabulary [0, {vocab})"
             )
         matcher = self.structured.matcher_for(sampling_params)  # GrammarError: a bad spec
+        self._add_lora(lora_request)
         seq_id = self._next_seq_id
         with self.tracer.phase("add"):
             seq = self.tracer.new_sequence(seq_id, token_ids, sampling_params)
             seq.pooling = pooling
+            seq.lora_int_id = lora_request.lora_int_id if lora_request else 0
             self.scheduler.add(seq)
         self._next_seq_id += 1
         request_id = str(seq_id) if request_id is None else request_id
@@ -159,6 +164,17 @@ class LLMEngine:
             request_id, text, seq, RequestMetrics(seq.arrival_time), matcher=matcher
         )
         return seq
+
+    def _add_lora(self, lora_request: LoRARequest | None) -> None:
+        """Make a request's adapter resident, evicting only one no unfinished request uses."""
+        if lora_request is None:
+            return
+        if not isinstance(lora_request, LoRARequest):
+            raise TypeError(f"lora_request must be a LoRARequest, got {lora_request!r}")
+        if not self.config.enable_lora:
+            raise ValueError("this engine serves no LoRA adapters: start it with enable_lora")
+        in_use = {r.seq.lora_int_id for r in self._requests.values()}
+        self.model_runner.lora.add(lora_request, in_use)
 
     def _tokenize(self, prompt: PromptInput) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):

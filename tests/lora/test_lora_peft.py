@@ -6,9 +6,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from support.lora_adapters import ADAPTERS, make_peft_adapter, merged_greedy
 
 from minivllm import LoRARequest, SamplingParams
-from support.lora_adapters import ADAPTERS, make_peft_adapter, merged_greedy
 
 PROMPT = [1, 17, 42, 99, 7, 3, 250, 64, 12, 5, 77, 31, 8, 90, 45, 61, 22, 13]
 MAX_TOKENS = 8

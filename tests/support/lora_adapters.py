@@ -51,3 +51,76 @@ def merged_greedy(base_dir: Path, adapter_dir: Path | None, prompt: list[int], n
         torch.tensor([prompt]), max_new_tokens=n, do_sample=False, min_new_tokens=n
     )
     return out[0, len(prompt) :].tolist()
+
+
+def random_lora(
+    shapes: dict[str, tuple[int, int]], r: int, seed: int
+) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """A and B for each module name -> (in, out), random (scale 0.3)."""
+    gen = torch.Generator().manual_seed(seed)
+    return {
+        name: (torch.randn(r, i, generator=gen) * 0.3, torch.randn(o, r, generator=gen) * 0.3)
+        for name, (i, o) in shapes.items()
+    }
+
+
+def write_peft_files(
+    out_dir: Path, modules: dict[str, tuple[torch.Tensor, torch.Tensor]], r: int, alpha: float
+) -> Path:
+    """A PEFT adapter folder as `save_pretrained` writes it, from given A and B."""
+    import json
+
+    from safetensors.torch import save_file
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    targets = sorted({name.rsplit(".", 1)[-1] for name in modules})
+    config = {"peft_type": "LORA", "r": r, "lora_alpha": alpha, "target_modules": targets}
+    (out_dir / "adapter_config.json").write_text(json.dumps(config))
+    tensors = {}
+    for name, (a, b) in modules.items():
+        tensors[f"base_model.model.{name}.lora_A.weight"] = a.contiguous()
+        tensors[f"base_model.model.{name}.lora_B.weight"] = b.contiguous()
+    save_file(tensors, str(out_dir / "adapter_model.safetensors"))
+    return out_dir
+
+
+GGUF_NAMES = {
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+
+
+def write_gguf_lora(
+    path: Path,
+    modules: dict[str, tuple[torch.Tensor, torch.Tensor]],
+    alpha: float,
+    heads: tuple[int, int],
+) -> Path:
+    """The same A and B as a llama.cpp LoRA GGUF, laid out as convert_lora_to_gguf.py writes
+    it (q and k `B` rows in llama.cpp's rotary order)."""
+    import gguf
+
+    from minivllm.models.gguf import permute_qk
+
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_string("general.type", "adapter")
+    writer.add_string("adapter.type", "lora")
+    writer.add_float32("adapter.lora.alpha", alpha)
+    for name, (a, b) in modules.items():
+        layer = name.split(".")[2]
+        kind = GGUF_NAMES[name.split(".", 3)[3]]
+        b_np = b.numpy()
+        if kind in ("attn_q", "attn_k"):
+            b_np = permute_qk(b_np, heads[0] if kind == "attn_q" else heads[1])
+        writer.add_tensor(f"blk.{layer}.{kind}.weight.lora_a", a.numpy().copy())
+        writer.add_tensor(f"blk.{layer}.{kind}.weight.lora_b", b_np.copy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path

@@ -211,7 +211,7 @@ class EngineConfig:
     max_loras: int = _option(4, "most LoRA adapters resident at once (LRU eviction)")
     max_lora_rank: int = _option(64, "largest LoRA rank accepted")
     lora_modules: tuple[str, ...] = _option(
-        (), "LoRA adapters loaded at start-up, each name=path (repeat it for several)"
+        (), "LoRA adapters served from start-up: name=path ... (a PEFT folder or a LoRA .gguf)"
     )
     # filled from the model when the engine is built
     eos_token_ids: tuple[int, ...] = _option((), "end-of-sequence token ids", cli=False)

@@ -17,6 +17,7 @@ from typing import Any, Protocol
 from minivllm.config import EngineConfig
 from minivllm.engine.engine_output import EngineOutput
 from minivllm.engine.generation_config import default_sampling_params, with_eos_token_ids
+from minivllm.engine.lora_registry import LoRARegistry, LoRASlots
 from minivllm.engine.runner_output import RunnerOutput
 from minivllm.engine.scheduler import ScheduledBatch, Scheduler
 from minivllm.engine.sequence import FinishReason, Sequence
@@ -83,6 +84,7 @@ class LLMEngine:
             tokenizer, model_runner.vocab_size, config.eos_token_ids
         )
         self._requests: dict[int, _Request] = {}
+        self.loras = LoRARegistry(config)  # the named adapters (the server's `model` names)
         self._next_seq_id = 0  # taken only by an accepted request: a refusal uses no id
 
     @classmethod
@@ -173,8 +175,10 @@ class LLMEngine:
             raise TypeError(f"lora_request must be a LoRARequest, got {lora_request!r}")
         if not self.config.enable_lora:
             raise ValueError("this engine serves no LoRA adapters: start it with enable_lora")
-        in_use = {r.seq.lora_int_id for r in self._requests.values()}
-        self.model_runner.lora.add(lora_request, in_use)
+        slots = getattr(self.model_runner, "lora", None)
+        if not isinstance(slots, LoRASlots):
+            raise ValueError("this engine's runner serves no LoRA adapters")
+        slots.add(lora_request, {r.seq.lora_int_id for r in self._requests.values()})
 
     def _tokenize(self, prompt: PromptInput) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):

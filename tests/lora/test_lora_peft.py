@@ -35,7 +35,7 @@ def lora_llm(tiny_llama_dir: Path):
 def test_three_adapters_and_base_in_one_batch_match_peft_merged(
     lora_llm, adapters: list[LoRARequest], tiny_llama_dir: Path
 ) -> None:
-    """Each row of a mixed batch runs its own adapter (or none): the grouped per-row update,
+    """Each row of a mixed batch runs its own adapter (or none): the masked per-row update,
     the fused q/k/v and gate/up placement and rsLoRA scaling are exact against PEFT."""
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     loras = [None, *adapters]

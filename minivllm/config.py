@@ -274,6 +274,8 @@ class EngineConfig:
                 raise ValueError(f"lora_modules entries are name=path, got {module!r}")
         if self.lora_modules and not self.enable_lora:
             raise ValueError("lora_modules needs enable_lora")
+        if self.enable_lora and self.tensor_parallel_size > 1:
+            raise ValueError("enable_lora with tensor_parallel_size > 1 is not supported yet")
 
     @property
     def eager(self) -> bool:

@@ -31,6 +31,7 @@ def test_the_cli_takes_several_lora_modules() -> None:
         (dict(lora_modules=("a=/x",)), "needs enable_lora"),
         (dict(enable_lora=True, max_loras=0), "max_loras"),
         (dict(enable_lora=True, max_lora_rank=-1), "max_lora_rank"),
+        (dict(enable_lora=True, tensor_parallel_size=2), "tensor_parallel_size"),
     ],
 )
 def test_bad_lora_options_are_refused(options: dict, message: str) -> None:

@@ -1,6 +1,7 @@
 """minivllm: a small, fast, readable LLM inference engine."""
 
 from minivllm.logprobs import Logprob
+from minivllm.lora_request import LoRARequest
 from minivllm.outputs import CompletionOutput, EmbeddingRequestOutput, RequestOutput
 from minivllm.pooling_params import PoolingParams
 from minivllm.sampling_params import SamplingParams
@@ -13,6 +14,7 @@ __all__ = [
     "CompletionOutput",
     "EmbeddingRequestOutput",
     "Logprob",
+    "LoRARequest",
 ]
 
 

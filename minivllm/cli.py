@@ -51,6 +51,7 @@ def add_engine_options(parser: argparse.ArgumentParser, repeatable: tuple[str, .
             choices=f.metadata["choices"],
             help=f.metadata["help"] + (" (repeat it for several)" if f.name in repeatable else ""),
             action="append" if f.name in repeatable else "store",
+            nargs="+" if "tuple" in str(f.type) else None,  # several values: name=path ...
         )
 
 

@@ -203,11 +203,22 @@ class EngineConfig:
         "(default: the model's sentence-transformers config, else last), L2-normalized",
         ("last", "mean", "cls"),
     )
+    enable_lora: bool = _option(
+        False,
+        "serve LoRA adapters (PEFT folders or llama.cpp LoRA GGUFs) on top of the base "
+        "weights, per request; steps run eagerly",
+    )
+    max_loras: int = _option(4, "most LoRA adapters resident at once (LRU eviction)")
+    max_lora_rank: int = _option(64, "largest LoRA rank accepted")
+    lora_modules: tuple[str, ...] = _option(
+        (), "LoRA adapters served from start-up: name=path ... (a PEFT folder or a LoRA .gguf)"
+    )
     # filled from the model when the engine is built
     eos_token_ids: tuple[int, ...] = _option((), "end-of-sequence token ids", cli=False)
 
     def __post_init__(self) -> None:
         positive = ["block_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size"]
+        positive += ["max_loras", "max_lora_rank"]
         for name in positive:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -253,6 +264,23 @@ class EngineConfig:
             raise ValueError(
                 "speculative_config with tensor_parallel_size > 1 is not supported yet"
             )
+
+        modules = self.lora_modules or ()  # the CLI gives one string: "a=path b=path"
+        modules = modules.replace(",", " ").split() if isinstance(modules, str) else modules
+        object.__setattr__(self, "lora_modules", tuple(modules))
+        for module in self.lora_modules:
+            name, sep, path = str(module).partition("=")
+            if not sep or not name or not path:
+                raise ValueError(f"lora_modules entries are name=path, got {module!r}")
+        if self.lora_modules and not self.enable_lora:
+            raise ValueError("lora_modules needs enable_lora")
+        if self.enable_lora and self.tensor_parallel_size > 1:
+            raise ValueError("enable_lora with tensor_parallel_size > 1 is not supported yet")
+
+    @property
+    def eager(self) -> bool:
+        """Whether every step runs eagerly: asked for, or LoRA (its per-row grouping)."""
+        return self.enforce_eager or self.enable_lora
 
     @classmethod
     def from_options(cls, **options: object) -> EngineConfig:

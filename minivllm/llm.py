@@ -12,6 +12,7 @@ from minivllm.engine import requests
 from minivllm.engine.llm_engine import LLMEngine, PromptInput
 from minivllm.engine.requests import Message
 from minivllm.engine.runtime.output_processor import OutputProcessor
+from minivllm.lora_request import LoRARequest
 from minivllm.outputs import (
     CompletionOutput,
     EmbeddingOutput,
@@ -55,12 +56,14 @@ class LLM:
         prompts: PromptInput | Seq[PromptInput],
         sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Seq[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in input order.
 
         A prompt is a string, a list of token ids, or {"prompt_token_ids": [...]}.
         `sampling_params` is one SamplingParams for all prompts or one per prompt (None:
-        `get_default_sampling_params()`).
+        `get_default_sampling_params()`); `lora_request` likewise one adapter for all or one
+        per prompt (None: the base model; needs `enable_lora`).
         """
         prompt_list = requests.as_prompt_list(prompts)
         if sampling_params is None:
@@ -76,7 +79,8 @@ class LLM:
         # (prompt index, sample index) of each request id, in the order fan_out made them.
         owners = [(i, j) for i, p in enumerate(params_list) for j in range(p.n)]
         request_ids = [f"{i}-{j}" for i, j in owners]
-        requests.add_all(self.llm_engine, choices, request_ids)
+        loras = _per_prompt(lora_request, len(prompt_list))
+        requests.add_all(self.llm_engine, choices, request_ids, [loras[i] for i, _ in owners])
         finals = self._run(len(owners), use_tqdm)
         results: list[RequestOutput | None] = [None] * len(prompt_list)
         for request_id, (i, j) in zip(request_ids, owners):
@@ -184,3 +188,15 @@ class LLM:
         finally:
             bar.close()
         return finals
+
+
+def _per_prompt(
+    lora_request: LoRARequest | Seq[LoRARequest | None] | None, n: int
+) -> list[LoRARequest | None]:
+    """One adapter (or None) per prompt, from one for all or a list of n."""
+    if lora_request is None or isinstance(lora_request, LoRARequest):
+        return [lora_request] * n
+    loras = list(lora_request)
+    if len(loras) != n:
+        raise ValueError(f"lora_request: {len(loras)} given for {n} prompts")
+    return loras

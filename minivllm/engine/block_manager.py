@@ -100,7 +100,7 @@ class BlockManager:
             return []  # prompt logprobs need the logits of every prompt position
         bs = self.block_size
         hits: list[int] = []
-        parent: int | None = None
+        parent = self._root(seq)
         for i in range((seq.num_tokens - 1) // bs):
             tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
             h = self.hash_fn(parent, tokens)
@@ -114,6 +114,12 @@ class BlockManager:
             hits.append(block_id)
             parent = h
         return hits
+
+    def _root(self, seq: Sequence) -> int | None:
+        """The first block's parent: None for the base model, the adapter's own value under
+        a LoRA adapter, so a block hashed under one adapter never matches another (-1 is no
+        token id: no real block hashes the same)."""
+        return self.hash_fn(None, (-1, seq.lora_int_id)) if seq.lora_int_id else None
 
     def take_prefix(self, seq: Sequence, hits: Seq[int]) -> None:
         """Give `seq` the cached blocks `hits`; their tokens count as cached from now on."""
@@ -188,7 +194,7 @@ class BlockManager:
             block = self.blocks[seq.block_table[i]]
             if block.hash is not None:
                 continue
-            parent = self.blocks[seq.block_table[i - 1]].hash if i > 0 else None
+            parent = self.blocks[seq.block_table[i - 1]].hash if i > 0 else self._root(seq)
             tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
             block.hash = self.hash_fn(parent, tokens)
             block.parent_hash = parent

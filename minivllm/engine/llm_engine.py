@@ -17,11 +17,13 @@ from typing import Any, Protocol
 from minivllm.config import EngineConfig
 from minivllm.engine.engine_output import EngineOutput
 from minivllm.engine.generation_config import default_sampling_params, with_eos_token_ids
+from minivllm.engine.lora_registry import LoRARegistry, LoRASlots
 from minivllm.engine.runner_output import RunnerOutput
 from minivllm.engine.scheduler import ScheduledBatch, Scheduler
 from minivllm.engine.sequence import FinishReason, Sequence
 from minivllm.engine.spec_decode import Proposer
 from minivllm.engine.tracing import NullTracer
+from minivllm.lora_request import LoRARequest
 from minivllm.outputs import CompletionOutput, RequestMetrics
 from minivllm.pooling_params import PoolingParams
 from minivllm.sampling_params import SamplingParams
@@ -82,6 +84,7 @@ class LLMEngine:
             tokenizer, model_runner.vocab_size, config.eos_token_ids
         )
         self._requests: dict[int, _Request] = {}
+        self.loras = LoRARegistry(config)  # the named adapters (the server's `model` names)
         self._next_seq_id = 0  # taken only by an accepted request: a refusal uses no id
 
     @classmethod
@@ -130,9 +133,11 @@ class LLMEngine:
         prompt: PromptInput,
         sampling_params: SamplingParams | PoolingParams | None = None,
         request_id: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> Sequence:
         """Queue a request; ValueError if it is malformed or could never fit. With
-        PoolingParams it is an embedding request: its prompt runs, pooled, and it ends."""
+        PoolingParams it is an embedding request: its prompt runs, pooled, and it ends. With
+        `lora_request` it runs under that adapter (loaded now if it is not resident)."""
         pooling = None
         if isinstance(sampling_params, PoolingParams):  # the engine's method unless it names one
             method = sampling_params.method or self.config.pooling or "last"
@@ -148,10 +153,12 @@ class LLMEngine:
                 f"logit_bias token id {outside[0]} is outside the vocabulary [0, {vocab})"
             )
         matcher = self.structured.matcher_for(sampling_params)  # GrammarError: a bad spec
+        self._add_lora(lora_request)
         seq_id = self._next_seq_id
         with self.tracer.phase("add"):
             seq = self.tracer.new_sequence(seq_id, token_ids, sampling_params)
             seq.pooling = pooling
+            seq.lora_int_id = lora_request.lora_int_id if lora_request else 0
             self.scheduler.add(seq)
         self._next_seq_id += 1
         request_id = str(seq_id) if request_id is None else request_id
@@ -159,6 +166,19 @@ class LLMEngine:
             request_id, text, seq, RequestMetrics(seq.arrival_time), matcher=matcher
         )
         return seq
+
+    def _add_lora(self, lora_request: LoRARequest | None) -> None:
+        """Make a request's adapter resident, evicting only one no unfinished request uses."""
+        if lora_request is None:
+            return
+        if not isinstance(lora_request, LoRARequest):
+            raise TypeError(f"lora_request must be a LoRARequest, got {lora_request!r}")
+        if not self.config.enable_lora:
+            raise ValueError("this engine serves no LoRA adapters: start it with enable_lora")
+        slots = getattr(self.model_runner, "lora", None)
+        if not isinstance(slots, LoRASlots):
+            raise ValueError("this engine's runner serves no LoRA adapters")
+        slots.add(lora_request, {r.seq.lora_int_id for r in self._requests.values()})
 
     def _tokenize(self, prompt: PromptInput) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):

@@ -25,6 +25,7 @@ from minivllm.engine.compiled_decode import CompiledDecode, compile_decode_step
 from minivllm.engine.cuda_graphs import CudaGraphDecode, capture_decode_graphs, use_cuda_graphs
 from minivllm.engine.device import resolve_device, resolve_dtype, staged
 from minivllm.engine.logits import compute_logits_in_slices, score_prompt_rows
+from minivllm.engine.lora_manager import lora_manager
 from minivllm.engine.pooler import pool_batch
 from minivllm.engine.runner_output import RunnerOutput, SampledToken
 from minivllm.engine.scheduler import ScheduledBatch
@@ -188,27 +189,25 @@ class ModelRunner:
         self.model_dir = model_dir
         self.device = resolve_device(config)
         self.dtype = resolve_dtype(config, self.device)
-        # the cache holds K and V as the layers compute them (rotary included), or quantized
-        # (kv_cache_dtype, see kv_quant.py); the attention maths are fp32 on the CPU regardless
+        # the cache holds K and V as computed (rotary included) or quantized (kv_quant.py)
         kv_quant.check_kv_cache_dtype(config.kv_cache_dtype, self.device)
         self.kv_dtype = kv_quant.kv_storage_dtype(config.kv_cache_dtype, self.dtype)
         self.block_size = config.block_size
         torch.manual_seed(config.seed)
-        # Start-up, one named step each: load, quantize and pack, choose the attention
-        # backends, size the KV cache (on a GPU after a profiled peak) and allocate it, warm up
-        # the compiled decode step (CPU) or capture the decode graphs (CUDA), measure memory.
+        # Start-up, one named step each: load, quantize and pack, LoRA slots, attention backends,
+        # KV cache sized and allocated, decode step compiled (CPU) or captured (CUDA), memory.
         self.model, self.hf_config = self._load_model(model_dir, tp_rank, tp_size)
         # the kernel of the weights kept as stored: "int4", "qgemv", "blocks" or None (dense)
         self.weight_kernel = self._quantize()
+        self.lora = lora_manager(config, self.model, self.dtype)
         self._read_model_shape(tp_rank, tp_size)
         self.attention_backends = self._bind_attention()  # before sizing: its peak counts
         self.num_kv_blocks = self._size_kv_cache(tp_size)
         # CUDA graphs' padding rows write to one more block, past the block manager's pool.
-        self.graphs_on = use_cuda_graphs(config.enforce_eager, self.device, tp_size)
+        self.graphs_on = use_cuda_graphs(config.eager, self.device, tp_size)
         self.kv_caches = self._allocate_kv_cache()
         self.sampler = Sampler(config.seed, self.device, config.eos_token_ids)
-        # torch threads for one-sequence decode steps, None: torch's own setting. The in-process
-        # runtime leaves a core to its HTTP thread (minivllm/engine/runtime/cpu_share.py).
+        # one-sequence decode steps' torch threads (None: torch's; engine/runtime/cpu_share.py)
         self.small_step_threads: int | None = None
         self.compiled_decode = self._warm_up_compiled_decode(tp_size)
         self.cuda_graphs: CudaGraphDecode | None = None
@@ -263,7 +262,7 @@ class ModelRunner:
     def _warm_up_compiled_decode(self, tp_size: int) -> CompiledDecode | None:
         """The compiled decode step, its graphs built now (None: eager steps only)."""
         if not compile_decode_step(
-            self.config.enforce_eager, self.device, self.dtype, tp_size, self.weight_kernel
+            self.config.eager, self.device, self.dtype, tp_size, self.weight_kernel
         ):
             return None
         # Decode steps of several sequences compile too where the paged kernel attends: the
@@ -369,6 +368,7 @@ class ModelRunner:
 
     def _run(self, inputs: StepInputs, batch: ScheduledBatch) -> RunnerOutput:
         forward = self.model
+        self.lora.set_batch(batch.seqs, self.device)  # each row's adapter (a no-op: LoRA off)
         if self.compiled_decode is not None and self.compiled_decode.applies(inputs.meta):
             forward = self.compiled_decode
         elif self.cuda_graphs is not None and self.cuda_graphs.applies(inputs.meta):

@@ -18,6 +18,7 @@ from typing import Any, cast
 
 from minivllm.engine.llm_engine import LLMEngine, PromptInput
 from minivllm.engine.sequence import Sequence
+from minivllm.lora_request import LoRARequest
 from minivllm.pooling_params import PoolingParams
 from minivllm.sampling_params import SamplingParams
 
@@ -123,13 +124,19 @@ def nth_sample(params: SamplingParams, j: int) -> SamplingParams:
     return replace(params, n=1, seed=seed)
 
 
-def add_all(engine: LLMEngine, choices: list[Choice], request_ids: list[str]) -> list[Sequence]:
-    """Add one request per choice, all or none: if one fails, those added are aborted and
-    the error propagates."""
+def add_all(
+    engine: LLMEngine,
+    choices: list[Choice],
+    request_ids: list[str],
+    loras: Seq[LoRARequest | None] | None = None,
+) -> list[Sequence]:
+    """Add one request per choice (under `loras[i]`'s adapter, if given), all or none: if
+    one fails, those added are aborted and the error propagates."""
     added: list[Sequence] = []
+    loras = loras or [None] * len(choices)
     try:
-        for (prompt, params), request_id in zip(choices, request_ids, strict=True):
-            added.append(engine.add_request(prompt, params, request_id=request_id))
+        for (prompt, params), request_id, lora in zip(choices, request_ids, loras, strict=True):
+            added.append(engine.add_request(prompt, params, request_id, lora_request=lora))
     except Exception:
         for seq in added:
             engine.abort_request(seq.seq_id)

@@ -15,6 +15,8 @@ Who writes each field (the tutorial chapter's rule: scheduled is not cached):
   prompt has run. `pooled` is the runner's partial pool over the committed positions (mean
   pooling's running sum), taken from each step's output by the commit and reset by
   preemption; `embedding` is the final vector, written by the commit that finishes it.
+- `lora_int_id`: the request's LoRA adapter (0: the base model), set by the engine at
+  creation; the runner maps it to a slot and the prefix cache keys the first block by it.
 - `status`: the Scheduler (WAITING -> RUNNING on admission, RUNNING -> WAITING on preemption,
   -> FINISHED on a stop condition or abort).
 
@@ -83,6 +85,7 @@ class Sequence:
         self.pooling: PoolingParams | None = None
         self.pooled: Any = None  # opaque here: the runner's tensor
         self.embedding: list[float] | None = None
+        self.lora_int_id = 0
 
     def __repr__(self) -> str:
         return (

@@ -91,6 +91,7 @@ class LinearBase(nn.Module):
             self.register_parameter("bias", None)
         # how the weight runs: dense until the weight policy picks another at load
         self.method: LinearMethod = UnquantizedMethod()
+        self.lora: Any = None  # a LoRALinear (minivllm.layers.lora) when adapters are enabled
 
     @property
     def shard_ids(self) -> tuple[int | str | None, ...]:
@@ -120,7 +121,8 @@ class LinearBase(nn.Module):
         self.method = method
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.method.apply(self, x, self.bias)
+        out = self.method.apply(self, x, self.bias)
+        return out if self.lora is None else self.lora(x, out)
 
     def extra_repr(self) -> str:
         return (
@@ -285,7 +287,7 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return self.method.apply(self, x, self.bias)
+            return super().forward(x)
         # The bias is whole on every rank: only rank 0 adds it, so the sum has it once.
         out = self.method.apply(self, x, self.bias if self.tp_rank == 0 else None)
         return parallel_state.all_reduce(out)

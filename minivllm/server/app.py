@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP server: the app factory and its routes over an EngineClient.
 
-Routes: GET /v1/models, POST /v1/completions, POST /v1/chat/completions, POST /v1/embeddings
-(`openai/embeddings.py`), the Responses API
+Routes: GET /v1/models (with the LoRA adapters), POST /v1/completions, POST /v1/chat/completions,
+POST /v1/embeddings (`openai/embeddings.py`), POST /v1/load_lora_adapter and
+/v1/unload_lora_adapter (`openai/lora_routes.py`), the Responses API
 (POST /v1/responses, GET, DELETE /v1/responses/{id}, POST /v1/responses/{id}/cancel,
 `responses/`), Anthropic's POST /v1/messages and /v1/messages/count_tokens (`anthropic/`,
 errors in Anthropic's shape), POST /tokenize,
@@ -43,6 +44,7 @@ from minivllm.server.openai import response_models
 from minivllm.server.openai.chat import create_chat_completion
 from minivllm.server.openai.completions import create_completion
 from minivllm.server.openai.embeddings import create_embedding
+from minivllm.server.openai.lora_routes import adapter_cards, lora_routes
 from minivllm.server.openai.serving import ChatOptions, OpenAIServer, json_response
 from minivllm.server.openai.tokenize import detokenize, tokenize
 from minivllm.server.responses.routes import ResponsesAPI
@@ -93,6 +95,7 @@ def create_app(
     app.state.responses = ResponsesAPI(server, response_store)
     app.include_router(app.state.responses.routes())
     app.include_router(anthropic_routes(server))
+    app.include_router(lora_routes(server))
     if recorder is not None:
         from minivllm.lab.live_routes import live_routes
 
@@ -120,7 +123,7 @@ def openai_routes(server: OpenAIServer) -> APIRouter:
         card = response_models.ModelCard(
             id=server.served_model_name, max_model_len=server.max_model_len
         )
-        return json_response(response_models.ModelList(data=[card]))
+        return json_response(response_models.ModelList(data=[card, *adapter_cards(server)]))
 
     @router.post("/v1/completions")
     async def completions(request: Request) -> Response:

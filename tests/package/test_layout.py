@@ -144,6 +144,7 @@ def test_the_engine_core_imports_neither_torch_nor_the_server_nor_the_lab() -> N
 # higher floor and a lower one both need moves down here, as `paging.blocks_for` did.
 HELPERS = {
     "cache",
+    "lora_request",
     "config",
     "distributed",  # the ranks' state and head split; the TP executor is in engine/
     "logprobs",

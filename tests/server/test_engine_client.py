@@ -16,6 +16,7 @@ from minivllm.server.app import create_app
 
 MEMBERS = (
     "config",
+    "loras",
     "tokenizer",
     "default_sampling_params",
     "vocab_size",

@@ -26,6 +26,7 @@ from typing import Any
 
 from minivllm.config import EngineConfig
 from minivllm.engine.llm_engine import LLMEngine
+from minivllm.engine.lora_registry import LoRARegistry
 from minivllm.engine.requests import Choice
 from minivllm.engine.runtime.engine_loop import (
     Abort,
@@ -117,13 +118,16 @@ def call_output_hook(hook: OutputHook | None, output: RequestOutput, num_new: in
 
 
 async def add_and_wait(
-    send: Callable[[Command], None], request_id: str, choices: list[Choice]
+    send: Callable[[Command], None],
+    request_id: str,
+    choices: list[Choice],
+    lora_name: str | None = None,
 ) -> RequestStream:
     """Send an Add for `choices` and wait until the engine has taken (or refused) it; a
     cancelled wait (the client left) sends an Abort."""
     stream = Stream(asyncio.get_running_loop(), asyncio.Queue())
     done: concurrent.futures.Future[None] = concurrent.futures.Future()
-    send(Add(request_id, choices, stream, done))
+    send(Add(request_id, choices, stream, done, lora_name))
     try:
         await asyncio.wrap_future(done)
     except asyncio.CancelledError:  # the client left while the add was pending
@@ -174,6 +178,10 @@ class AsyncLLMEngine:
     @property
     def config(self) -> EngineConfig:
         return self.engine.config
+
+    @property
+    def loras(self) -> LoRARegistry:
+        return self.engine.loras
 
     @property
     def tokenizer(self) -> Any:
@@ -248,8 +256,11 @@ class AsyncLLMEngine:
 
     # ---- the asyncio side -------------------------------------------------------------
 
-    async def add_request(self, request_id: str, choices: list[Choice]) -> RequestStream:
-        """Add one sub-request per choice, all or none, and return their output stream.
+    async def add_request(
+        self, request_id: str, choices: list[Choice], lora_name: str | None = None
+    ) -> RequestStream:
+        """Add one sub-request per choice (under the LoRA adapter `lora_name`, if given), all
+        or none, and return their output stream.
 
         Raises ValueError (bad request) or QueueFullError (overloaded). The caller must
         `close()` the stream when done with it: closing it early aborts what still runs.
@@ -258,7 +269,7 @@ class AsyncLLMEngine:
             raise ShuttingDownError("the server is shutting down; retry on another instance")
         if not self.is_running:
             raise EngineDeadError("the engine loop is not running")
-        return await add_and_wait(self._commands.send, request_id, choices)
+        return await add_and_wait(self._commands.send, request_id, choices, lora_name)
 
     # ---- the engine thread ------------------------------------------------------------
 

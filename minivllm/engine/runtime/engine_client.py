@@ -14,6 +14,7 @@ from typing import Any, Protocol
 
 from minivllm.config import EngineConfig
 from minivllm.engine.llm_engine import LLMEngine
+from minivllm.engine.lora_registry import LoRARegistry
 from minivllm.engine.requests import Choice
 from minivllm.engine.runtime.async_engine import (
     AsyncLLMEngine,
@@ -35,6 +36,11 @@ class EngineClient(Protocol):
     @property
     def config(self) -> EngineConfig:
         """The engine's resolved options (max_model_len, model, ...)."""
+        ...
+
+    @property
+    def loras(self) -> LoRARegistry:
+        """The named LoRA adapters (`model` names that route to an adapter)."""
         ...
 
     @property
@@ -82,8 +88,11 @@ class EngineClient(Protocol):
         """End every in-flight request now with finish_reason "abort"; safe from any thread."""
         ...
 
-    async def add_request(self, request_id: str, choices: list[Choice]) -> RequestStream:
-        """Add one sub-request per choice, all or none, and return their output stream."""
+    async def add_request(
+        self, request_id: str, choices: list[Choice], lora_name: str | None = None
+    ) -> RequestStream:
+        """Add one sub-request per choice (under LoRA adapter `lora_name`, if given), all or
+        none, and return their output stream."""
         ...
 
 

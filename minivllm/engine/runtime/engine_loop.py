@@ -60,6 +60,7 @@ class Add:
     choices: list[Choice]
     target: Any  # handed back to the sink with each of the request's outputs
     done: concurrent.futures.Future[None]
+    lora_name: str | None = None  # the LoRA adapter all choices run under (None: the base)
 
 
 @dataclass
@@ -255,7 +256,9 @@ class EngineLoop:
                 f"(limit {limit}); retry later"
             )
         sub_ids = [f"{command.request_id}/{i}" for i in range(len(command.choices))]
-        seqs = requests.add_all(self.engine, command.choices, sub_ids)  # all or none
+        lora = None if command.lora_name is None else self.engine.loras.get(command.lora_name)
+        loras = [lora] * len(command.choices)
+        seqs = requests.add_all(self.engine, command.choices, sub_ids, loras)  # all or none
         request = _Request(command.target)
         for index, (sub_id, seq) in enumerate(zip(sub_ids, seqs)):
             self._subs[sub_id] = _Sub(sub_id, command.request_id, index, seq.seq_id)

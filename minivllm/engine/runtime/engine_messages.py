@@ -23,6 +23,7 @@ class EngineStart:
 class AddRequest:
     request_id: str
     choices: list[Choice]
+    lora_name: str | None = None  # the LoRA adapter they run under (None: the base model)
 
 
 @dataclass

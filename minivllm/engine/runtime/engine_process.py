@@ -32,6 +32,7 @@ import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from minivllm.engine.lora_registry import LoRARegistry
 from minivllm.engine.requests import Choice
 from minivllm.engine.runtime.async_engine import (
     OutputHook,
@@ -108,6 +109,8 @@ class EngineProcess:
             self.close()
             raise
         self.config = ready.config
+        # the start-up adapters' names; the engine's own registry resolves them
+        self.loras = LoRARegistry(ready.config, changeable=False)
         self.tokenizer = ready.tokenizer
         self.default_sampling_params = ready.default_sampling_params
         self.vocab_size = ready.vocab_size
@@ -181,13 +184,15 @@ class EngineProcess:
 
     # ---- the asyncio side -------------------------------------------------------------
 
-    async def add_request(self, request_id: str, choices: list[Choice]) -> RequestStream:
+    async def add_request(
+        self, request_id: str, choices: list[Choice], lora_name: str | None = None
+    ) -> RequestStream:
         """As AsyncLLMEngine.add_request."""
         if not self._accepting:
             raise ShuttingDownError("the server is shutting down; retry on another instance")
         if not self.is_running:
             raise EngineDeadError("the engine loop is not running")
-        return await add_and_wait(self._command, request_id, choices)
+        return await add_and_wait(self._command, request_id, choices, lora_name)
 
     def _command(self, command: Command) -> None:
         if isinstance(command, Add):
@@ -197,7 +202,7 @@ class EngineProcess:
                 )
                 self._adds[command.request_id] = command.done
             try:
-                self._send(AddRequest(command.request_id, command.choices))
+                self._send(AddRequest(command.request_id, command.choices, command.lora_name))
             except Exception as exc:
                 with self._lock:
                     self._requests.pop(command.request_id, None)

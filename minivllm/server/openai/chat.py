@@ -51,7 +51,7 @@ async def create_chat_completion(server: OpenAIServer, request: Request) -> Resp
     params, mode, prompt = await prepare_chat(server, req, num_top if req.logprobs else None)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     start = time.monotonic()
-    stream = await server.start(request_id, [prompt], params)
+    stream = await server.start(request_id, [prompt], params, req.model)
     named = req.tool_choice.function.name if mode == "named" else None  # type: ignore[union-attr]
     call = _Call(server, request_id, stream, params, num_top, len(prompt), start, mode, named)
     if req.stream:

@@ -26,7 +26,7 @@ from minivllm.server.openai.streaming import SSEResponse, StreamFormat, sse, str
 async def create_completion(server: OpenAIServer, request: Request) -> Response:
     """One straight pipeline: parse -> submit -> stream -> format."""
     call = await _parse(server, request)
-    stream = await server.start(call.request_id, call.prompts, call.params)
+    stream = await server.start(call.request_id, call.prompts, call.params, call.model)
     if call.streamed:
         return SSEResponse(_stream(call, stream), on_close=stream.close)
     try:
@@ -51,6 +51,7 @@ class _Call:
     streamed: bool
     include_usage: bool  # a streamed request's usage chunk
     start: float  # time.monotonic() when parsed
+    model: str | None  # the request's `model`: a LoRA adapter's name routes to it
 
     @property
     def n(self) -> int:
@@ -93,6 +94,7 @@ async def _parse(server: OpenAIServer, request: Request) -> _Call:
         bool(req.stream),
         req.include_usage,
         time.monotonic(),
+        req.model,
     )
 
 

@@ -134,6 +134,8 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "minivllm"
+    root: str | None = None  # a LoRA adapter's path (vLLM's shape)
+    parent: str | None = None  # a LoRA adapter's base model
     max_model_len: int | None = None
 
 

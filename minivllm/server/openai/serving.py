@@ -122,7 +122,7 @@ class OpenAIServer:
                 param=unsupported[0],
             )
         name = getattr(parsed, "model", None)
-        if name is not None and name != self.served_model_name:
+        if name not in (None, self.served_model_name, *self.engine.loras.names()):
             raise APIError(
                 404,
                 f"the model {name!r} does not exist; this server serves {self.served_model_name!r}",
@@ -215,17 +215,26 @@ class OpenAIServer:
             )
 
     async def start(
-        self, request_id: str, prompts: list[list[int]], params: SamplingParams
+        self,
+        request_id: str,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        model: str | None = None,
     ) -> RequestStream:
-        """Add n choices per prompt (seed + i for choice i when seeded), all or none."""
+        """Add n choices per prompt (seed + i for choice i when seeded), all or none; under
+        the LoRA adapter `model` names, if it names one."""
         for prompt in prompts:
             self.check_prompt(prompt)
-        return await self.add(request_id, requests.fan_out(list(prompts), [params] * len(prompts)))
+        choices = requests.fan_out(list(prompts), [params] * len(prompts))
+        return await self.add(request_id, choices, model)
 
-    async def add(self, request_id: str, choices: list[requests.Choice]) -> RequestStream:
+    async def add(
+        self, request_id: str, choices: list[requests.Choice], model: str | None = None
+    ) -> RequestStream:
         """Add the choices as one request, all or none; the engine's refusals as HTTP errors."""
+        lora = None if model in (None, self.served_model_name) else model
         try:
-            return await self.engine.add_request(request_id, choices)
+            return await self.engine.add_request(request_id, choices, lora)
         except QueueFullError as exc:
             raise APIError(503, str(exc), type="service_unavailable", code="overloaded") from None
         except ShuttingDownError as exc:

@@ -1,0 +1,116 @@
+"""LoRA over HTTP, with the openai SDK: a request's `model` naming an adapter routes to it,
+/v1/models lists the adapters under the base model, and adapters load and unload (vLLM's
+endpoints) while another request streams."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from support.lora_adapters import random_lora, write_peft_files
+
+from minivllm.engine.llm_engine import LLMEngine
+from minivllm.server import ServerThread, create_app
+
+SHAPES = {
+    "model.layers.0.self_attn.q_proj": (64, 64),
+    "model.layers.1.self_attn.v_proj": (64, 32),
+    "model.layers.1.mlp.down_proj": (128, 64),
+}
+PROMPT = [1, 17, 42, 99, 7, 3, 250, 64, 12, 5]
+
+
+@pytest.fixture(scope="module")
+def live(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple]:
+    root = tmp_path_factory.mktemp("lora_server")
+    path = write_peft_files(root / "qv", random_lora(SHAPES, 4, 7), 4, 8)
+    engine = LLMEngine.from_options(
+        model=str(tiny_llama_dir),
+        max_model_len=256,
+        device="cpu",
+        dtype="float32",
+        enable_lora=True,
+        lora_modules=(f"qv={path}",),
+    )
+    app = create_app(engine, "tiny")
+    with ServerThread(app) as thread:
+        client = openai.OpenAI(base_url=thread.base_url + "/v1", api_key="x", max_retries=0)
+        yield thread.base_url, client, path
+        client.close()
+
+
+def _logprobs(client: openai.OpenAI, model: str) -> tuple[str, list[float]]:
+    out = client.completions.create(
+        model=model, prompt=PROMPT, max_tokens=4, temperature=0.0, logprobs=1
+    )
+    return out.choices[0].text, list(out.choices[0].logprobs.token_logprobs)
+
+
+def test_models_lists_the_adapters_under_the_base_model(live) -> None:
+    """/v1/models: the base model, then each adapter with `parent` the base (vLLM's shape)."""
+    _, client, path = live
+    cards = {m.id: m for m in client.models.list()}
+    assert cards["qv"].model_extra["parent"] == "tiny"
+    assert cards["qv"].model_extra["root"] == str(path)
+    assert cards["tiny"].model_extra["parent"] is None
+
+
+def test_model_naming_an_adapter_routes_to_it(live) -> None:
+    """The adapter changes the answer; an unknown model is still a 404."""
+    _, client, _ = live
+    assert _logprobs(client, "qv")[1] != _logprobs(client, "tiny")[1]
+    with pytest.raises(openai.NotFoundError):
+        _logprobs(client, "nope")
+
+
+def test_load_and_unload_while_another_request_streams(live) -> None:
+    """An adapter loaded mid-stream serves at once (the same files: the same answer as the
+    start-up one); unloaded, its name is a 404; the stream runs to its end untouched."""
+    base_url, client, path = live
+    stream = client.completions.create(
+        model="tiny", prompt=PROMPT, max_tokens=40, temperature=0.0, stream=True
+    )
+    chunks = iter(stream)
+    first = next(chunks)
+    loaded = httpx.post(
+        f"{base_url}/v1/load_lora_adapter", json={"lora_name": "late", "lora_path": str(path)}
+    )
+    assert loaded.status_code == 200, loaded.text
+    assert _logprobs(client, "late") == _logprobs(client, "qv")
+    done = threading.Event()
+    rest = []
+
+    def drain() -> None:
+        rest.extend(chunks)
+        done.set()
+
+    threading.Thread(target=drain).start()
+    gone = httpx.post(f"{base_url}/v1/unload_lora_adapter", json={"lora_name": "late"})
+    assert gone.status_code == 200, gone.text
+    with pytest.raises(openai.NotFoundError):
+        _logprobs(client, "late")
+    assert done.wait(60)
+    text = first.choices[0].text + "".join(c.choices[0].text for c in rest if c.choices)
+    whole = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=40, temperature=0.0)
+    assert text == whole.choices[0].text
+
+
+@pytest.mark.parametrize(
+    ("route", "body", "status", "message"),
+    [
+        ("load", {"lora_name": "x", "lora_path": "/no/such/dir"}, 400, "no such file"),
+        ("load", {"lora_name": "qv", "lora_path": "/tmp"}, 400, "already loaded"),
+        ("load", {"lora_name": "x"}, 400, "lora_path"),
+        ("unload", {"lora_name": "nope"}, 404, "no LoRA adapter"),
+    ],
+)
+def test_bad_load_and_unload_requests_are_openai_errors(live, route, body, status, message) -> None:
+    """A bad path, a taken name, a missing field or an unknown adapter: 4xx in OpenAI's shape."""
+    base_url, _, _ = live
+    r = httpx.post(f"{base_url}/v1/{route}_lora_adapter", json=body)
+    assert r.status_code == status
+    assert message in r.json()["error"]["message"]

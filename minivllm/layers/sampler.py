@@ -73,26 +73,37 @@ def gather_logprobs(
     logprobs: torch.Tensor, token_ids: torch.Tensor, num_top: list[int]
 ) -> list[dict[int, Logprob]]:
     """Each row's entry for `token_ids[row]`: its log-probability and rank, and the row's
-    top-`num_top[row]`. logprobs: [N, V] log-softmax; token_ids: [N].
+    top-`num_top[row]`. logprobs: [N, V] log-softmax; token_ids: [N]."""
+    return tokens_and_logprobs(logprobs, token_ids, num_top)[1]
+
+
+def tokens_and_logprobs(
+    logprobs: torch.Tensor, token_ids: torch.Tensor, num_top: list[int]
+) -> tuple[list[int], list[dict[int, Logprob]]]:
+    """`token_ids` on the host and each row's entry (see `gather_logprobs`).
 
     The rank is vLLM's count: the tokens whose log-probability is >= the token's own, one
-    pass over the batch."""
+    pass over the batch. Ids, ranks and values travel as one float64 tensor, so a GPU step
+    pays one device-to-host copy rather than one per field (float64 holds every token id and
+    every float32 value exactly)."""
     own = logprobs.gather(-1, token_ids.unsqueeze(-1))  # [N, 1]
-    ranks = (logprobs >= own).sum(dim=-1)  # [N]
-    top_values, top_ids = logprobs.topk(max(max(num_top, default=0), 1), dim=-1)  # [N, K]
-    rows = zip(
-        token_ids.tolist(),
-        own.squeeze(-1).tolist(),
-        ranks.tolist(),
-        top_ids.tolist(),
-        top_values.tolist(),
-        num_top,
-        strict=True,
-    )
-    return [
-        logprob_entry(token, lp, rank, ids[:k], values[:k])
-        for token, lp, rank, ids, values, k in rows
+    ranks = (logprobs >= own).sum(dim=-1, keepdim=True)  # [N, 1]
+    width = max(max(num_top, default=0), 1)
+    top_values, top_ids = logprobs.topk(width, dim=-1)  # [N, K]
+    parts = [token_ids.unsqueeze(-1), own, ranks, top_ids, top_values]
+    rows = torch.cat([t.to(torch.float64) for t in parts], dim=-1).tolist()  # [N, 3 + 2K]
+    tokens = [int(row[0]) for row in rows]
+    entries = [
+        logprob_entry(
+            token,
+            row[1],
+            int(row[2]),
+            [int(i) for i in row[3 : 3 + k]],
+            row[3 + width : 3 + width + k],
+        )
+        for token, row, k in zip(tokens, rows, num_top, strict=True)
     ]
+    return tokens, entries
 
 
 def apply_top_k(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
@@ -243,11 +254,10 @@ class Sampler:
         else:
             tokens = self._sample(logits, batch)
 
-        token_list = tokens.tolist()
         if raw_logprobs is None:
-            return SamplerOutput(token_list)
+            return SamplerOutput(tokens.tolist())
         asked = [p.logprobs for p in batch.params]
-        entries = gather_logprobs(raw_logprobs, tokens, [k or 0 for k in asked])
+        token_list, entries = tokens_and_logprobs(raw_logprobs, tokens, [k or 0 for k in asked])
         return SamplerOutput(
             token_list, [e if k is not None else None for e, k in zip(entries, asked)]
         )

@@ -73,6 +73,27 @@ def test_logprobs_are_the_raw_model_distribution():
     assert out.logprobs[1] is None  # the row asked for no logprobs
 
 
+def test_logprobs_cross_to_the_host_in_one_copy(monkeypatch):
+    """A step with logprobs reads tokens, ranks and top-N back in one copy (each is a sync
+    on a GPU), and the entries equal the per-field reading: ids exact, values exact."""
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(3))
+    params = [SamplingParams(temperature=0.0, logprobs=k) for k in (2, 0, 5)]
+    reads = []
+    real_tolist = torch.Tensor.tolist
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda t: reads.append(t.shape) or real_tolist(t))
+    out = Sampler(0, torch.device("cpu"))(logits, SamplingBatch(params, [0, 0, 0]))
+    monkeypatch.undo()
+    assert len(reads) == 1
+    ref = logits.log_softmax(-1)
+    assert out.token_ids == ref.argmax(-1).tolist()
+    for row, entry in enumerate(out.logprobs):
+        top = ref[row].topk(max(params[row].logprobs, 1))
+        want = {int(t): float(v) for t, v in zip(top.indices[: params[row].logprobs], top.values)}
+        want.setdefault(out.token_ids[row], float(ref[row].max()))
+        assert {t: e.logprob for t, e in entry.items()} == want
+        assert entry[out.token_ids[row]].rank == 1
+
+
 def test_inverse_cdf_never_picks_a_filtered_token():
     """Tokens of probability 0 (filtered by top-k/p/min-p) are never drawn, even at u's edges."""
     from minivllm.layers.sampler import sample_from

@@ -1,5 +1,5 @@
-"""The GGUF block kernels (`minivllm.layers.ggml_blocks`) against the dense and packed paths, at
-Llama-3.2-1B's linear shapes, per row count M and thread count.
+"""The GGUF block kernels (`minivllm.layers.quantization.kernels.ggml_blocks`) against the
+dense and packed paths, at Llama-3.2-1B's linear shapes, per row count M and thread count.
 
 For each weight shape (K inputs -> N outputs: 2048 -> 2048 for attention, 2048 -> 8192 for the
 MLP's gate and up, 8192 -> 2048 for its down) and each M it times, in microseconds per call
@@ -39,15 +39,15 @@ import torch.nn.functional as F
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from minivllm.layers.cpu_kernels import cpu_kernels_available
-from minivllm.layers.ggml_blocks import (
+from minivllm.layers.quantization.kernels.ggml_blocks import (
     X8_FLAG,
     available_isas,
     dequant_matmul,
     ggml_matmul,
     repack_q4x8,
 )
-from minivllm.layers.int4 import PackedInt4, quantize_int4
-from minivllm.layers.qgemv import QGemvWeight
+from minivllm.layers.quantization.kernels.int4 import PackedInt4, quantize_int4
+from minivllm.layers.quantization.kernels.qgemv import QGemvWeight
 
 T = GGMLQuantizationType
 SHAPES = [(2048, 2048), (2048, 8192), (8192, 2048)]  # (K inputs, N outputs)

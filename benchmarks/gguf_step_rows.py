@@ -17,7 +17,7 @@ import time
 import torch
 from gguf import GGML_QUANT_SIZES
 
-from minivllm.layers.ggml_blocks import ggml_matmul_segments
+from minivllm.layers.quantization.kernels.ggml_blocks import ggml_matmul_segments
 from minivllm.models.gguf_file import GGUFFile
 
 FUSED = (["attn_q", "attn_k", "attn_v"], ["attn_output"], ["ffn_gate", "ffn_up"], ["ffn_down"])

@@ -104,7 +104,7 @@ def kernel_macs(rows: int, budget_s: float) -> float:
     import torch
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-    from minivllm.layers.ggml_blocks import ggml_matmul
+    from minivllm.layers.quantization.kernels.ggml_blocks import ggml_matmul
 
     torch.set_num_threads(1)
     k, n = LLAMA_1B_MLP

@@ -22,7 +22,7 @@ import time
 import torch
 
 from minivllm.layers.cpu_kernels import cpu_kernels_available
-from minivllm.layers.ggml_blocks import X8_FLAG, x8_tile_bytes
+from minivllm.layers.quantization.kernels.ggml_blocks import X8_FLAG, x8_tile_bytes
 
 Q4_1 = 3
 HIDDEN, MLP, Q, KV, LAYERS, VOCAB = 576, 1536, 576, 192, 30, 49152

@@ -3,18 +3,18 @@
 For each row count M (tokens in the step) it times one decoder layer's four projections
 (qkv 576->960, o 576->576, gate_up 576->3072, down 1536->576) and the LM head (576->49152)
 with: dense fp32, dense bf16 (`F.linear`, and prepacked for oneDNN as the engine runs it,
-`minivllm.layers.onednn`), and torch's packed int4 weights (groups of 32, a scale and a
-zero each) with bf16 activations (with fp32 activations the kernel is scalar on x86, 8-100x
-slower than dense fp32 in a first run here, so it is left out), and for the LM head (Q8_0 in
-the default model's file) "int8 pair": two int4 calls, the 8-bit weight split in 4-bit
-halves (`minivllm.layers.int4.split_int8`, `int8_as_int4_pair`); and our qgemv kernel
-(`minivllm.layers.qgemv`: fp32 activations, 4-bit weights, or the Q8_0 head's 8-bit ones), the
-fp32 path of AVX2-only CPUs. It prints microseconds per call and the speed-up over fp32, from
-which the `int4` row threshold (packed int4 at or below it, dense bf16 above) and the `qgemv`
-one of `minivllm.layers.quantization.rows.KERNEL_ROWS` are chosen for each CPU kind. Columns a CPU
-cannot run (oneDNN bf16 on an AVX2-only CPU) are left out. The layer's shapes are timed over
-`--layers` distinct copies (default 30, SmolLM2's depth) so that their weights stream from
-memory as in the model, not from cache. Run it on each CPU kind:
+`minivllm.layers.quantization.kernels.onednn`), and torch's packed int4 weights (groups of
+32, a scale and a zero each) with bf16 activations (with fp32 activations the kernel is scalar on
+x86, 8-100x slower than dense fp32 in a first run here, so it is left out), and for the LM head
+(Q8_0 in the default model's file) "int8 pair": two int4 calls, the 8-bit weight split in 4-bit
+halves (`minivllm.layers.quantization.kernels.int4.split_int8`, `int8_as_int4_pair`); and our qgemv
+kernel (`minivllm.layers.quantization.kernels.qgemv`: fp32 activations, 4-bit weights, or the Q8_0
+head's 8-bit ones), the fp32 path of AVX2-only CPUs. It prints microseconds per call and the
+speed-up over fp32, from which the `int4` row threshold (packed int4 at or below it, dense bf16
+above) and the `qgemv` one of `minivllm.layers.quantization.rows.KERNEL_ROWS` are chosen for each
+CPU kind. Columns a CPU cannot run (oneDNN bf16 on an AVX2-only CPU) are left out. The layer's
+shapes are timed over `--layers` distinct copies (default 30, SmolLM2's depth) so that their weights
+stream from memory as in the model, not from cache. Run it on each CPU kind:
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/linear_kernels.py
     OMP_NUM_THREADS=1 ATEN_CPU_CAPABILITY=avx2 .venv/bin/python benchmarks/linear_kernels.py
@@ -28,9 +28,9 @@ import time
 import torch
 
 from minivllm.layers.cpu_kernels import cpu_kernels_available
-from minivllm.layers.int4 import quantize_int4, split_int8
-from minivllm.layers.onednn import OneDnnWeight, onednn_prepack_supported
-from minivllm.layers.qgemv import QGemvWeight
+from minivllm.layers.quantization.kernels.int4 import quantize_int4, split_int8
+from minivllm.layers.quantization.kernels.onednn import OneDnnWeight, onednn_prepack_supported
+from minivllm.layers.quantization.kernels.qgemv import QGemvWeight
 
 SHAPES = {"layer": [(960, 576), (576, 576), (3072, 576), (576, 1536)], "lm_head": [(49152, 576)]}
 GROUP = 32

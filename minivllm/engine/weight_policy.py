@@ -19,10 +19,10 @@ import torch
 from torch import nn
 
 from minivllm.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from minivllm.layers.int4 import Int4Weight, quantize_int4
 from minivllm.layers.linear import LinearBase
 from minivllm.layers.quantization.chooser import StoredFormat, choose_method
 from minivllm.layers.quantization.head import DenseHead
+from minivllm.layers.quantization.kernels.int4 import Int4Weight, quantize_int4
 from minivllm.layers.quantization.lookup import BlockLookup
 from minivllm.layers.quantization.methods import GgmlBlockMethod, Int4Method, UnquantizedMethod
 from minivllm.layers.quantization.policy import WeightPolicy

@@ -18,12 +18,14 @@ parallel loop (without it, a serial one), and the process's OpenMP runtime is to
 Where they cannot run (another processor, no compiler) `cpu_kernels_available()` is False,
 says why in the log once, and their callers keep torch's own ops.
 
-- `qgemv.cpp`: 4- and 8-bit weights times fp32 activations (`minivllm.layers.qgemv`), and
-  `minivllm::qgemv_vnni()`, whether its VNNI path runs here.
+- `qgemv.cpp`: 4- and 8-bit weights times fp32 activations
+  (`minivllm.layers.quantization.kernels.qgemv`), and `minivllm::qgemv_vnni()`, whether its
+  VNNI path runs here.
 - `paged_decode.cpp`: one query per sequence over the paged KV cache
   (`minivllm.layers.attention.paged_decode`).
 - `ggml_blocks.cpp` (+ `ggml_blocks_simd.h`, compiled twice: AVX2 and AVX-512 VNNI): GGUF's
-  quantized blocks as stored, matmul and dequantization (`minivllm.layers.ggml_blocks`).
+  quantized blocks as stored, matmul and dequantization
+  (`minivllm.layers.quantization.kernels.ggml_blocks`).
 """
 
 from __future__ import annotations
@@ -241,7 +243,8 @@ def _register_fakes() -> None:
 
     @torch.library.register_fake("minivllm::ggml_matmul_segments")
     def _(x, blocks, qtypes, isa):  # noqa: ANN001, ANN202
-        # a qtype of 256 or more: x8 tiles, 8 weight rows each (minivllm.layers.ggml_blocks)
+        # a qtype of 256 or more: x8 tiles, 8 weight rows each
+        # (minivllm.layers.quantization.kernels.ggml_blocks)
         columns = sum(b.shape[0] * (8 if q >= 256 else 1) for b, q in zip(blocks, qtypes))
         return x.new_empty(x.shape[0], columns, dtype=torch.float32)
 

@@ -39,7 +39,7 @@ from gguf.quants import dequantize as _gguf_dequantize
 from tqdm import tqdm
 
 from minivllm.cache import cache_dir
-from minivllm.layers.block_weight import BLOCK_TYPES
+from minivllm.layers.quantization.kernels.block_weight import BLOCK_TYPES
 from minivllm.models.gguf_arch import (
     ARCHITECTURES,
     CONFIG_TENSORS,
@@ -81,9 +81,9 @@ TESTED_TENSOR_TYPES = (
 )
 
 # Types some path of ours runs as they are: dense floats, the stored-block kernels
-# (minivllm.layers.block_weight) and the 4-bit ones (minivllm.layers.quantization.methods). Any
-# other type gguf-py can decode (IQ*, TQ*, Q2_K, Q3_K, MXFP4, ...) is dequantized at load into dense
-# weights, with a warning saying what that costs.
+# (minivllm.layers.quantization.kernels.block_weight) and the 4-bit ones
+# (minivllm.layers.quantization.methods). Any other type gguf-py can decode (IQ*, TQ*, Q2_K, Q3_K,
+# MXFP4, ...) is dequantized at load into dense weights, with a warning saying what that costs.
 KERNEL_TYPES = BLOCK_TYPES | {
     GGMLQuantizationType.F32,
     GGMLQuantizationType.F16,

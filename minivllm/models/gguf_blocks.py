@@ -18,11 +18,15 @@ import numpy as np
 import torch
 from torch import nn
 
-from minivllm.layers.block_weight import BLOCK_TYPES, EMBEDDING_BLOCK_TYPES, BlockSegment
 from minivllm.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from minivllm.layers.linear import LinearBase
 from minivllm.layers.quantization.chooser import StoredFormat, choose_method
 from minivllm.layers.quantization.head import BlockHead
+from minivllm.layers.quantization.kernels.block_weight import (
+    BLOCK_TYPES,
+    EMBEDDING_BLOCK_TYPES,
+    BlockSegment,
+)
 from minivllm.layers.quantization.methods import GgmlBlockMethod
 from minivllm.layers.quantization.policy import WeightPolicy, block_activations
 from minivllm.models.gguf import hf_tensor_name, qk_heads, unpermute_qk

@@ -1,7 +1,7 @@
 """GGUF's 4-bit blocks read straight into `Int4Weight`s (codes, scales, zeros), no float copy.
 
 llama.cpp's Q4_0, Q4_1 and Q4_K blocks are groups of 32 weights with 4-bit codes and an affine
-map, which is exactly `minivllm.layers.int4`'s `w = (q - 8) * scale + zero`:
+map, which is exactly `minivllm.layers.quantization.kernels.int4`'s `w = (q - 8) * scale + zero`:
 
 - Q4_0 (18 bytes / 32): fp16 `d`, 16 bytes of codes; `w = d * (q - 8)`.
 - Q4_1 (20 bytes / 32): fp16 `d`, fp16 `m`, 16 bytes of codes; `w = d * q + m`.
@@ -12,7 +12,7 @@ In a Q4_0/Q4_1 block the low nibbles of the 16 bytes are weights 0..15 and the h
 weights 16..31; in Q4_K each 32 bytes hold two sub-blocks (low nibbles, then high nibbles).
 Other tensor types (Q6_K, F32...) are not 4-bit and stay with the dense loader, but for a
 Q8_0 LM head (34 bytes / 32: fp16 `d`, 32 int8 `q`; `w = d * q`), which is read as two 4-bit
-halves (`minivllm.layers.int4.split_int8`) under LM_HEAD_HIGH and LM_HEAD_LOW.
+halves (`minivllm.layers.quantization.kernels.int4.split_int8`) under LM_HEAD_HIGH and LM_HEAD_LOW.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType
 
-from minivllm.layers.int4 import Int4Weight, split_int8
+from minivllm.layers.quantization.kernels.int4 import Int4Weight, split_int8
 from minivllm.models.gguf import hf_tensor_name, load_progress, qk_heads, unpermute_qk
 from minivllm.models.gguf_arch import architecture
 from minivllm.models.gguf_file import GGUFFile, GGUFTensor

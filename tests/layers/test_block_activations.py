@@ -10,9 +10,13 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as QT
 
-from minivllm.layers.block_weight import BlockSegment, BlockWeight, int8_residual
 from minivllm.layers.cpu_kernels import cpu_kernels_available
-from minivllm.layers.ggml_blocks import ggml_dequantize
+from minivllm.layers.quantization.kernels.block_weight import (
+    BlockSegment,
+    BlockWeight,
+    int8_residual,
+)
+from minivllm.layers.quantization.kernels.ggml_blocks import ggml_dequantize
 
 pytestmark = pytest.mark.skipif(
     not cpu_kernels_available(), reason="the block kernels need an x86 CPU with AVX2"

@@ -17,10 +17,10 @@ import torch
 from gguf import GGMLQuantizationType
 
 import minivllm
-from minivllm.layers.block_weight import Kernel
 from minivllm.layers.cpu_kernels import cpu_caps
-from minivllm.layers.int4 import quantize_int4, split_int8
 from minivllm.layers.quantization.chooser import int4_table, int8_head_table
+from minivllm.layers.quantization.kernels.block_weight import Kernel
+from minivllm.layers.quantization.kernels.int4 import quantize_int4, split_int8
 from minivllm.layers.quantization.rows import (
     KERNEL_ROWS,
     RowTable,

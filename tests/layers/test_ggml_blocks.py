@@ -1,7 +1,7 @@
-"""The GGUF block kernels (`minivllm.layers.ggml_blocks`) against gguf-py, llama.cpp's own
-Python reading of the same blocks: dequantization bit for bit, matmuls within the rounding of
-the activations to 8 bits, on every instruction-set path that runs here (scalar, AVX2, and
-AVX-512 VNNI where the CPU has it; `make test-avx2` runs the file again with torch's AVX2
+"""The GGUF block kernels (`minivllm.layers.quantization.kernels.ggml_blocks`) against gguf-py,
+llama.cpp's own Python reading of the same blocks: dequantization bit for bit, matmuls within the
+rounding of the activations to 8 bits, on every instruction-set path that runs here (scalar, AVX2,
+and AVX-512 VNNI where the CPU has it; `make test-avx2` runs the file again with torch's AVX2
 kernels, where "auto" must take the AVX2 path)."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 
 from minivllm.layers.cpu_kernels import cpu_kernels_available
-from minivllm.layers.ggml_blocks import (
+from minivllm.layers.quantization.kernels.ggml_blocks import (
     GGML_KERNEL_TYPES,
     X8_FLAG,
     available_isas,

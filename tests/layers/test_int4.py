@@ -9,7 +9,9 @@ import pytest
 import torch
 
 from minivllm.layers.cpu_kernels import cpu_caps
-from minivllm.layers.int4 import (
+from minivllm.layers.linear import MergedColumnParallelLinear, RowParallelLinear
+from minivllm.layers.quantization.chooser import int8_head_table
+from minivllm.layers.quantization.kernels.int4 import (
     GROUP_SIZE,
     PackedInt4,
     PackedInt4Pair,
@@ -17,8 +19,6 @@ from minivllm.layers.int4 import (
     quantize_int4,
     split_int8,
 )
-from minivllm.layers.linear import MergedColumnParallelLinear, RowParallelLinear
-from minivllm.layers.quantization.chooser import int8_head_table
 from minivllm.layers.quantization.rows import kernel_rows
 from tests.support.weight_methods import give_int4
 
@@ -93,7 +93,7 @@ def test_forced_avx2_kernels_pick_fp32_and_int4_still_matches_dense():
         "import torch\n"
         "from minivllm.config import EngineConfig\n"
         "from minivllm.engine.device import resolve_dtype\n"
-        "from minivllm.layers.int4 import PackedInt4, quantize_int4\n"
+        "from minivllm.layers.quantization.kernels.int4 import PackedInt4, quantize_int4\n"
         "assert torch.backends.cpu.get_cpu_capability() == 'AVX2'\n"
         "assert resolve_dtype(EngineConfig(), torch.device('cpu')) == torch.float32\n"
         "w = torch.randn(64, 128, generator=torch.Generator().manual_seed(0)) * 0.05\n"

@@ -12,9 +12,9 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType
 from gguf.quants import quantize
 
-from minivllm.layers.block_weight import BlockSegment, BlockWeight
 from minivllm.layers.linear import ReplicatedLinear, RowParallelLinear
 from minivllm.layers.quantization.int8 import int8_linear, pack_int8
+from minivllm.layers.quantization.kernels.block_weight import BlockSegment, BlockWeight
 from minivllm.layers.quantization.methods import GgmlBlockMethod, Int8Method, UnquantizedMethod
 
 

@@ -1,6 +1,6 @@
-"""oneDNN-prepacked bf16 weights (minivllm/layers/onednn.py): the same results as F.linear,
-bit for bit, at every row count; only bf16 CPU weights are packed; the runner packs the dense
-layers and the LM head of a bf16 model and none of an fp32 one."""
+"""oneDNN-prepacked bf16 weights (minivllm/layers/quantization/kernels/onednn.py): the same
+results as F.linear, bit for bit, at every row count; only bf16 CPU weights are packed; the runner
+packs the dense layers and the LM head of a bf16 model and none of an fp32 one."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import torch.nn.functional as F
 
 from minivllm.layers.embedding import ParallelLMHead
 from minivllm.layers.linear import ReplicatedLinear
-from minivllm.layers.onednn import OneDnnWeight, onednn_prepack_supported
 from minivllm.layers.quantization.head import DenseHead
+from minivllm.layers.quantization.kernels.onednn import OneDnnWeight, onednn_prepack_supported
 
 pytestmark = pytest.mark.skipif(
     not onednn_prepack_supported(torch.zeros(1, dtype=torch.bfloat16)),
@@ -69,8 +69,8 @@ def test_a_q8_0_heads_top_logits_are_refined_to_fp32() -> None:
     fp32's; without the exact rows they are not."""
     from gguf import GGMLQuantizationType, dequantize, quantize
 
-    from minivllm.layers.block_weight import BlockSegment
     from minivllm.layers.quantization.head import REFINED_LOGITS
+    from minivllm.layers.quantization.kernels.block_weight import BlockSegment
 
     torch.manual_seed(2)
     q8_0 = GGMLQuantizationType.Q8_0

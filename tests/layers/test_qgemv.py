@@ -14,9 +14,9 @@ import torch
 
 from minivllm.layers.cpu_kernels import KernelBuildError, _build, cpu_caps, cpu_kernels_available
 from minivllm.layers.embedding import ParallelLMHead
-from minivllm.layers.int4 import GROUP_SIZE, quantize_int4, split_int8
 from minivllm.layers.linear import MergedColumnParallelLinear
-from minivllm.layers.qgemv import QGemvWeight, quantize_activations
+from minivllm.layers.quantization.kernels.int4 import GROUP_SIZE, quantize_int4, split_int8
+from minivllm.layers.quantization.kernels.qgemv import QGemvWeight, quantize_activations
 from minivllm.layers.quantization.policy import stored_weight_kernel
 from minivllm.layers.quantization.rows import kernel_rows
 from tests.support.weight_methods import give_int4, give_q8_0_head

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from minivllm.layers.int4 import Int4Weight, split_int8
 from minivllm.layers.quantization.chooser import Method, StoredFormat, choose_method
+from minivllm.layers.quantization.kernels.int4 import Int4Weight, split_int8
 from minivllm.layers.quantization.policy import WeightPolicy
 
 # The policy of a model whose 4-bit weights run as stored (the kernel's name is only logged:

@@ -17,14 +17,14 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from minivllm.layers.block_weight import BlockSegment, BlockWeight, Kernel
 from minivllm.layers.cpu_kernels import CpuCaps, cpu_caps
 from minivllm.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from minivllm.layers.int4 import Int4Weight, PackedInt4, PackedInt4Pair
 from minivllm.layers.linear import LinearBase
-from minivllm.layers.qgemv import QGemvWeight
 from minivllm.layers.quantization.head import BlockHead, DenseHead, HeadMethod, Int8Head
 from minivllm.layers.quantization.int8 import INT8_LAYERS
+from minivllm.layers.quantization.kernels.block_weight import BlockSegment, BlockWeight, Kernel
+from minivllm.layers.quantization.kernels.int4 import Int4Weight, PackedInt4, PackedInt4Pair
+from minivllm.layers.quantization.kernels.qgemv import QGemvWeight
 from minivllm.layers.quantization.lookup import BlockLookup, DenseLookup, LookupMethod
 from minivllm.layers.quantization.methods import (
     GgmlBlockMethod,

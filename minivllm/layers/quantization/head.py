@@ -25,8 +25,8 @@ import torch.utils.mkldnn
 from torch import nn
 
 from minivllm.distributed import parallel_state
-from minivllm.layers.block_weight import BlockSegment, BlockWeight, Kernel
-from minivllm.layers.onednn import OneDnnWeight, onednn_prepack_supported
+from minivllm.layers.quantization.kernels.block_weight import BlockSegment, BlockWeight, Kernel
+from minivllm.layers.quantization.kernels.onednn import OneDnnWeight, onednn_prepack_supported
 from minivllm.layers.quantization.rows import RowTable, pick
 
 

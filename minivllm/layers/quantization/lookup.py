@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from minivllm.distributed import parallel_state
-from minivllm.layers.block_weight import BlockSegment
+from minivllm.layers.quantization.kernels.block_weight import BlockSegment
 
 
 class Table(Protocol):

@@ -6,7 +6,7 @@ once it is loaded, and `apply(layer, x, bias)` at every step, which is all
 `LinearBase.forward` does. The methods:
 
 - `UnquantizedMethod`: the dense weight (fp32, or bf16 prepacked for oneDNN where this CPU's
-  oneDNN has bf16 kernels: `minivllm.layers.onednn`).
+  oneDNN has bf16 kernels: `minivllm.layers.quantization.kernels.onednn`).
 - `Int8Method`: int8 weights for fbgemm (`quantization="int8"`, `.int8`).
 - `Int4Method`: 4-bit weights for steps of few rows (torch's int4 kernel in bf16, with our
   qgemv at one row where its VNNI path runs; qgemv in fp32), the dense weight above.
@@ -26,9 +26,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from minivllm.layers.block_weight import BlockWeight, Kernel
-from minivllm.layers.onednn import OneDnnWeight, onednn_prepack_supported
 from minivllm.layers.quantization.int8 import int8_linear, pack_int8
+from minivllm.layers.quantization.kernels.block_weight import BlockWeight, Kernel
+from minivllm.layers.quantization.kernels.onednn import OneDnnWeight, onednn_prepack_supported
 from minivllm.layers.quantization.rows import RowTable, pick
 
 

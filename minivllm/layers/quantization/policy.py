@@ -23,10 +23,10 @@ from dataclasses import dataclass
 import torch
 
 from minivllm.config import EngineConfig
-from minivllm.layers.block_weight import BlockSegment, two_code_block
 from minivllm.layers.cpu_kernels import cpu_caps
-from minivllm.layers.int4 import int4_supported
 from minivllm.layers.quantization.int8 import check_quantization
+from minivllm.layers.quantization.kernels.block_weight import BlockSegment, two_code_block
+from minivllm.layers.quantization.kernels.int4 import int4_supported
 
 
 @dataclass(frozen=True)

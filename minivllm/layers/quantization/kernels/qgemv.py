@@ -1,18 +1,18 @@
 """4- and 8-bit weights times fp32 activations on x86 CPUs with AVX2: our own kernel.
 
-torch's packed int4 kernel (`minivllm.layers.int4`) is vectorised for bf16 activations only,
-and on a CPU without native bf16 (AVX2 only: AMD Zen 3, Intel before Cooper Lake) the model
-computes in fp32, where the only torch kernels left read a dense fp32 copy of every weight: 32
-bits a weight for a GGUF that stores 4.5. `csrc/qgemv.cpp` multiplies fp32 activations by the
-weights as llama.cpp stores them (groups of 32, `w = q * scale + min`; 4-bit codes two to a
-byte as in Q4_0/Q4_1, or 8-bit as in Q8_0), with integer dot products (`vpmaddwd`) over the
-activations quantized per group of 32 to 16-bit integers (8-bit ones, llama.cpp's Q8
-activations, fail the quality bar of tests/models/test_quality.py; the min term takes the
-exact fp32 sums), so the only rounding beyond fp32's is the activations' to 16 bits
-(`quantize_activations` is the reference). The weights are stored in blocks of 4 output
-columns interleaved group by group (`QGemvWeight` packs them), read in one stream, with fp16
-scales and mins as GGUF stores them. It is the torch operator `minivllm::qgemv`, built and
-loaded by `minivllm.layers.cpu_kernels` (so compiled graphs call it too).
+torch's packed int4 kernel (`minivllm.layers.quantization.kernels.int4`) is vectorised for
+bf16 activations only, and on a CPU without native bf16 (AVX2 only: AMD Zen 3, Intel before Cooper
+Lake) the model computes in fp32, where the only torch kernels left read a dense fp32 copy of every
+weight: 32 bits a weight for a GGUF that stores 4.5. `csrc/qgemv.cpp` multiplies fp32 activations by
+the weights as llama.cpp stores them (groups of 32, `w = q * scale + min`; 4-bit codes two to a byte
+as in Q4_0/Q4_1, or 8-bit as in Q8_0), with integer dot products (`vpmaddwd`) over the activations
+quantized per group of 32 to 16-bit integers (8-bit ones, llama.cpp's Q8 activations, fail the
+quality bar of tests/models/test_quality.py; the min term takes the exact fp32 sums), so the only
+rounding beyond fp32's is the activations' to 16 bits (`quantize_activations` is the reference). The
+weights are stored in blocks of 4 output columns interleaved group by group (`QGemvWeight` packs
+them), read in one stream, with fp16 scales and mins as GGUF stores them. It is the torch operator
+`minivllm::qgemv`, built and loaded by `minivllm.layers.cpu_kernels` (so compiled graphs call it
+too).
 
 The kernel is for few rows (decode steps); above `qgemv` rows (`minivllm.layers.quantization.
 rows`) the dense fp32 matmul (MKL) is as fast, so a layer keeps its dense weight for those
@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from minivllm.layers.int4 import GROUP_SIZE, Int4Weight
+from minivllm.layers.quantization.kernels.int4 import GROUP_SIZE, Int4Weight
 
 COLUMNS = 4  # output columns whose groups the kernel stores interleaved
 

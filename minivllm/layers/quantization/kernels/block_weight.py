@@ -3,7 +3,7 @@
 A layer whose checkpoint tensors are K-quants or 8-bit blocks (what Q4_K_M, Q5_K_M, Q6_K and
 Q8_0 files hold) keeps no dense weight: its `BlockWeight` is the file's rows of blocks (a view
 of the memory map, or for llama's permuted q/k rows a reordered copy), and every step size runs
-on them (`minivllm.layers.ggml_blocks`):
+on them (`minivllm.layers.quantization.kernels.ggml_blocks`):
 
 - the integer kernel: the activations rounded to 8 bits (for Q4_0/Q4_1 two 8-bit codes each,
   about 15 bits) and integer dot products, each weight row unpacked once for 4 activation
@@ -30,7 +30,7 @@ import torch
 from gguf import GGMLQuantizationType
 
 from minivllm.layers.cpu_kernels import cpu_kernels_available
-from minivllm.layers.ggml_blocks import (
+from minivllm.layers.quantization.kernels.ggml_blocks import (
     DEQUANT_TILE_BYTES,
     X8_FLAG,
     X8_KINDS,

@@ -90,7 +90,7 @@ def run(engine: LLMEngine, mode: str, prompts: list[list[int]], args: argparse.N
 
 def paired_steps(engine: LLMEngine, prompts: list[list[int]], steps: int) -> None:
     """Part 1 (see the module docstring)."""
-    recorder = LiveRecorder(engine.scheduler.block_manager.num_blocks, engine.config)
+    recorder = LiveRecorder.for_engine(engine)
     params = SamplingParams(max_tokens=steps + 8, ignore_eos=True)
     seqs = [engine.add_request(p, params) for p in prompts]
     names = {s.seq_id: f"cmpl-{s.seq_id:032x}/0" for s in seqs}

@@ -107,6 +107,12 @@ class LiveRecorder:
         self._index = itertools.count()
         self._steps = 0
 
+    @classmethod
+    def for_engine(cls, engine: LLMEngine, history: int = DEFAULT_HISTORY) -> LiveRecorder:
+        """A recorder sized for `engine`'s KV pool and step budget: the one place the server
+        hands the lab an engine, so the server never reads the scheduler itself."""
+        return cls(engine.scheduler.block_manager.num_blocks, engine.config, history)
+
     # ---- the engine thread ------------------------------------------------------------
 
     def step(self, engine: LLMEngine, request_ids: Mapping[int, str]) -> list[EngineOutput]:

@@ -167,7 +167,7 @@ def _live_recorder(engine: LLMEngine | EngineClient) -> LiveRecorder:
         raise ValueError(
             "the live lab records an engine of this process: serve it without an engine process"
         )
-    return LiveRecorder(engine.scheduler.block_manager.num_blocks, engine.config)
+    return LiveRecorder.for_engine(engine)
 
 
 def _default_name(client: EngineClient) -> str:

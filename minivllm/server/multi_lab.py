@@ -45,7 +45,7 @@ class LiveModels:
 
         engine = LLMEngine.from_options(**spec.engine_options)
         share_the_cpu_with_http(engine)
-        recorder = LiveRecorder(engine.scheduler.block_manager.num_blocks, engine.config)
+        recorder = LiveRecorder.for_engine(engine)
         client = client_for(engine, recorder)
         client.start()
         with self._lock:

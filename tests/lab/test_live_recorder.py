@@ -8,7 +8,7 @@ from minivllm.lab.live import REQUEST_FIELDS, TIMELINE_FIELDS, LiveRecorder
 
 
 def _recorder(engine, history: int = 300) -> LiveRecorder:
-    return LiveRecorder(engine.scheduler.block_manager.num_blocks, engine.config, history)
+    return LiveRecorder.for_engine(engine, history)
 
 
 def _names(engine) -> dict[int, str]:

@@ -250,6 +250,23 @@ def test_the_server_reaches_the_engine_only_through_its_runtime() -> None:
     assert not reached, sorted(reached)
 
 
+# The engine's insides, by attribute: the server asks the engine or its runtime, never these.
+ENGINE_INSIDES = {"scheduler", "block_manager", "model_runner", "runner"}
+
+
+def test_the_server_reads_no_engine_insides() -> None:
+    """No `x.scheduler`, `x.block_manager`, `x.model_runner` or `x.runner` in server/: an import
+    floor cannot see an attribute reach into an engine the runtime handed over."""
+    reaches = {
+        f"{path.relative_to(PACKAGE.parent)}:{node.lineno} .{node.attr}"
+        for name, path in _modules().items()
+        if name.startswith("minivllm.server")
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Attribute) and node.attr in ENGINE_INSIDES
+    }
+    assert not reaches, sorted(reaches)
+
+
 def test_the_server_is_split_by_api() -> None:
     """server/openai/ is the base API; responses/ and anthropic/ build on it, never on each
     other; the shared HTTP bits (errors, middleware, metrics) import no API package."""

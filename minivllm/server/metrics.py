@@ -70,9 +70,9 @@ class _EngineStatsCollector(Collector):
         for name, doc in _COUNTERS.items():
             value = float(stats.get(name, 0))
             yield CounterMetricFamily(f"minivllm:{name}", doc, value=value)
-            alias = CounterMetricFamily(f"vllm:{name}", doc, labels=["model_name"])
-            alias.add_metric([self.model_name], value)
-            yield alias
+            counter = CounterMetricFamily(f"vllm:{name}", doc, labels=["model_name"])
+            counter.add_metric([self.model_name], value)
+            yield counter
         counts = per_position(stats)
         if counts:
             yield from self._per_position(counts)

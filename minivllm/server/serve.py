@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import socket
 import threading
 import time
@@ -72,7 +73,9 @@ def _engine_client_of(app: Any) -> Any:
 
 
 def _uvicorn_config(app: Any, graceful_shutdown_s: float, **kwargs: Any) -> uvicorn.Config:
-    return uvicorn.Config(app, timeout_graceful_shutdown=graceful_shutdown_s + _FLUSH_S, **kwargs)
+    # uvicorn takes whole seconds; round up so the drain is never cut short
+    grace = math.ceil(graceful_shutdown_s + _FLUSH_S)
+    return uvicorn.Config(app, timeout_graceful_shutdown=grace, **kwargs)
 
 
 def serve(args: argparse.Namespace, engine_options: dict[str, Any]) -> int:

@@ -82,7 +82,8 @@ async def _parse(server: OpenAIServer, request: Request) -> _Call:
     for p in raw_prompts:
         if isinstance(p, str):
             prompts.append(await asyncio.to_thread(server.encode, p, True))
-        else:
+        else:  # the protocol admits text or token ids only, never a prompt dict
+            assert isinstance(p, list)
             prompts.append(list(p))
     echo = [_echo_text(server, p) for p in raw_prompts] if req.echo else None
     return _Call(

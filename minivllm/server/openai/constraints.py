@@ -76,7 +76,7 @@ def from_response_format(rf: ResponseFormat | None) -> Constraint | None:
 def from_structured_outputs(so: StructuredOutputsRequest | None) -> Constraint | None:
     if so is None:
         return None
-    fields = {
+    fields: dict[str, Any] = {  # each value has its own field's type
         "json": so.json_,
         "regex": so.regex,
         "choice": so.choice,

@@ -4,6 +4,7 @@ token_logprobs, top_logprobs, text_offset) and chat's list of per-token objects.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any
 
 from minivllm.logprobs import Logprob, TokenTexts
@@ -28,7 +29,7 @@ class LogprobFormatter:
         return self.of_tokens(out.token_ids[start:], out.logprobs[start:], offset)
 
     def of_tokens(
-        self, token_ids: list[int], scores: list[dict[int, Logprob] | None], offset: int
+        self, token_ids: list[int], scores: Sequence[dict[int, Logprob] | None], offset: int
     ) -> response_models.CompletionLogprobs:
         """OpenAI's completions logprobs of `token_ids`, the first at character `offset`; a
         None score (an echoed prompt's first token) has no logprobs."""

@@ -102,7 +102,7 @@ async def stream_choices(
     states = [ChoiceState() for _ in range(num_choices)]
     hold_back = max(map(len, params.stop_strings), default=1) - 1
     completion_tokens = 0
-    cached = {}  # prompt index -> its prompt tokens served from the prefix cache
+    cached: dict[int, int] = {}  # prompt index -> its prompt tokens served from the prefix cache
     how = "aborted (client disconnected)"
     try:
         for line in fmt.preamble:

@@ -96,8 +96,7 @@ def tool_constraint(
     if mode == "named":
         assert isinstance(choice, NamedToolChoice) and tools
         tool = next(t for t in tools if t.function.name == choice.function.name)
-        schema = tool.function.parameters or _ANY_OBJECT
-        return StructuredOutputsParams(json=schema), "tool_choice"
+        return StructuredOutputsParams(json=tool.function.parameters or _ANY_OBJECT), "tool_choice"
     if mode == "required":
         assert tools
         items = [

@@ -12,7 +12,7 @@ The split of the text is the chat path's: `openai/reasoning.py` for `<think>`,
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel
 
@@ -28,6 +28,17 @@ from minivllm.server.responses.protocol import (
     ResponseObject,
 )
 
+# A finished item's status: "incomplete" where max_output_tokens cut it.
+Status = Literal["completed", "incomplete"]
+
+
+def _text_events(item: ReasoningItem | OutputMessage) -> tuple[str, dict[str, Any]]:
+    """The event family of an item's text ("reasoning_text" or "output_text") and the fields
+    only output text carries (its logprobs)."""
+    if isinstance(item, ReasoningItem):
+        return "reasoning_text", {}
+    return "output_text", {"logprobs": []}
+
 
 def output_items(
     text: str, reasoning_parser: str | None, mode: tools.Mode, named: str | None, cut: bool
@@ -38,7 +49,7 @@ def output_items(
     if reasoning_parser is not None:
         reasoning, text = split_reasoning(reasoning_parser, text)
     content, calls = tools.parse_calls(text, mode, named)
-    status = "incomplete" if cut else "completed"
+    status: Status = "incomplete" if cut else "completed"
     items: list[OutputItem] = []
     if reasoning:
         items.append(ReasoningItem(content=[ReasoningText(text=reasoning)], status=status))
@@ -139,32 +150,21 @@ class EventWriter:
             events += self._close(cut=False)
             events += self._open_item(kind)
         item = self._open
-        index = len(self.items) - 1
+        assert isinstance(item, (ReasoningItem, OutputMessage))
+        item.content[0].text += text
         if isinstance(item, ReasoningItem):
-            item.content[0].text += text
             self.reasoning_text += text
-            events.append(
-                self.event(
-                    "response.reasoning_text.delta",
-                    item_id=item.id,
-                    output_index=index,
-                    content_index=0,
-                    delta=text,
-                )
+        family, extra = _text_events(item)
+        events.append(
+            self.event(
+                f"response.{family}.delta",
+                item_id=item.id,
+                output_index=len(self.items) - 1,
+                content_index=0,
+                delta=text,
+                **extra,
             )
-        else:
-            assert isinstance(item, OutputMessage)
-            item.content[0].text += text
-            events.append(
-                self.event(
-                    "response.output_text.delta",
-                    item_id=item.id,
-                    output_index=index,
-                    content_index=0,
-                    delta=text,
-                    logprobs=[],
-                )
-            )
+        )
         return events
 
     def _open_item(self, kind: type[ReasoningItem] | type[OutputMessage]) -> list[str]:
@@ -193,12 +193,11 @@ class EventWriter:
             return []
         index = self.items.index(item)
         part = item.content[0]
-        kind = "reasoning_text" if isinstance(item, ReasoningItem) else "output_text"
-        extra = {} if isinstance(item, ReasoningItem) else {"logprobs": []}
+        family, extra = _text_events(item)
         item.status = "incomplete" if cut else "completed"
         return [
             self.event(
-                f"response.{kind}.done",
+                f"response.{family}.done",
                 item_id=item.id,
                 output_index=index,
                 content_index=0,

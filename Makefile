@@ -3,7 +3,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run test test-quick test-avx2 test-scale install lint typecheck check docs-options clean
+.PHONY: run test test-quick test-avx2 test-scale test-no-cjk install lint typecheck check docs-options clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -25,6 +25,7 @@ test: $(STAMP)
 	$(MAKE) --no-print-directory check
 	$(PY) -m pytest -q
 	$(MAKE) --no-print-directory test-avx2
+	$(MAKE) --no-print-directory test-no-cjk
 
 # The edit-test loop: the package layout, the engine core on the fake runner, the layers.
 test-quick: $(STAMP)
@@ -33,6 +34,12 @@ test-quick: $(STAMP)
 # The other CPU kind on an AVX-512 machine: torch's AVX2 kernels forced (dtype "auto" is then fp32).
 test-avx2: $(STAMP)
 	ATEN_CPU_CAPABILITY=avx2 $(PY) -m pytest -q tests/layers tests/models
+
+# The lab's Chinese lesson again with every CJK font hidden from Chromium: a learner's fonts must
+# not decide whether the page jumps (CI installs one; a user's machine may not have it).
+test-no-cjk: $(STAMP)
+	FONTCONFIG_FILE=$(CURDIR)/tests/lab/no_cjk_fonts.conf $(PY) -m pytest -q \
+		tests/lab/test_lab_chapters_browser.py -k speak_chinese
 
 # Scale-out: two replicas on a local Ray cluster, and vllm-router over two `minivllm serve`
 # processes (tests/scale, marked `scale`). Ray and the routers are optional extras, installed here.

@@ -27,12 +27,13 @@ class LoRASlots(Protocol):
 
 
 class LoRARegistry:
-    """Adapters by name; `changeable` False where the engine runs in another process."""
+    """Adapters by name. Where the engine runs in a process of its own this is the server's
+    side: each request carries the LoRARequest it resolved here, so naming and forgetting
+    adapters at run time needs no message to the engine."""
 
-    def __init__(self, config: EngineConfig, changeable: bool = True) -> None:
+    def __init__(self, config: EngineConfig) -> None:
         self.enabled = config.enable_lora
         self.max_lora_rank = config.max_lora_rank
-        self.changeable = changeable
         self._lock = threading.Lock()  # the HTTP thread adds, the engine thread reads
         self._by_name: dict[str, LoRARequest] = {}
         for i, module in enumerate(config.lora_modules, start=1):
@@ -57,7 +58,7 @@ class LoRARegistry:
         name is taken or the files cannot be used."""
         from minivllm.models.lora_files import load_lora
 
-        self._check_changeable()
+        self._check_enabled()
         if not name or not path:
             raise ValueError("lora_name and lora_path are required")
         if name in self.names():
@@ -71,16 +72,11 @@ class LoRARegistry:
 
     def remove(self, name: str) -> None:
         """Forget the adapter named `name` (its slot is reused when another needs one)."""
-        self._check_changeable()
+        self._check_enabled()
         with self._lock:
             if self._by_name.pop(name, None) is None:
                 raise ValueError(f"no LoRA adapter is named {name!r}")
 
-    def _check_changeable(self) -> None:
+    def _check_enabled(self) -> None:
         if not self.enabled:
             raise ValueError("this server serves no LoRA adapters: start it with --enable-lora")
-        if not self.changeable:
-            raise ValueError(
-                "LoRA adapters are loaded at start-up (--lora-modules) when the engine runs in "
-                "a process of its own"
-            )

@@ -49,9 +49,8 @@ def test_the_registry_numbers_start_up_adapters_first_and_never_reuses_an_id() -
     registry.remove("a")
     with pytest.raises(ValueError, match="no LoRA adapter is named 'a'"):
         registry.get("a")
-    frozen = LoRARegistry(config, changeable=False)
-    with pytest.raises(ValueError, match="process of its own"):
-        frozen.remove("a")
+    with pytest.raises(ValueError, match="start it with --enable-lora"):
+        LoRARegistry(EngineConfig()).add("c", "/z")
 
 
 def test_a_prefix_cached_under_one_adapter_matches_only_that_adapter() -> None:

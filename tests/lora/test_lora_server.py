@@ -1,6 +1,7 @@
 """LoRA over HTTP, with the openai SDK: a request's `model` naming an adapter routes to it,
 /v1/models lists the adapters under the base model, and adapters load and unload (vLLM's
-endpoints) while another request streams."""
+endpoints) while another request streams; with the engine in the server's process and in a
+process of its own (the server's default)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import pytest
 from support.lora_adapters import random_lora, write_peft_files
 
 from minivllm.engine.llm_engine import LLMEngine
+from minivllm.engine.runtime.engine_process import EngineProcess
 from minivllm.server import ServerThread, create_app
 
 SHAPES = {
@@ -24,18 +26,24 @@ SHAPES = {
 PROMPT = [1, 17, 42, 99, 7, 3, 250, 64, 12, 5]
 
 
-@pytest.fixture(scope="module")
-def live(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple]:
+@pytest.fixture(scope="module", params=["in-process", "engine-process"])
+def live(
+    request: pytest.FixtureRequest, tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple]:
     root = tmp_path_factory.mktemp("lora_server")
     path = write_peft_files(root / "qv", random_lora(SHAPES, 4, 7), 4, 8)
-    engine = LLMEngine.from_options(
-        model=str(tiny_llama_dir),
-        max_model_len=256,
-        device="cpu",
-        dtype="float32",
-        enable_lora=True,
-        lora_modules=(f"qv={path}",),
-    )
+    options = {
+        "model": str(tiny_llama_dir),
+        "max_model_len": 256,
+        "device": "cpu",
+        "dtype": "float32",
+        "enable_lora": True,
+        "lora_modules": (f"qv={path}",),
+    }
+    if request.param == "engine-process":
+        engine: LLMEngine | EngineProcess = EngineProcess(options)
+    else:
+        engine = LLMEngine.from_options(**options)
     app = create_app(engine, "tiny")
     with ServerThread(app) as thread:
         client = openai.OpenAI(base_url=thread.base_url + "/v1", api_key="x", max_retries=0)
@@ -114,3 +122,39 @@ def test_bad_load_and_unload_requests_are_openai_errors(live, route, body, statu
     r = httpx.post(f"{base_url}/v1/{route}_lora_adapter", json=body)
     assert r.status_code == status
     assert message in r.json()["error"]["message"]
+
+
+def test_responses_and_messages_route_to_an_adapter_as_chat_does(live) -> None:
+    """The Responses API and Anthropic's Messages run under the adapter a request's `model`
+    names: greedy, each answers what chat completions answers under that adapter."""
+    import anthropic
+
+    base_url, client, _ = live
+    question = "hello there"
+    chat = {
+        model: client.chat.completions.create(
+            model=model,
+            messages=[{"role": "user", "content": question}],
+            max_tokens=8,
+            temperature=0.0,
+        )
+        .choices[0]
+        .message.content
+        for model in ("qv", "tiny")
+    }
+    assert chat["qv"] != chat["tiny"], "the adapter must change this answer for the test to hold"
+    for model in ("qv", "tiny"):
+        response = client.responses.create(
+            model=model, input=question, max_output_tokens=8, temperature=0.0
+        )
+        assert response.output_text == chat[model], model
+    messages = anthropic.Anthropic(base_url=base_url, api_key="x", max_retries=0)
+    for model in ("qv", "tiny"):
+        message = messages.messages.create(
+            model=model,
+            max_tokens=8,
+            messages=[{"role": "user", "content": question}],
+            extra_body={"temperature": 0.0},  # this SDK version types no temperature
+        )
+        assert message.content[0].text == chat[model], model
+    messages.close()

@@ -40,6 +40,7 @@ from minivllm.engine.runtime.engine_loop import (
     StepRecorder,
     ThreadCommands,
 )
+from minivllm.lora_request import LoRARequest
 from minivllm.outputs import RequestOutput
 
 __all__ = [
@@ -121,13 +122,13 @@ async def add_and_wait(
     send: Callable[[Command], None],
     request_id: str,
     choices: list[Choice],
-    lora_name: str | None = None,
+    lora: LoRARequest | None = None,
 ) -> RequestStream:
     """Send an Add for `choices` and wait until the engine has taken (or refused) it; a
     cancelled wait (the client left) sends an Abort."""
     stream = Stream(asyncio.get_running_loop(), asyncio.Queue())
     done: concurrent.futures.Future[None] = concurrent.futures.Future()
-    send(Add(request_id, choices, stream, done, lora_name))
+    send(Add(request_id, choices, stream, done, lora))
     try:
         await asyncio.wrap_future(done)
     except asyncio.CancelledError:  # the client left while the add was pending
@@ -257,9 +258,9 @@ class AsyncLLMEngine:
     # ---- the asyncio side -------------------------------------------------------------
 
     async def add_request(
-        self, request_id: str, choices: list[Choice], lora_name: str | None = None
+        self, request_id: str, choices: list[Choice], lora: LoRARequest | None = None
     ) -> RequestStream:
-        """Add one sub-request per choice (under the LoRA adapter `lora_name`, if given), all
+        """Add one sub-request per choice (under the LoRA adapter `lora`, if given), all
         or none, and return their output stream.
 
         Raises ValueError (bad request) or QueueFullError (overloaded). The caller must
@@ -269,7 +270,7 @@ class AsyncLLMEngine:
             raise ShuttingDownError("the server is shutting down; retry on another instance")
         if not self.is_running:
             raise EngineDeadError("the engine loop is not running")
-        return await add_and_wait(self._commands.send, request_id, choices, lora_name)
+        return await add_and_wait(self._commands.send, request_id, choices, lora)
 
     # ---- the engine thread ------------------------------------------------------------
 

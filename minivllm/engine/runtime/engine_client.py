@@ -22,6 +22,7 @@ from minivllm.engine.runtime.async_engine import (
     RequestStream,
     StepRecorder,
 )
+from minivllm.lora_request import LoRARequest
 
 
 class EngineClient(Protocol):
@@ -89,9 +90,9 @@ class EngineClient(Protocol):
         ...
 
     async def add_request(
-        self, request_id: str, choices: list[Choice], lora_name: str | None = None
+        self, request_id: str, choices: list[Choice], lora: LoRARequest | None = None
     ) -> RequestStream:
-        """Add one sub-request per choice (under LoRA adapter `lora_name`, if given), all or
+        """Add one sub-request per choice (under the LoRA adapter `lora`, if given), all or
         none, and return their output stream."""
         ...
 

@@ -71,7 +71,7 @@ class _PipeCommands:
             done.add_done_callback(
                 lambda f: self._sink.send(RequestAdded(request_id, _portable(f.exception())))
             )
-            return Add(request_id, message.choices, request_id, done, message.lora_name)
+            return Add(request_id, message.choices, request_id, done, message.lora)
         if isinstance(message, AbortRequest):
             return Abort(message.request_id)
         if isinstance(message, AbortAllRequests):

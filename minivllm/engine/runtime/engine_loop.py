@@ -35,6 +35,7 @@ from minivllm.engine.requests import Choice
 from minivllm.engine.runtime.output_processor import OutputProcessor
 from minivllm.engine.sequence import FinishReason
 from minivllm.engine.stat_logger import StatLogger
+from minivllm.lora_request import LoRARequest
 from minivllm.outputs import CompletionOutput, RequestOutput
 
 logger = logging.getLogger(__name__)
@@ -60,7 +61,7 @@ class Add:
     choices: list[Choice]
     target: Any  # handed back to the sink with each of the request's outputs
     done: concurrent.futures.Future[None]
-    lora_name: str | None = None  # the LoRA adapter all choices run under (None: the base)
+    lora: LoRARequest | None = None  # the LoRA adapter all choices run under (None: the base)
 
 
 @dataclass
@@ -256,8 +257,7 @@ class EngineLoop:
                 f"(limit {limit}); retry later"
             )
         sub_ids = [f"{command.request_id}/{i}" for i in range(len(command.choices))]
-        lora = None if command.lora_name is None else self.engine.loras.get(command.lora_name)
-        loras = [lora] * len(command.choices)
+        loras = [command.lora] * len(command.choices)
         seqs = requests.add_all(self.engine, command.choices, sub_ids, loras)  # all or none
         request = _Request(command.target)
         for index, (sub_id, seq) in enumerate(zip(sub_ids, seqs)):

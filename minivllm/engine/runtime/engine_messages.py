@@ -8,6 +8,7 @@ from typing import Any
 
 from minivllm.config import EngineConfig
 from minivllm.engine.requests import Choice
+from minivllm.lora_request import LoRARequest
 from minivllm.outputs import RequestOutput
 
 # ---- messages to the engine process -------------------------------------------------------
@@ -23,7 +24,9 @@ class EngineStart:
 class AddRequest:
     request_id: str
     choices: list[Choice]
-    lora_name: str | None = None  # the LoRA adapter they run under (None: the base model)
+    # the LoRA adapter they run under (None: the base model), resolved by the server's registry,
+    # so an adapter named at run time needs no message of its own
+    lora: LoRARequest | None = None
 
 
 @dataclass

@@ -62,6 +62,7 @@ from minivllm.engine.runtime.engine_messages import (
     StepOutputs,
     StopAccepting,
 )
+from minivllm.lora_request import LoRARequest
 
 if TYPE_CHECKING:
     from minivllm.engine.runtime.engine_client import EngineClient
@@ -109,8 +110,8 @@ class EngineProcess:
             self.close()
             raise
         self.config = ready.config
-        # the start-up adapters' names; the engine's own registry resolves them
-        self.loras = LoRARegistry(ready.config, changeable=False)
+        # the adapters' names, this side's: each request carries its adapter to the engine
+        self.loras = LoRARegistry(ready.config)
         self.tokenizer = ready.tokenizer
         self.default_sampling_params = ready.default_sampling_params
         self.vocab_size = ready.vocab_size
@@ -185,14 +186,14 @@ class EngineProcess:
     # ---- the asyncio side -------------------------------------------------------------
 
     async def add_request(
-        self, request_id: str, choices: list[Choice], lora_name: str | None = None
+        self, request_id: str, choices: list[Choice], lora: LoRARequest | None = None
     ) -> RequestStream:
         """As AsyncLLMEngine.add_request."""
         if not self._accepting:
             raise ShuttingDownError("the server is shutting down; retry on another instance")
         if not self.is_running:
             raise EngineDeadError("the engine loop is not running")
-        return await add_and_wait(self._command, request_id, choices, lora_name)
+        return await add_and_wait(self._command, request_id, choices, lora)
 
     def _command(self, command: Command) -> None:
         if isinstance(command, Add):
@@ -202,7 +203,7 @@ class EngineProcess:
                 )
                 self._adds[command.request_id] = command.done
             try:
-                self._send(AddRequest(command.request_id, command.choices, command.lora_name))
+                self._send(AddRequest(command.request_id, command.choices, command.lora))
             except Exception as exc:
                 with self._lock:
                     self._requests.pop(command.request_id, None)

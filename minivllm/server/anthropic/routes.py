@@ -97,7 +97,7 @@ async def create_message(server: OpenAIServer, request: Request) -> Response:
     )
     single = chat_req.parallel_tool_calls is False
     turn = Turn(server, message, prompt, params, mode, named, single, time.monotonic())
-    stream = await server.start(message.id, [prompt], params)
+    stream = await server.start(message.id, [prompt], params, req.model)  # an adapter's name too
     if req.stream:
         return SSEResponse(events(turn, stream), on_close=stream.close)
     try:

@@ -232,8 +232,8 @@ class OpenAIServer:
         self, request_id: str, choices: list[requests.Choice], model: str | None = None
     ) -> RequestStream:
         """Add the choices as one request, all or none; the engine's refusals as HTTP errors."""
-        lora = None if model in (None, self.served_model_name) else model
         try:
+            lora = None if model in (None, self.served_model_name) else self.engine.loras.get(model)
             return await self.engine.add_request(request_id, choices, lora)
         except QueueFullError as exc:
             raise APIError(503, str(exc), type="service_unavailable", code="overloaded") from None

@@ -142,7 +142,7 @@ class ResponsesAPI:
         server = self.server
         req = await server.parse(request, ResponsesRequest)
         turn = await self._prepare(req)
-        stream = await server.start(turn.response.id, [turn.prompt], turn.params)
+        stream = await server.start(turn.response.id, [turn.prompt], turn.params, req.model)
         running = _Running(stream, turn.response)
         self.running[turn.response.id] = running
         self._save(turn, [])

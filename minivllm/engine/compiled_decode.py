@@ -254,6 +254,10 @@ class CompiledDecode:
         # Without this, a context length that happens to equal a model dim (head_dim / 2 at
         # warm-up, say) is traced as that dim, and the graph holds for that length only.
         torch.fx.experimental._config.use_duck_shape = False
+        # And without this a step of one sequence is traced with its batch size as the
+        # constant 1 (0/1 specialisation): the warm-up's graphs then missed the first real
+        # steps of one and two sequences, which recompiled inside the first requests.
+        torch.fx.experimental._config.backed_size_oblivious = True
         self.decoder = model.model  # the LlamaModel: embedding, layers, final norm
         for layer in self.decoder.layers:
             _mark_weights_static(layer)

@@ -119,8 +119,13 @@ def accept(
 
     logits: [R, V] processed logits (argmax for greedy rows); probs: [R, V] the rows' final
     distribution (None if every sequence is greedy); drafts: per sequence; greedy: per
-    sequence; u_accept, u_resample: [R] uniforms."""
-    argmax = logits.argmax(dim=-1).tolist()  # [R]
+    sequence; u_accept, u_resample: [R] uniforms.
+
+    What the host reads (argmax, uniforms, the drafts' probabilities, the recovered tokens)
+    crosses as one float64 tensor: one device-to-host copy a step (float64 holds every token
+    id, float32 probability and float64 uniform exactly)."""
+    num_rows = logits.shape[0]
+    parts = [logits.argmax(dim=-1), u_accept.to(logits.device)]  # [R], [R]
     starts, row = [], 0
     for d in drafts:
         starts.append(row)
@@ -136,12 +141,17 @@ def accept(
         draft_ids = torch.tensor(
             [t for d in drafts for t in d], dtype=torch.int64, device=probs.device
         )
-        draft_prob = probs[draft_rows, draft_ids].tolist()  # p(d) of each draft
+        parts.append(probs[draft_rows, draft_ids])  # [D] p(d) of each draft
         # Each draft row without its draft (the rejection's distribution); bonus rows as is.
         zero = torch.zeros((), dtype=probs.dtype, device=probs.device)
         residual = probs.index_put((draft_rows, draft_ids), zero)  # [R, V]
-        recovered = sample_from(residual, u_resample).tolist()  # [R]
-    accept_u = u_accept.tolist()
+        parts.append(sample_from(residual, u_resample))  # [R] recovered tokens
+    host = torch.cat([p.to(torch.float64) for p in parts]).tolist()
+    argmax = [int(v) for v in host[:num_rows]]
+    accept_u = host[num_rows : 2 * num_rows]
+    if probs is not None:
+        draft_prob = host[2 * num_rows : len(host) - num_rows]
+        recovered = [int(v) for v in host[len(host) - num_rows :]]
     tokens, accepted, rows = [], [], []
     flat = 0  # index of the sequence's first draft in draft_prob
     for start, d, is_greedy in zip(starts, drafts, greedy):

@@ -49,6 +49,30 @@ def test_sampled_acceptance_gives_the_targets_distribution():
         assert first[4] == 0
 
 
+def test_one_host_copy_a_step_and_the_same_answer(monkeypatch):
+    """The host reads argmax, uniforms, draft probabilities and recovered tokens in one copy
+    (each read is a sync on a GPU); a mixed greedy and sampled batch gives the answer of the
+    rule spelled out by hand."""
+    gen = torch.Generator().manual_seed(3)
+    probs = torch.softmax(torch.randn(5, 7, generator=gen), dim=-1)  # seq 0: 2 rows, seq 1: 3
+    drafts, greedy = [[4], [1, 2]], [True, False]
+    u1 = torch.rand(5, dtype=torch.float64, generator=gen)
+    u2 = torch.rand(5, dtype=torch.float64, generator=gen)
+    reads = []
+    real_tolist = torch.Tensor.tolist
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda t: reads.append(t.shape) or real_tolist(t))
+    tokens, accepted, rows = accept(probs.log(), probs, drafts, greedy, u1, u2)
+    monkeypatch.undo()
+    assert len(reads) == 1
+    argmax = probs.argmax(-1).tolist()
+    n0 = 1 if argmax[0] == 4 else 0
+    n1 = 0
+    while n1 < 2 and u1[2 + n1] < probs[2 + n1, drafts[1][n1]]:
+        n1 += 1
+    assert accepted == [n0, n1] and rows == [n0, 2 + n1]
+    assert tokens[0] == argmax[n0]
+
+
 def test_every_draft_row_sees_the_drafts_before_it():
     """Row j scores the token after draft j: its position is num_tokens + j and, for the
     penalties, its history holds drafts[:j]."""

@@ -122,3 +122,26 @@ def test_bad_kv_cache_dtypes_are_refused():
     with pytest.raises(ValueError, match="kv_cache_dtype=int8 is CPU-only"):
         kv_quant.check_kv_cache_dtype("int8", torch.device("cuda"))
     kv_quant.check_kv_cache_dtype("auto", torch.device("cuda"))
+
+
+@pytest.mark.parametrize("kind", ["auto", "int8", "fp8"])
+def test_a_cpu_pool_is_zero_aligned_and_resident_only_where_written(kind: str) -> None:
+    """The CPU pool reads as zeros (padded gathers read unused slots, which must be finite),
+    sits at torch's alignment, and takes resident memory only for the pages a step wrote: a
+    256 MiB layer costs nothing at start-up."""
+
+    def rss_mib() -> float:
+        status = open("/proc/self/status").read()
+        return int(status.split("VmRSS:")[1].split()[0]) / 1024
+
+    if platform.system() != "Linux":
+        pytest.skip("reads /proc/self/status")
+    shape = (4096, 16, 8, 128)  # 64 Mi values: 128 MiB a tensor in bf16
+    before = rss_mib()
+    cache = kv_quant.allocate_kv_cache(shape, kind, torch.bfloat16, torch.device("cpu"))
+    assert rss_mib() - before < 32
+    for t in cache:
+        assert t.data_ptr() % 64 == 0
+        assert not t[:2].view(torch.uint8).any()  # the first blocks only: reads touch pages
+    cache[0][0].view(torch.uint8).fill_(1)  # one block written: its pages, not the pool's
+    assert rss_mib() - before < 48

@@ -21,8 +21,12 @@ paged decode kernel reads the codes and scales directly.
 
 from __future__ import annotations
 
+import math
+
+import numpy as np
 import torch
 
+ALIGN = 64  # bytes
 KVCache = tuple[torch.Tensor, ...]  # (k, v) or, int8, (k, v, k_scale, v_scale)
 
 FP8 = torch.float8_e4m3fn
@@ -63,11 +67,23 @@ def allocate_kv_cache(
     """One layer's cache of `shape` `[blocks, block_size, KVH, D]`, zeroed: padded gathers
     read unused slots, which must be finite."""
     dtype = kv_storage_dtype(kv_cache_dtype, compute_dtype)
-    k, v = (torch.zeros(shape, dtype=dtype, device=device) for _ in range(2))
+    k, v = (_zeros(shape, dtype, device) for _ in range(2))
     if kv_cache_dtype != "int8":
         return k, v
-    k_scale, v_scale = (torch.zeros(shape[:3], device=device) for _ in range(2))
+    k_scale, v_scale = (_zeros(shape[:3], torch.float32, device) for _ in range(2))
     return k, v, k_scale, v_scale
+
+
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zeroed tensor. On the CPU from numpy's calloc: the system hands out zero pages as
+    they are first touched, so the pool costs neither the start-up's time to write it (seconds
+    for gigabytes on a busy machine) nor resident memory until a slot is used."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    raw = torch.from_numpy(np.zeros(nbytes + ALIGN, dtype=np.uint8))
+    start = -raw.data_ptr() % ALIGN  # torch's own allocator's alignment (calloc gives 16)
+    return raw[start : start + nbytes].view(dtype).view(shape)
 
 
 def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

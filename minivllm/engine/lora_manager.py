@@ -43,7 +43,7 @@ class LoRAManager:
         self.dtype = dtype
         self.max_loras = max_loras
         self.max_lora_rank = max_lora_rank
-        self.batch = LoRABatch()
+        self.batch = LoRABatch(max_loras)
         # HF module name (e.g. model.layers.0.self_attn.q_proj) -> (hook, shard index)
         self.targets: dict[str, tuple[LoRALinear, int, LinearBase]] = {}
         self.hooks: list[LoRALinear] = []

@@ -137,7 +137,7 @@ def test_load_lora_refuses_a_missing_path(tmp_path: Path) -> None:
 def test_the_update_is_the_same_when_the_mlp_runs_rows_in_slices() -> None:
     """The MLP may run a long prefill a slice of rows at a time: each slice's rows get their
     own adapter (the layer's cursor), as in one call."""
-    batch = LoRABatch()
+    batch = LoRABatch(max_loras=2)
     hook = LoRALinear(batch, [8], key=0)
     gen = torch.Generator().manual_seed(0)
     hook.install(0, [(torch.randn(2, 4, generator=gen), torch.randn(8, 2, generator=gen))])
@@ -174,3 +174,36 @@ def test_a_gguf_base_kept_as_stored_blocks_runs_an_adapter(tmp_path: Path) -> No
         {t: lp.logprob for t, lp in o.outputs[0].logprobs[0].items()} for o in outs
     )
     assert with_adapter != base  # the tiny file's greedy tokens are all 0: its log-probs move
+
+
+@pytest.mark.skipif(not cpu_kernels_available(), reason="the CPU kernels are not built")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_grouped_kernel_equals_the_masked_matmuls(dtype: torch.dtype) -> None:
+    """Small steps run our grouped kernel (each row through its own adapter), larger ones the
+    masked matmuls over every adapter: the same update, base rows untouched, whole or in
+    slices, with ranks that differ between adapters and a slot this layer has no adapter in."""
+    batch = LoRABatch(max_loras=3)
+    hook = LoRALinear(batch, [40, 24], key=0)
+    gen = torch.Generator().manual_seed(1)
+
+    def shard(rank: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        a = torch.randn(rank, 36, generator=gen).to(dtype)
+        return a, torch.randn(rows, rank, generator=gen).to(dtype)
+
+    hook.install(0, [shard(2, 40), None])
+    hook.install(2, [shard(5, 40), shard(3, 24)])
+    slots = [0, -1, 2, 1, 2, 0, -1, 2, 0, 2, 1]  # slot 1: an adapter that skips this layer
+    batch.set_rows(slots, torch.device("cpu"))
+    x, base = torch.randn(11, 36, generator=gen).to(dtype), torch.randn(11, 64, generator=gen)
+    base = base.to(dtype)
+    assert hook.kernel_a is not None and hook.kernel_rows >= 11
+    grouped = hook(x, base)
+    sliced = torch.cat([hook(x[i : i + 4], base[i : i + 4]) for i in range(0, 11, 4)])
+    hook.kernel_rows = 0
+    masked = hook(x, base)
+    tol = {"atol": 1e-4, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 0.1, "rtol": 0.02}
+    torch.testing.assert_close(grouped, masked, **tol)
+    torch.testing.assert_close(sliced, grouped)
+    for row, slot in enumerate(slots):
+        if slot in (-1, 1):
+            assert torch.equal(grouped[row], base[row]) and torch.equal(masked[row], base[row])

@@ -60,6 +60,9 @@ class KernelRows:
     # the integer kernel on Q4_0/Q4_1 repacked 8 rows at a time (two int8 codes an
     # activation) over tile-by-tile dequantization: it wins at every count
     ggml_q4x8: float
+    # LoRA updates: our grouped kernel (each row through its own adapter, float32) over the
+    # masked matmul of every resident adapter (docs/lora.md)
+    lora_rows: int = 64
 
 
 _AVX512 = KernelRows(

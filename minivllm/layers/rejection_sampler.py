@@ -124,14 +124,44 @@ def accept(
     What the host reads (argmax, uniforms, the drafts' probabilities, the recovered tokens)
     crosses as one float64 tensor: one device-to-host copy a step (float64 holds every token
     id, float32 probability and float64 uniform exactly)."""
-    num_rows = logits.shape[0]
-    parts = [logits.argmax(dim=-1), u_accept.to(logits.device)]  # [R], [R]
     starts, row = [], 0
     for d in drafts:
         starts.append(row)
         row += len(d) + 1
-    draft_prob: list[float] = []
-    recovered: list[int] = []
+    argmax, accept_u, draft_prob, recovered = _host_reads(
+        logits, probs, drafts, starts, u_accept, u_resample
+    )
+    tokens, accepted, rows = [], [], []
+    flat = 0  # index of the sequence's first draft in draft_prob
+    for start, d, is_greedy in zip(starts, drafts, greedy):
+        if is_greedy:
+            n = accept_greedy(d, argmax[start : start + len(d) + 1])
+            token = argmax[start + n]
+        else:
+            n = 0
+            while n < len(d) and accept_u[start + n] < draft_prob[flat + n]:
+                n += 1
+            token = recovered[start + n]
+        flat += len(d)
+        tokens.append(token)
+        accepted.append(n)
+        rows.append(start + n)
+    return tokens, accepted, rows
+
+
+def _host_reads(
+    logits: torch.Tensor,
+    probs: torch.Tensor | None,
+    drafts: list[list[int]],
+    starts: list[int],
+    u_accept: torch.Tensor,
+    u_resample: torch.Tensor,
+) -> tuple[list[int], list[float], list[float], list[int]]:
+    """What `accept` reads on the host: each row's argmax and acceptance uniform, and with
+    `probs` each draft's probability and each row's recovered token (sampled from the row's
+    distribution without its draft), in one copy."""
+    num_rows = logits.shape[0]
+    parts = [logits.argmax(dim=-1), u_accept.to(logits.device)]  # [R], [R]
     if probs is not None:
         draft_rows = torch.tensor(
             [start + j for start, d in zip(starts, drafts) for j in range(len(d))],
@@ -149,22 +179,7 @@ def accept(
     host = torch.cat([p.to(torch.float64) for p in parts]).tolist()
     argmax = [int(v) for v in host[:num_rows]]
     accept_u = host[num_rows : 2 * num_rows]
-    if probs is not None:
-        draft_prob = host[2 * num_rows : len(host) - num_rows]
-        recovered = [int(v) for v in host[len(host) - num_rows :]]
-    tokens, accepted, rows = [], [], []
-    flat = 0  # index of the sequence's first draft in draft_prob
-    for start, d, is_greedy in zip(starts, drafts, greedy):
-        if is_greedy:
-            n = accept_greedy(d, argmax[start : start + len(d) + 1])
-            token = argmax[start + n]
-        else:
-            n = 0
-            while n < len(d) and accept_u[start + n] < draft_prob[flat + n]:
-                n += 1
-            token = recovered[start + n]
-        flat += len(d)
-        tokens.append(token)
-        accepted.append(n)
-        rows.append(start + n)
-    return tokens, accepted, rows
+    if probs is None:
+        return argmax, accept_u, [], []
+    draft_prob = host[2 * num_rows : len(host) - num_rows]
+    return argmax, accept_u, draft_prob, [int(v) for v in host[len(host) - num_rows :]]

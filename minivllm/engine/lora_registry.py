@@ -34,7 +34,7 @@ class LoRARegistry:
     def __init__(self, config: EngineConfig) -> None:
         self.enabled = config.enable_lora
         self.max_lora_rank = config.max_lora_rank
-        self._lock = threading.Lock()  # the HTTP thread adds, the engine thread reads
+        self._lock = threading.Lock()  # HTTP threads add, remove and resolve names at once
         self._by_name: dict[str, LoRARequest] = {}
         for i, module in enumerate(config.lora_modules, start=1):
             name, _, path = module.partition("=")

@@ -11,6 +11,7 @@ the quantized cache's alone, and no HF copy of a large model is needed.
 
     python benchmarks/kv_quality.py --kinds auto int8 fp8
     python benchmarks/kv_quality.py --model /path/to/1.5b.gguf --reference auto --kinds int8
+    python benchmarks/kv_quality.py --model /path/to/1.5b.gguf --reference auto --dtype float32
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ CHUNKS = (1, 64)
 
 def references(args: argparse.Namespace) -> tuple[str, dict[int, tuple[list[float], list[int]]]]:
     """The reference's name and its (log-probs, top-1) for each chunk size."""
-    llm = LLM(args.model, kv_cache_dtype="auto")
+    llm = LLM(args.model, kv_cache_dtype="auto", dtype=args.dtype)
     ids = llm.llm_engine.tokenizer.encode(QUALITY_TEXT)[: args.max_tokens]
     if args.reference == "hf":
         with hf_model_dir(llm.llm_engine.model_runner) as model_dir:
@@ -42,11 +43,14 @@ def main() -> None:
     parser.add_argument("--kinds", nargs="+", default=["auto", "int8", "fp8"])
     parser.add_argument("--max-tokens", type=int, default=None, help="score the first N tokens")
     parser.add_argument("--reference", choices=["hf", "auto"], default="hf")
+    # float32 isolates the cache's rounding: in bf16 a model's top-1 against itself already
+    # moves with any change of one bf16 step in K/V (docs/memory.md)
+    parser.add_argument("--dtype", default="auto", help="the model's compute dtype")
     args = parser.parse_args()
     ref_name, reference = references(args)
     gc.collect()  # the reference's engine, before the next one loads
     for kind in args.kinds:
-        llm = LLM(args.model, kv_cache_dtype=kind)
+        llm = LLM(args.model, kv_cache_dtype=kind, dtype=args.dtype)
         ids = llm.llm_engine.tokenizer.encode(QUALITY_TEXT)[: args.max_tokens]
         for chunk in CHUNKS:
             r = compare(*engine_scores(llm, ids, chunk), *reference[chunk])

@@ -40,21 +40,26 @@ def decode_attention(
     scale: float,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    key_turn: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Store the step's K/V, then attend: `q` `[S, H*D]`, `k`/`v` `[S, KVH*D]` -> `[S, H*D]`
-    in q's dtype. Grouped-query heads share their KV head's keys without copies."""
+    in q's dtype. Grouped-query heads share their KV head's keys without copies. `key_turn`:
+    an int8 cache's rotation of queries and keys (kv_quant.key_rotation)."""
     k_cache, v_cache = kv_cache[:2]
     num_kv_heads, head_dim = k_cache.shape[-2:]
     num_seqs = q.shape[0]
     group = q.shape[1] // (num_kv_heads * head_dim)
+    maths = attention_dtype(k_cache)
+    out_dtype = q.dtype
+    q = q.view(num_seqs, -1, head_dim).to(maths)  # [S, H, D]
     new_k = k.view(num_seqs, num_kv_heads, head_dim)  # [S, KVH, D]
     new_v = v.view(num_seqs, num_kv_heads, head_dim)
+    if key_turn is not None:
+        q, new_k = q @ key_turn, new_k.to(maths) @ key_turn
     store_kv(new_k, new_v, kv_cache, meta.slot_mapping)
-    maths = attention_dtype(k_cache)
     if meta.block_tables is not None:  # our kernel reads the keys through the block tables
-        queries = q.view(num_seqs, -1, head_dim).to(maths)  # [S, H, D]
         out = paged_decode_attention(
-            queries,
+            q,
             k_cache,
             v_cache,
             meta.block_tables,
@@ -64,13 +69,13 @@ def decode_attention(
             softcap,
             *kv_scales(kv_cache),
         )  # [S, H, D]
-        return out.reshape(num_seqs, -1).to(q.dtype)  # [S, H*D]
+        return out.reshape(num_seqs, -1).to(out_dtype)  # [S, H*D]
     # the gathered path: the runner built all three index tensors (no block tables)
     assert meta.kv_index is not None and meta.kv_valid is not None
     assert meta.key_positions is not None
     keys = gather_rows(kv_cache, 0, meta.kv_index, maths)  # [S, L, KVH, D]
     values = gather_rows(kv_cache, 1, meta.kv_index, maths)  # [S, L, KVH, D]
-    queries = q.view(num_seqs, num_kv_heads, group, head_dim).to(maths)  # [S, KVH, G, D]
+    queries = q.view(num_seqs, num_kv_heads, group, head_dim)  # [S, KVH, G, D]
     # Products summed, not einsum: Inductor fuses them with the gathers into two loops, where a
     # batched matmul of [KVH] one-row matrices costs more in its call than in its maths.
     scores = (queries[:, None] * keys[:, :, :, None, :]).sum(-1) * scale  # [S, L, KVH, G]
@@ -83,4 +88,4 @@ def decode_attention(
     scores = scores.masked_fill(~visible[:, :, None, None], float("-inf"))
     weights = scores.softmax(1)  # [S, L, KVH, G]: over each query's keys
     out = (weights[..., None] * values[:, :, :, None, :]).sum(1)  # [S, KVH, G, D]
-    return out.reshape(num_seqs, -1).to(q.dtype)  # [S, H*D]
+    return out.reshape(num_seqs, -1).to(out_dtype)  # [S, H*D]

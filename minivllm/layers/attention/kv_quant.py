@@ -21,6 +21,7 @@ paged decode kernel reads the codes and scales directly.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -93,6 +94,31 @@ def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scale = (x.abs().amax(-1) / INT8_MAX).clamp_min(MIN_SCALE)  # [T, KVH]
     codes = torch.round(x / scale[..., None]).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
     return codes, scale
+
+
+@functools.cache
+def key_rotation(d: int, device: torch.device) -> torch.Tensor:
+    """The `[D, D]` float32 turn an int8 cache's layers give queries and keys alike.
+
+    Why: some models' keys carry a few very large channels (a 1.5B Qwen2.5's reach 356, the
+    rest tens), and with one scale per row those channels set the int8 step, so the small
+    ones that tell keys apart round away. An orthonormal turn of both leaves every score q.k
+    as it was and spreads a large channel over all D, so a row's step falls to its typical
+    size. Values stay as computed (their rounding is not amplified by a few channels).
+
+    A Hadamard matrix with seeded sign flips of its rows where D is a power of two (any one
+    channel spreads evenly), else a seeded random orthogonal matrix; fixed, so a cache's bytes
+    do not depend on the process that wrote them."""
+    gen = torch.Generator().manual_seed(0)
+    if d & (d - 1) == 0:
+        h = torch.ones(1, 1, dtype=torch.float64)
+        while h.shape[0] < d:
+            h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+        signs = torch.randint(0, 2, (d, 1), generator=gen, dtype=torch.float64) * 2 - 1
+        turn = signs * h / math.sqrt(d)
+    else:
+        turn, _ = torch.linalg.qr(torch.randn(d, d, generator=gen, dtype=torch.float64))
+    return turn.to(device=device, dtype=torch.float32)
 
 
 def _as_stored(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

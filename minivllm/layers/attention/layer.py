@@ -17,7 +17,7 @@ from minivllm.layers.attention.backends import (
     choose_backend,
 )
 from minivllm.layers.attention.decode import DecodeMetadata, decode_attention
-from minivllm.layers.attention.kv_quant import KVCache, store_kv
+from minivllm.layers.attention.kv_quant import KVCache, key_rotation, store_kv
 from minivllm.layers.attention.metadata import AttentionMetadata
 from minivllm.layers.attention.sdpa import attention_dtype
 
@@ -56,6 +56,8 @@ class Attention(nn.Module):
         self.logit_softcap = logit_softcap
         # The portable path until the runner binds the one for its device and dtypes.
         self.backend: AttentionBackend = SDPA
+        # An int8 cache's turn of queries and keys (kv_quant.key_rotation), bound with it.
+        self.key_turn: torch.Tensor | None = None
 
     def forward(
         self,
@@ -67,7 +69,15 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         if isinstance(meta, DecodeMetadata):  # the compiled decode step
             return decode_attention(
-                q, k, v, kv_cache, meta, self.scale, self.sliding_window, self.logit_softcap
+                q,
+                k,
+                v,
+                kv_cache,
+                meta,
+                self.scale,
+                self.sliding_window,
+                self.logit_softcap,
+                self.key_turn,
             )
         num_tokens = q.shape[0]
         out_dtype = q.dtype
@@ -76,6 +86,8 @@ class Attention(nn.Module):
         q = q.view(num_tokens, self.num_heads, self.head_dim).to(maths)  # [T, H, D]
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim).to(maths)  # [T, KVH, D]
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim).to(maths)  # [T, KVH, D]
+        if self.key_turn is not None:  # scores unchanged: both sides turn alike
+            q, k = q @ self.key_turn, k @ self.key_turn
         store_kv(k, v, kv_cache, meta.slot_mapping)
         out = self.backend.attend(self, q, k, v, kv_cache, meta)  # [T, H, D]
         return out.reshape(num_tokens, self.num_heads * self.head_dim).to(out_dtype)  # [T, H*D]
@@ -95,5 +107,8 @@ def bind_attention_backends(model: nn.Module, spec: AttentionSpec) -> set[str]:
     for module in model.modules():
         if isinstance(module, Attention):
             module.backend = choose_backend(spec)
+            module.key_turn = None
+            if spec.kv_dtype == torch.int8:
+                module.key_turn = key_rotation(spec.head_dim, spec.device)
             chosen.add(module.backend.name)
     return chosen

@@ -109,6 +109,6 @@ def bind_attention_backends(model: nn.Module, spec: AttentionSpec) -> set[str]:
             module.backend = choose_backend(spec)
             module.key_turn = None
             if spec.kv_dtype == torch.int8:
-                module.key_turn = key_rotation(spec.head_dim, spec.device)
+                module.key_turn = key_rotation(module.head_dim, spec.device)
             chosen.add(module.backend.name)
     return chosen

@@ -151,8 +151,8 @@ class EngineConfig:
     kv_cache_dtype: str = _option(
         "auto",
         "what the KV cache stores (vLLM's option): auto = the compute dtype; int8 = int8 "
-        "with a float32 scale per token and KV head (CPU; ~2x the tokens in the same "
-        "memory); fp8 = float8 e4m3, no scale (CPU); both CPU-only for now",
+        "with a float32 scale per token and KV head (~2x the tokens in the same memory); "
+        "fp8 = float8 e4m3, no scale; both on the CPU and on CUDA with triton",
         KV_CACHE_DTYPES,
     )
     gpu_memory_utilization: float = _option(

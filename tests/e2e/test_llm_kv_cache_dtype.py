@@ -101,6 +101,35 @@ def test_the_same_budget_holds_more_tokens(tiny_llama_dir):
     assert blocks["fp8"] == pytest.approx(4 * blocks["auto"], rel=0.02)
 
 
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
+def test_on_cuda_the_triton_kernel_reads_the_quantized_cache(tiny_llama_dir, kind):
+    """On a GPU (skipped elsewhere) a quantized cache runs on our Triton kernel, read as
+    stored, through chunked prefill, prefix reuse and decode steps replayed by CUDA graphs,
+    within the top-5 rule of the auto cache on the same device."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("a CUDA GPU runs the compiled Triton kernel")
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=TOP)
+    runs = {}
+    for cache in ("auto", kind):
+        llm = LLM(
+            str(tiny_llama_dir),
+            device="cuda",
+            dtype="float32",
+            kv_cache_dtype=cache,
+            max_model_len=128,
+            max_num_batched_tokens=16,
+        )
+        runner = llm.llm_engine.model_runner
+        assert "triton" in runner.attention_backends or cache == "auto"
+        runs[cache] = [llm.generate(PROMPTS, params, use_tqdm=False) for _ in range(2)]
+    assert runner.cuda_graphs is not None
+    assert llm.llm_engine.scheduler.block_manager.prefix_hits > 0
+    for outputs in runs[kind]:
+        assert_within_top5(outputs, runs["auto"][0])
+
+
 @pytest.fixture(scope="module")
 def large_key_qwen2_dir(tmp_path_factory) -> str:
     """A tiny fp32 Qwen2 whose keys carry one huge rotary pair, as a real Qwen2.5's k_proj bias

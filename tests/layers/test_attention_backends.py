@@ -32,12 +32,15 @@ def test_without_flash_attn_or_triton_cuda_keeps_sdpa(monkeypatch) -> None:
 
 def test_cuda_without_flash_attn_takes_triton_for_any_block_size(monkeypatch) -> None:
     """Triton comes after flash-attn (first where it imports) and before the CPU paths: on
-    CUDA it takes the block sizes flash-attn cannot, fp32 included; a quantized cache and the
-    CPU keep the other backends."""
+    CUDA it takes the block sizes flash-attn cannot, fp32 included, and the int8 and fp8
+    caches flash-attn cannot read; head sizes past its 256 and the CPU keep the other
+    backends."""
     monkeypatch.setattr(triton_attention, "triton_available", lambda: True)
     bf16 = torch.bfloat16
     monkeypatch.setattr(flash, "flash_attn_varlen_func", object())
     assert choose_backend(AttentionSpec(CUDA, bf16, bf16, 64, 256)).name == "flash"
+    for quantized in (torch.int8, torch.float8_e4m3fn):
+        assert choose_backend(AttentionSpec(CUDA, bf16, quantized, 64, 256)).name == "triton"
     monkeypatch.setattr(flash, "flash_attn_varlen_func", None)
     for spec in (
         AttentionSpec(CUDA, bf16, bf16, 64, 256),
@@ -45,7 +48,7 @@ def test_cuda_without_flash_attn_takes_triton_for_any_block_size(monkeypatch) ->
         AttentionSpec(CUDA, torch.float32, torch.float32, 128, 16),
     ):
         assert choose_backend(spec).name == "triton"
-    assert choose_backend(AttentionSpec(CUDA, bf16, torch.int8, 64, 16)) is SDPA
+    assert choose_backend(AttentionSpec(CUDA, bf16, torch.int8, 512, 16)) is SDPA
     assert choose_backend(AttentionSpec(CPU, torch.float32, torch.float32, 64, 16)) is SDPA
 
 

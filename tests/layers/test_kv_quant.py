@@ -116,12 +116,18 @@ def test_bytes_per_token_count_the_scales():
 
 
 def test_bad_kv_cache_dtypes_are_refused():
-    """An unknown name, and a quantized cache on a device no attention path of ours reads it."""
+    """An unknown name, and a quantized cache on a device no attention path of ours reads:
+    CUDA without triton, or another accelerator."""
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, int8, fp8"):
         EngineConfig(kv_cache_dtype="q4")
-    with pytest.raises(ValueError, match="kv_cache_dtype=int8 is CPU-only"):
-        kv_quant.check_kv_cache_dtype("int8", torch.device("cuda"))
-    kv_quant.check_kv_cache_dtype("auto", torch.device("cuda"))
+    cuda = torch.device("cuda")
+    with pytest.raises(ValueError, match="kv_cache_dtype=int8 needs the CPU, or CUDA with triton"):
+        kv_quant.check_kv_cache_dtype("int8", cuda, triton=False)
+    with pytest.raises(ValueError, match="on mps use kv_cache_dtype=auto"):
+        kv_quant.check_kv_cache_dtype("fp8", torch.device("mps"), triton=True)
+    kv_quant.check_kv_cache_dtype("fp8", cuda, triton=True)
+    kv_quant.check_kv_cache_dtype("int8", torch.device("cpu"), triton=False)
+    kv_quant.check_kv_cache_dtype("auto", cuda, triton=False)
 
 
 @pytest.mark.parametrize("kind", ["auto", "int8", "fp8"])

@@ -46,7 +46,42 @@ CASES: dict[str, dict[str, Any]] = {
     },
     "head_dim_64": {"context_lens": [17], "query_lens": [3], "head_dim": 64, "block_size": 8},
     "head_dim_80": {"context_lens": [17], "query_lens": [3], "head_dim": 80, "block_size": 8},
+    "head_dim_256": {"context_lens": [17], "query_lens": [3], "head_dim": 256, "block_size": 8},
+    "int8_chunked_gqa": {
+        "context_lens": [33, 9],
+        "query_lens": [18, 1],
+        "heads": [4, 2],
+        "kv_cache_dtype": "int8",
+    },
+    "int8_decode_split": {
+        "context_lens": [150, 40],
+        "query_lens": [1, 1],
+        "num_splits": 4,
+        "kv_cache_dtype": "int8",
+    },
+    "fp8_chunked_gqa": {
+        "context_lens": [33, 9],
+        "query_lens": [18, 1],
+        "heads": [4, 2],
+        "kv_cache_dtype": "fp8",
+    },
+    "fp8_verify_window_softcap": {
+        "context_lens": [90, 13],
+        "query_lens": [4, 4],
+        "window": 40,
+        "softcap": 5.0,
+        "num_splits": 2,
+        "kv_cache_dtype": "fp8",
+    },
 }
+
+
+def model_cases(model_dir: Path) -> dict[str, dict[str, str]]:
+    """`support.triton_cases.model_steps` over each cache the kernel reads."""
+    return {
+        f"model_steps_{kind}": {"model_dir": str(model_dir), "kv_cache_dtype": kind}
+        for kind in ("auto", "int8", "fp8")
+    }
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +99,7 @@ def results(tiny_llama_dir: Path) -> dict[str, str | None]:
             sys.executable,
             "-m",
             "support.triton_cases",
-            json.dumps({**CASES, "model_steps": {"model_dir": str(tiny_llama_dir)}}),
+            json.dumps({**CASES, **model_cases(tiny_llama_dir)}),
         ],
         env=env,
         capture_output=True,
@@ -108,16 +143,29 @@ def test_sliding_window_and_soft_cap(results: dict) -> None:
     assert results["window_softcap_split"] is None
 
 
-@pytest.mark.parametrize("head_dim", [64, 80])
+@pytest.mark.parametrize("head_dim", [64, 80, 256])
 def test_head_sizes(results: dict, head_dim: int) -> None:
-    """A power-of-two head size and 80 (padded to 128 in the kernel, the pad masked)."""
+    """Power-of-two head sizes to the largest the backend takes, and 80 (padded to 128 in the
+    kernel, the pad masked)."""
     assert results[f"head_dim_{head_dim}"] is None
 
 
-def test_a_models_steps_on_the_triton_backend(results: dict) -> None:
+@pytest.mark.parametrize("kind", ["auto", "int8", "fp8"])
+def test_a_models_steps_on_the_triton_backend(results: dict, kind: str) -> None:
     """A tiny Llama's chunked prefills and decodes with every layer on the Triton backend
-    give SDPA's hidden states: the backend as the layers call it."""
-    assert results["model_steps"] is None
+    give SDPA's hidden states: the backend as the layers call it, over a cache as computed,
+    int8 (its scales, the layers' turn of queries and keys) or fp8."""
+    assert results[f"model_steps_{kind}"] is None
+
+
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
+def test_a_quantized_cache_read_as_stored(results: dict, kind: str) -> None:
+    """int8 codes with their scales (the key's on the scores, the value's on the tile) and
+    fp8 bytes widened in the kernel, against SDPA over the same cache: chunked prefill with
+    GQA, and a split decode (int8) or a split verify step with window and soft-cap (fp8)."""
+    assert results[f"{kind}_chunked_gqa"] is None
+    other = "int8_decode_split" if kind == "int8" else "fp8_verify_window_softcap"
+    assert results[other] is None
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="compiled Triton needs a CUDA GPU")
@@ -155,16 +203,21 @@ def test_tile_sizes_fit_tl_dot_and_the_group() -> None:
     assert host.tile_sizes(500, 128) == (1, 128)
 
 
-def test_backend_steps_aside_for_a_quantized_cache_and_the_cpu() -> None:
-    """Chosen only on CUDA with triton, for floating-point caches up to head size 256; an int8
-    cache handed to it anyway is a clear error, not a wrong answer."""
+def test_backend_is_chosen_on_cuda_only_and_refuses_a_cache_it_cannot_read() -> None:
+    """Chosen only on CUDA with triton, for caches as computed, int8 or fp8, up to head size
+    256; an int8 cache without its scales (or another integer cache) is a clear error, not a
+    wrong answer."""
     cuda = torch.device("cuda")
     assert host.triton_attention_supported(cuda, torch.bfloat16, 128, available=True)
+    assert host.triton_attention_supported(cuda, torch.int8, 128, available=True)
+    assert host.triton_attention_supported(cuda, host.FP8, 128, available=True)
     assert not host.triton_attention_supported(cuda, torch.bfloat16, 128, available=False)
-    assert not host.triton_attention_supported(cuda, torch.int8, 128, available=True)
     assert not host.triton_attention_supported(cuda, torch.bfloat16, 512, available=True)
     assert not host.triton_attention_supported(torch.device("cpu"), torch.float32, 64, True)
     meta, _ = make_attention_metadata([[0]], [0], [1], 4)
+    q = torch.zeros(1, 1, 8)
     cache = torch.zeros(1, 4, 1, 8, dtype=torch.int8)
-    with pytest.raises(ValueError, match="floating-point KV cache"):
-        host.paged_attention_triton(torch.zeros(1, 1, 8), cache, cache, meta, 1.0)
+    with pytest.raises(ValueError, match="needs scales with an int8 cache only"):
+        host.paged_attention_triton(q, cache, cache, meta, 1.0)
+    with pytest.raises(ValueError, match="cannot read a torch.int16 KV cache"):
+        host.paged_attention_triton(q, cache.short(), cache.short(), meta, 1.0)

@@ -16,8 +16,8 @@ import sys
 
 import torch
 
-from minivllm.layers.attention import triton_attention
-from minivllm.layers.attention.sdpa import paged_attention_sdpa, store_kv
+from minivllm.layers.attention import kv_quant, triton_attention
+from minivllm.layers.attention.sdpa import paged_attention_sdpa
 from support.model_fixtures import (
     allocate_kv_caches,
     make_attention_metadata,
@@ -38,41 +38,59 @@ def compare(
     seed: int = 0,
     device: str = "cpu",
     dtype: torch.dtype = torch.float32,
+    kv_cache_dtype: str = "auto",
 ) -> None:
     """One step over a cache holding each sequence's context, in shuffled blocks (the rest of
-    the pool NaN, so a stray read shows), Triton in `dtype` on `device` against SDPA in fp32
-    on the CPU."""
+    the pool NaN, or for a quantized cache huge values, so a stray read shows), Triton in
+    `dtype` on `device` against SDPA in fp32 on the CPU over the same cache."""
     num_heads, num_kv_heads = heads
     gen = torch.Generator().manual_seed(seed)
     rng = random.Random(seed)
     seq_lens = [c + q for c, q in zip(context_lens, query_lens, strict=True)]
     tables, k_cache, v_cache = shuffled_nan_cache(seq_lens, block_size, num_kv_heads, head_dim, rng)
+    cache = (k_cache, v_cache)
+    if kv_cache_dtype != "auto":
+        cpu = torch.device("cpu")
+        cache = kv_quant.allocate_kv_cache(k_cache.shape, kv_cache_dtype, torch.float32, cpu)
+        for part in cache[:2]:  # codes 100, or fp8 bytes 0x64 (48.0)
+            part.view(torch.uint8 if part.dtype == kv_quant.FP8 else torch.int8).fill_(100)
+        for part in cache[2:]:
+            part.fill_(1000.0)
     all_meta, _ = make_attention_metadata(tables, [0] * len(tables), seq_lens, block_size)
     total = sum(seq_lens)
     k = torch.randn(total, num_kv_heads, head_dim, generator=gen) * 2
     v = torch.randn(total, num_kv_heads, head_dim, generator=gen)
-    store_kv(k, v, k_cache, v_cache, all_meta.slot_mapping)
+    kv_quant.store_kv(k, v, cache, all_meta.slot_mapping)
     meta, _ = make_attention_metadata(tables, context_lens, query_lens, block_size)
     q = torch.randn(meta.num_tokens, num_heads, head_dim, generator=gen) * 2
     scale = head_dim**-0.5
-    want = paged_attention_sdpa(q, k_cache, v_cache, meta, scale, window, softcap)
+    scales = cache[2:] or None
+    want = paged_attention_sdpa(q, *cache[:2], meta, scale, window, softcap, kv_scales=scales)
     on_device, _ = make_attention_metadata(tables, context_lens, query_lens, block_size, device)
+    if kv_cache_dtype == "auto":
+        cache = tuple(t.to(dtype) for t in cache)
+    k_cache, v_cache, *scales = (t.to(device) for t in cache)
     got = triton_attention.paged_attention_triton(
-        *(t.to(device, dtype) for t in (q, k_cache, v_cache)),
+        q.to(device, dtype),
+        k_cache,
+        v_cache,
         on_device,
         scale,
         window,
         softcap,
         num_splits=num_splits,
+        k_scale=scales[0] if scales else None,
+        v_scale=scales[1] if scales else None,
     )
     tolerance = 2e-5 if dtype == torch.float32 else 3e-2
     torch.testing.assert_close(got.cpu().float(), want, atol=tolerance, rtol=tolerance)
 
 
-def model_steps(model_dir: str) -> None:
+def model_steps(model_dir: str, kv_cache_dtype: str = "auto") -> None:
     """A tiny model's prefill (two prompts, one in two chunks) and decode steps with every
     attention layer on the Triton backend, against the same steps on SDPA: the backend as the
-    layers call it (the step's K/V stored first, the output's shape and dtype)."""
+    layers call it (the step's K/V stored first, the output's shape and dtype), over a cache
+    as computed or quantized (an int8 one with its turn of queries and keys, as bound)."""
     from minivllm.layers.attention import Attention
     from minivllm.layers.attention.backends import SDPA, TritonBackend
     from minivllm.models.loader import load_model
@@ -84,13 +102,20 @@ def model_steps(model_dir: str) -> None:
     tokens = [[(7 * i + 3) % config.vocab_size for i in range(22)], [5, 9, 11, 2, 8, 4, 6]]
     tables = [[3, 0, 5], [1, 4]]
     steps = [([0, 0], [12, 5]), ([12, 5], [9, 1]), ([21, 6], [1, 1])]  # (context, new)
+    shape = (6, 8, config.num_key_value_heads, head_dim)
+    cpu = torch.device("cpu")
     hidden = {}
     for backend in (SDPA, TritonBackend()):
         for layer in layers:
             layer.backend = backend
-        caches = allocate_kv_caches(
-            config.num_hidden_layers, 6, 8, config.num_key_value_heads, head_dim
-        )
+            if kv_cache_dtype == "int8":
+                layer.key_turn = kv_quant.key_rotation(head_dim, cpu)
+        caches = allocate_kv_caches(config.num_hidden_layers, *shape)
+        if kv_cache_dtype != "auto":
+            caches = [
+                kv_quant.allocate_kv_cache(shape, kv_cache_dtype, torch.float32, cpu)
+                for _ in caches
+            ]
         outs = []
         with torch.inference_mode():
             for context, new in steps:

@@ -164,9 +164,9 @@ class FlashBackend:
 
 
 class TritonBackend:
-    """Our Triton kernel on CUDA where flash-attn is not installed: every step (prefill over
-    cached context, decode with its keys split across programs, verify) straight from the
-    paged cache through the block tables, in the cache's dtype."""
+    """Our Triton kernel on CUDA where flash-attn is not installed, or the cache is int8 or
+    fp8: every step (prefill over cached context, decode with its keys split across programs,
+    verify) straight from the paged cache through the block tables, as stored."""
 
     name = "triton"
 
@@ -182,6 +182,7 @@ class TritonBackend:
         kv_cache: KVCache,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
+        k_scale, v_scale = kv_scales(kv_cache)
         return paged_attention_triton(
             q,
             kv_cache[0],
@@ -190,6 +191,8 @@ class TritonBackend:
             layer.scale,
             layer.sliding_window,
             layer.logit_softcap,
+            k_scale=k_scale,
+            v_scale=v_scale,
         )
 
 

@@ -49,7 +49,7 @@ def decode_attention(
     num_kv_heads, head_dim = k_cache.shape[-2:]
     num_seqs = q.shape[0]
     group = q.shape[1] // (num_kv_heads * head_dim)
-    maths = attention_dtype(k_cache)
+    maths = attention_dtype(k_cache, q.dtype)
     out_dtype = q.dtype
     q = q.view(num_seqs, -1, head_dim).to(maths)  # [S, H, D]
     new_k = k.view(num_seqs, num_kv_heads, head_dim)  # [S, KVH, D]

@@ -15,8 +15,9 @@ per head_dim values (8.5 bits a value at head_dim 64, 8.25 at 128); docs/memory.
 measured error of both choices.
 
 Readers: `store_kv` writes (quantizing); `gather_rows` reads the rows a step gathers,
-widened to the maths' dtype (the SDPA path, which dequantizes only what it reads); the
-paged decode kernel reads the codes and scales directly.
+widened to the maths' dtype (the SDPA path, which dequantizes only what it reads); the CPU's
+paged decode kernel and, on CUDA, the Triton paged-attention kernel read the codes and scales
+directly.
 """
 
 from __future__ import annotations
@@ -42,13 +43,23 @@ def kv_storage_dtype(kv_cache_dtype: str, compute_dtype: torch.dtype) -> torch.d
     return {"auto": compute_dtype, "int8": torch.int8, "fp8": FP8}[kv_cache_dtype]
 
 
-def check_kv_cache_dtype(kv_cache_dtype: str, device: torch.device) -> None:
-    """ValueError where the quantized caches cannot run: only the CPU's attention paths (SDPA
-    and our paged decode kernel) read them so far; flash-attn reads bf16/fp16 caches only."""
-    if kv_cache_dtype != "auto" and device.type != "cpu":
+def check_kv_cache_dtype(
+    kv_cache_dtype: str, device: torch.device, triton: bool | None = None
+) -> None:
+    """ValueError where no attention path of ours reads a quantized cache: the CPU's (SDPA and
+    the paged decode kernel) and, on CUDA, the Triton kernel (`triton`: whether it imports;
+    None: look). flash-attn reads bf16/fp16 caches only and steps aside for them."""
+    if kv_cache_dtype == "auto" or device.type == "cpu":
+        return
+    if triton is None:
+        from minivllm.layers.attention.triton_attention import triton_available
+
+        triton = triton_available()
+    if device.type != "cuda" or not triton:
         raise ValueError(
-            f"kv_cache_dtype={kv_cache_dtype} is CPU-only for now (flash-attn on {device.type} "
-            "reads bf16/fp16 caches); use kv_cache_dtype=auto on this device"
+            f"kv_cache_dtype={kv_cache_dtype} needs the CPU, or CUDA with triton (our paged "
+            f"attention kernel reads it as stored); on {device.type}"
+            f"{'' if device.type != 'cuda' else ' without triton'} use kv_cache_dtype=auto"
         )
 
 

@@ -82,12 +82,12 @@ class Attention(nn.Module):
         num_tokens = q.shape[0]
         out_dtype = q.dtype
         # The attention maths run in fp32 on the CPU even for bf16 models (and bf16 caches).
-        maths = attention_dtype(kv_cache[0])
+        maths = attention_dtype(kv_cache[0], q.dtype)
         q = q.view(num_tokens, self.num_heads, self.head_dim).to(maths)  # [T, H, D]
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim).to(maths)  # [T, KVH, D]
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim).to(maths)  # [T, KVH, D]
-        if self.key_turn is not None:  # scores unchanged: both sides turn alike
-            q, k = q @ self.key_turn, k @ self.key_turn
+        if self.key_turn is not None:  # scores unchanged: both sides turn alike (in fp32)
+            q, k = ((x.float() @ self.key_turn).to(maths) for x in (q, k))
         store_kv(k, v, kv_cache, meta.slot_mapping)
         out = self.backend.attend(self, q, k, v, kv_cache, meta)  # [T, H, D]
         return out.reshape(num_tokens, self.num_heads * self.head_dim).to(out_dtype)  # [T, H*D]

@@ -26,11 +26,14 @@ def store_kv(
     kv_quant.store_kv(k, v, (k_cache, v_cache), slot_mapping)
 
 
-def attention_dtype(cache: torch.Tensor) -> torch.dtype:
-    """The dtype of the attention maths over `cache`: fp32 on the CPU, where torch's SDPA
-    with bf16 inputs is several times slower than with fp32 at decode (docs/benchmarks.md),
-    whatever the cache holds; the cache's dtype on CUDA (flash-attn reads bf16/fp16)."""
-    return torch.float32 if cache.device.type == "cpu" else cache.dtype
+def attention_dtype(cache: torch.Tensor, compute: torch.dtype) -> torch.dtype:
+    """The dtype of the attention maths over `cache` for a model computing in `compute`: fp32
+    on the CPU, where torch's SDPA with bf16 inputs is several times slower than with fp32 at
+    decode (docs/benchmarks.md), whatever the cache holds; elsewhere the cache's dtype
+    (flash-attn reads bf16/fp16), or for an int8 or fp8 cache the model's."""
+    if cache.device.type == "cpu":
+        return torch.float32
+    return cache.dtype if cache.dtype in (torch.float16, torch.bfloat16, torch.float32) else compute
 
 
 def paged_attention_sdpa(

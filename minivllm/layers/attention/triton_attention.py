@@ -31,6 +31,9 @@ TARGET_PROGRAMS = 512
 MIN_KEYS_PER_SPLIT = 256
 MAX_SPLITS = 32
 MAX_HEAD_DIM = 256
+FP8 = torch.float8_e4m3fn
+# The kernel's `KV_QUANT` for a cache's dtype (a floating-point cache as computed: 0).
+KV_QUANT = {torch.int8: 1, FP8: 2}
 
 
 def triton_available() -> bool:
@@ -42,13 +45,13 @@ def triton_available() -> bool:
 def triton_attention_supported(
     device: torch.device, kv_dtype: torch.dtype, head_dim: int, available: bool | None = None
 ) -> bool:
-    """Whether `paged_attention_triton` runs a layer: CUDA with triton, a floating-point cache
-    (a quantized one needs its scales, which this kernel does not read), head sizes to 256."""
+    """Whether `paged_attention_triton` runs a layer: CUDA with triton, a cache as computed
+    (fp16, bf16, fp32) or quantized (int8 with its scales, fp8 e4m3), head sizes to 256."""
     available = triton_available() if available is None else available
     return (
         available
         and device.type == "cuda"
-        and kv_dtype in (torch.float16, torch.bfloat16, torch.float32)
+        and kv_dtype in (torch.float16, torch.bfloat16, torch.float32, torch.int8, FP8)
         and head_dim <= MAX_HEAD_DIM
     )
 
@@ -90,14 +93,27 @@ def reduce_splits(
     return out / total[..., None]
 
 
-def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
-    """The kernel reads a contiguous floating-point cache (a quantized one needs its scales)."""
-    if not k_cache.dtype.is_floating_point:
-        raise ValueError(
-            f"the Triton attention backend reads a floating-point KV cache, not {k_cache.dtype}"
-        )
-    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+def _cache_args(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """The kernel's cache arguments: K, V (fp8 as its bytes), the int8 scales (else K again,
+    never read) and `KV_QUANT`; a cache the kernel cannot read is a ValueError."""
+    kind = KV_QUANT.get(k_cache.dtype, 0)
+    if not (kind or k_cache.dtype.is_floating_point):
+        raise ValueError(f"the Triton attention backend cannot read a {k_cache.dtype} KV cache")
+    if (k_scale is None) != (kind != 1) or (v_scale is None) != (kind != 1):
+        raise ValueError("the Triton attention backend needs scales with an int8 cache only")
+    tensors = [k_cache, v_cache] + ([k_scale, v_scale] if kind == 1 else [])
+    if not all(t.is_contiguous() for t in tensors):
         raise ValueError("the Triton attention backend reads a contiguous KV cache")
+    if kind == 2:  # the kernel widens the bytes itself (`_load_rows`)
+        k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
+    if kind != 1:
+        k_scale = v_scale = k_cache
+    return k_cache, v_cache, k_scale, v_scale, kind
 
 
 def _output_buffers(
@@ -114,6 +130,32 @@ def _output_buffers(
     return out, maxes, torch.empty_like(maxes)
 
 
+def _launch_shape(
+    q: torch.Tensor, meta: AttentionMetadata, num_kv_heads: int, num_splits: int | None
+) -> tuple[tuple[int, int, int], dict[str, int]]:
+    """The kernel's grid (sequence, query tile, KV head x split) and tile constants for a
+    step's queries `q` `[T, H, D]`; `num_splits` None: only decode steps split, by
+    `num_kv_splits` (prefills have tiles to spare)."""
+    num_heads, head_dim = q.shape[1:]
+    group = num_heads // num_kv_heads
+    block_q, block_m = tile_sizes(meta.max_query_len, group)
+    if num_splits is None:
+        programs = meta.num_seqs * num_kv_heads
+        num_splits = num_kv_splits(programs, meta.max_seq_len) if meta.is_decode_only else 1
+    grid = (meta.num_seqs, -(-meta.max_query_len // block_q), num_kv_heads * num_splits)
+    return grid, {
+        "HEAD_DIM": head_dim,
+        "HEAD_DIM_PAD": max(16, next_power_of_2(head_dim)),
+        "NUM_KV_HEADS": num_kv_heads,
+        "GROUP": group,
+        "BLOCK_Q": block_q,
+        "BLOCK_M": block_m,
+        "BLOCK_N": BLOCK_N,
+        "BLOCK_SIZE": meta.block_size,
+        "NUM_SPLITS": num_splits,
+    }
+
+
 def paged_attention_triton(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -123,34 +165,32 @@ def paged_attention_triton(
     sliding_window: int | None = None,
     softcap: float | None = None,
     num_splits: int | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of `q` `[T, H, D]` over the paged cache (which already holds the step's K/V):
     each new token of a sequence sees its cached context and the new tokens up to itself
     (its last `sliding_window` keys when given; scores soft-capped at `softcap` when given).
     `num_splits`: how many programs share a sequence's keys (None: `num_kv_splits` decides,
-    for decode steps only). Returns `[T, H, D]` in `q`'s dtype."""
+    for decode steps only). An int8 cache comes with its scales `[blocks, block_size, KVH]`
+    (`kv_quant`). Returns `[T, H, D]` in `q`'s dtype."""
     from minivllm.layers.attention.triton_kernels import paged_attention_kernel
 
-    _check_cache(k_cache, v_cache)
-    num_heads, head_dim = q.shape[1:]
-    num_kv_heads = k_cache.shape[-2]
-    group = num_heads // num_kv_heads
-    block_q, block_m = tile_sizes(meta.max_query_len, group)
-    q_tiles = -(-meta.max_query_len // block_q)
-    if num_splits is None:  # only decode steps split by default: prefills have tiles to spare
-        decode = meta.is_decode_only
-        num_splits = num_kv_splits(meta.num_seqs * num_kv_heads, meta.max_seq_len) if decode else 1
-    head_dim_pad = max(16, next_power_of_2(head_dim))
+    k_cache, v_cache, k_scale, v_scale, kv_quant = _cache_args(k_cache, v_cache, k_scale, v_scale)
+    grid, tiles = _launch_shape(q, meta, k_cache.shape[-2], num_splits)
+    num_splits = tiles["NUM_SPLITS"]
     q = q.contiguous()  # [T, H, D]
-    out, maxes, sums = _output_buffers(q, num_splits, head_dim_pad)
+    out, maxes, sums = _output_buffers(q, num_splits, tiles["HEAD_DIM_PAD"])
     tables = meta.block_tables.contiguous()  # [S, max_blocks]
-    paged_attention_kernel[(meta.num_seqs, q_tiles, num_kv_heads * num_splits)](
+    paged_attention_kernel[grid](
         out,
         maxes,
         sums,
         q,
         k_cache,
         v_cache,
+        k_scale,
+        v_scale,
         tables,
         meta.seq_lens,
         meta.query_start_loc,
@@ -158,19 +198,12 @@ def paged_attention_triton(
         1.0 if softcap is None else softcap,
         0 if sliding_window is None else sliding_window,
         tables.shape[1],
-        HEAD_DIM=head_dim,
-        HEAD_DIM_PAD=head_dim_pad,
-        NUM_KV_HEADS=num_kv_heads,
-        GROUP=group,
-        BLOCK_Q=block_q,
-        BLOCK_M=block_m,
-        BLOCK_N=BLOCK_N,
-        BLOCK_SIZE=meta.block_size,
-        NUM_SPLITS=num_splits,
+        **tiles,
         USE_WINDOW=sliding_window is not None,
         USE_SOFTCAP=softcap is not None,
         IEEE_DOT=q.dtype == torch.float32,
+        KV_QUANT=kv_quant,
     )
     if num_splits == 1:
         return out
-    return reduce_splits(out, maxes, sums, head_dim).to(q.dtype)
+    return reduce_splits(out, maxes, sums, tiles["HEAD_DIM"]).to(q.dtype)

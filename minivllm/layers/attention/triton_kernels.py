@@ -18,6 +18,12 @@ split of its keys:
 
 The head dimension is padded to `HEAD_DIM_PAD` (a power of two) and masked: head sizes like
 80 or 96 need no special kernel.
+
+A quantized cache is read as stored (`KV_QUANT`): int8 codes with a float32 scale per slot and
+KV head (the key's scale multiplies its column of scores, the value's its row of the tile), or
+fp8 e4m3 bytes widened in registers by placing their bits in a float16 (exact, subnormals
+included, on any GPU and under the interpreter alike). `KV_QUANT`: 0 as computed, 1 int8,
+2 fp8 (`triton_attention.KV_QUANT`).
 """
 
 import triton
@@ -29,6 +35,18 @@ def _tanh(x):
     # tl has no portable tanh (libdevice is CUDA-only, not in the interpreter); this form
     # saturates to +-1 without overflow: exp(2x) -> inf gives 1, -> 0 gives -1.
     return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
+
+
+@triton.jit
+def _load_rows(ptrs, mask, dtype, KV_QUANT: tl.constexpr):
+    """A K or V tile as `dtype`; fp8 bytes as their e4m3 values (int8 codes as themselves)."""
+    x = tl.load(ptrs, mask=mask, other=0)
+    if KV_QUANT == 2:
+        # e4m3's sign, 4 exponent and 3 mantissa bits placed as a float16's (bias 15, not 7):
+        # the float16 reads the value / 2^8, normals and subnormals alike.
+        x = x.to(tl.uint16)
+        x = (((x & 0x80) << 8) | ((x & 0x7F) << 7)).to(tl.float16, bitcast=True) * 256.0
+    return x.to(dtype)
 
 
 @triton.jit
@@ -65,31 +83,16 @@ def _dot(a, b, IEEE_DOT: tl.constexpr):
 
 
 @triton.jit
-def _attend_keys(
-    q,
-    q_pos,
-    k_base,
-    v_base,
-    table_ptr,
-    begin,
-    end,
-    scale,
-    softcap,
-    window,
-    dims,
-    dim_ok,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    HEAD_DIM_PAD: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
-    ROW: tl.constexpr,
-    USE_WINDOW: tl.constexpr,
-    USE_SOFTCAP: tl.constexpr,
-    IEEE_DOT: tl.constexpr,
-):
+def _attend_keys(q, q_pos, k_base, v_base, ks_base, vs_base, table_ptr, begin, end, scale,
+                 softcap, window, dims, dim_ok, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, ROW: tl.constexpr,
+                 NUM_KV_HEADS: tl.constexpr, USE_WINDOW: tl.constexpr,
+                 USE_SOFTCAP: tl.constexpr, IEEE_DOT: tl.constexpr,
+                 KV_QUANT: tl.constexpr):  # fmt: skip
     """Online softmax of the rows `q` `[M, D_PAD]` over keys `begin..end` of one KV head
-    (`k_base`/`v_base` point at its first element; a cache slot is `ROW` elements): the
-    running max and sum `[M]` and the unnormalised output `[M, D_PAD]`, fp32."""
+    (`k_base`/`v_base` point at its first element, a cache slot is `ROW` elements; an int8
+    cache's scales at `ks_base`/`vs_base`, `NUM_KV_HEADS` a slot): the running max and sum
+    `[M]` and the unnormalised output `[M, D_PAD]`, fp32."""
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
@@ -97,13 +100,17 @@ def _attend_keys(
         keys = start + tl.arange(0, BLOCK_N)  # [N]: positions
         key_ok = keys < end
         block = tl.load(table_ptr + keys // BLOCK_SIZE, mask=key_ok, other=0).to(tl.int64)
-        slot = (block * BLOCK_SIZE + keys % BLOCK_SIZE) * ROW  # [N]
-        k = tl.load(
+        index = block * BLOCK_SIZE + keys % BLOCK_SIZE  # [N]: the cache slots
+        slot = index * ROW  # [N]
+        k = _load_rows(
             k_base + slot[None, :] + dims[:, None],
-            mask=key_ok[None, :] & dim_ok[:, None],
-            other=0.0,
+            key_ok[None, :] & dim_ok[:, None],
+            q.dtype,
+            KV_QUANT,
         )  # [D_PAD, N]
         s = _dot(q, k, IEEE_DOT) * scale  # [M, N]
+        if KV_QUANT == 1:  # q . (codes * s_k) = (q . codes) * s_k
+            s = s * tl.load(ks_base + index * NUM_KV_HEADS, mask=key_ok, other=0.0)[None, :]
         if USE_SOFTCAP:
             s = softcap * _tanh(s / softcap)
         seen = key_ok[None, :] & (keys[None, :] <= q_pos[:, None])
@@ -116,11 +123,15 @@ def _attend_keys(
         p = tl.exp(s - m_safe[:, None])  # [M, N]
         alpha = tl.exp(m_i - m_safe)  # [M]
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(
+        v = _load_rows(
             v_base + slot[:, None] + dims[None, :],
-            mask=key_ok[:, None] & dim_ok[None, :],
-            other=0.0,
+            key_ok[:, None] & dim_ok[None, :],
+            q.dtype,
+            KV_QUANT,
         )  # [N, D_PAD]
+        if KV_QUANT == 1:
+            v_scale = tl.load(vs_base + index * NUM_KV_HEADS, mask=key_ok, other=0.0)  # [N]
+            v = (v.to(tl.float32) * v_scale[:, None]).to(q.dtype)
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE_DOT)
         m_i = m_new
     return m_i, l_i, acc
@@ -152,27 +163,18 @@ def paged_attention_kernel(
     sum_ptr,  # fp32 [T, H, NUM_SPLITS]: each split's running sum (splits only)
     q_ptr,  # [T, H, D], contiguous
     k_cache_ptr,  # [num_blocks, BLOCK_SIZE, KVH, D], contiguous
-    v_cache_ptr,  # [num_blocks, BLOCK_SIZE, KVH, D], contiguous
+    v_cache_ptr,  # [num_blocks, BLOCK_SIZE, KVH, D], contiguous (fp8: its bytes)
+    k_scale_ptr,  # fp32 [num_blocks, BLOCK_SIZE, KVH]: int8 only (else any pointer, unread)
+    v_scale_ptr,
     block_tables_ptr,  # [S, max_blocks], contiguous
     seq_lens_ptr,  # [S]: tokens in the cache after this step
     query_start_loc_ptr,  # [S + 1]
-    scale,
-    softcap,
-    window,
-    max_blocks,
-    HEAD_DIM: tl.constexpr,
-    HEAD_DIM_PAD: tl.constexpr,
-    NUM_KV_HEADS: tl.constexpr,
-    GROUP: tl.constexpr,
-    BLOCK_Q: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
-    USE_WINDOW: tl.constexpr,
-    USE_SOFTCAP: tl.constexpr,
-    IEEE_DOT: tl.constexpr,
-):
+    scale, softcap, window, max_blocks,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
+    GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr, USE_WINDOW: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr, IEEE_DOT: tl.constexpr, KV_QUANT: tl.constexpr,
+):  # fmt: skip
     seq = tl.program_id(0)
     q_tile = tl.program_id(1)
     kv_head = tl.program_id(2) // NUM_SPLITS
@@ -198,9 +200,9 @@ def paged_attention_kernel(
                             NUM_SPLITS, USE_WINDOW)
     m_i, l_i, acc = _attend_keys(
         q, context_len + q_idx, k_cache_ptr + kv_head * HEAD_DIM, v_cache_ptr + kv_head * HEAD_DIM,
-        block_tables_ptr + seq * max_blocks, begin, end, scale, softcap, window, dims, dim_ok,
-        BLOCK_M, BLOCK_N, HEAD_DIM_PAD, BLOCK_SIZE, NUM_KV_HEADS * HEAD_DIM, USE_WINDOW,
-        USE_SOFTCAP, IEEE_DOT,
+        k_scale_ptr + kv_head, v_scale_ptr + kv_head, block_tables_ptr + seq * max_blocks, begin,
+        end, scale, softcap, window, dims, dim_ok, BLOCK_M, BLOCK_N, HEAD_DIM_PAD, BLOCK_SIZE,
+        NUM_KV_HEADS * HEAD_DIM, NUM_KV_HEADS, USE_WINDOW, USE_SOFTCAP, IEEE_DOT, KV_QUANT,
     )
     _store_output(out_ptr, max_ptr, sum_ptr, row, row_ok, split, m_i, l_i, acc, dims, dim_ok,
                   HEAD_DIM, HEAD_DIM_PAD, NUM_SPLITS)

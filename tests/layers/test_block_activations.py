@@ -26,12 +26,16 @@ ROWS, COLS = 64, 512
 
 
 def _segment(qtype: QT, seed: int) -> BlockSegment:
-    """Random valid `[ROWS, COLS]` blocks of `qtype`, their fp16 scales small and finite."""
+    """Random valid `[ROWS, COLS]` blocks of `qtype`, their fp16 scales (and mins) small and
+    finite."""
     rng = np.random.default_rng(seed)
-    elems, size = {QT.Q8_0: (32, 34), QT.Q5_0: (32, 22), QT.Q6_K: (256, 210)}[qtype]
+    sizes = {QT.Q8_0: (32, 34), QT.Q5_0: (32, 22), QT.Q5_1: (32, 24), QT.Q4_K: (256, 144)}
+    elems, size = {**sizes, QT.Q6_K: (256, 210)}[qtype]
     blocks = rng.integers(0, 256, (ROWS * COLS // elems, size), dtype=np.uint8)
-    at = 208 if qtype == QT.Q6_K else 0  # where the block's fp16 scale d sits
-    blocks[:, at : at + 2] = np.frombuffer(np.float16(1e-3).tobytes(), np.uint8)
+    # where the block's fp16 scale d sits, and its min's (dmin or m) for kinds that have one
+    at = {QT.Q6_K: [208], QT.Q5_1: [0, 2], QT.Q4_K: [0, 2]}.get(qtype, [0])
+    for offset in at:
+        blocks[:, offset : offset + 2] = np.frombuffer(np.float16(1e-3).tobytes(), np.uint8)
     return BlockSegment(torch.from_numpy(blocks.reshape(ROWS, -1)), qtype)
 
 
@@ -42,12 +46,17 @@ def _outlier_rows(rows: int) -> torch.Tensor:
     return x
 
 
-@pytest.mark.parametrize("qtype", [QT.Q8_0, QT.Q5_0, QT.Q6_K], ids=lambda q: q.name)
+KINDS = [QT.Q8_0, QT.Q5_0, QT.Q5_1, QT.Q4_K, QT.Q6_K]
+
+
+@pytest.mark.parametrize("qtype", KINDS, ids=lambda q: q.name)
 @pytest.mark.parametrize("rows", [1, 5])
 def test_a_second_code_or_float_activations_keep_outlier_rows_exact(qtype: QT, rows: int) -> None:
     """Against fp32 on the dequantized weight: one code errs by over 1e-3 of the output's
     scale where outliers sit in a block; a second code cuts that over 50-fold, to within
-    5e-4, and float activations stay within fp32 rounding."""
+    5e-4, and float activations stay within fp32 rounding. Kinds with a min term (Q5_1,
+    Q4_K; Q4_K in tiles of 8 rows) weigh it by the row's exact sum: counted once, not once
+    per code."""
     segment = _segment(qtype, seed=rows)
     x = _outlier_rows(rows)
     want = x @ ggml_dequantize(segment.blocks, qtype, COLS).T  # [rows, ROWS] fp32

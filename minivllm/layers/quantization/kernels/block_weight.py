@@ -197,8 +197,12 @@ class BlockWeight:
             return ggml_matmul_segments(x, pairs).to(x.dtype)
         rows = x.numel() // x.shape[-1]
         flat = x.reshape(-1, self.cols)  # [M, in]
-        if self._residual_block is not None:  # [2M, in]: x, then what its code leaves
-            flat = torch.cat([flat.float(), int8_residual(flat, self._residual_block)])
+        if self._residual_block is not None:  # [2M, in]: x's first code, then what it leaves
+            # The first row as its code's value, not x: kinds with a min term (Q4_K, Q5_K,
+            # Q4_1, Q5_1) weigh it by the exact sum of the row's floats, so with x itself the
+            # residual's share of that sum would count twice. x - left re-rounds to the same code.
+            left = int8_residual(flat, self._residual_block)
+            flat = torch.cat([flat.float() - left, left])
         out = torch.ops.minivllm.ggml_matmul_segments(flat, self._blocks, self._qtypes, 0)
         if self._residual_block is not None:
             out = out[:rows] + out[rows:]  # [M, out]

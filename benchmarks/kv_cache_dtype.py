@@ -68,7 +68,8 @@ def main() -> None:
             args.model,
             kv_cache_dtype=kind,
             max_model_len=args.context + args.new + 16,
-            max_num_seqs=max(args.concurrency),
+            # every concurrency's prompts stay cached: the pool holds this many sequences
+            max_num_seqs=sum(args.concurrency),
             **options,
         )
         vocab = llm.llm_engine.model_runner.vocab_size

@@ -47,23 +47,11 @@ CASES: dict[str, dict[str, Any]] = {
     "head_dim_64": {"context_lens": [17], "query_lens": [3], "head_dim": 64, "block_size": 8},
     "head_dim_80": {"context_lens": [17], "query_lens": [3], "head_dim": 80, "block_size": 8},
     "head_dim_256": {"context_lens": [17], "query_lens": [3], "head_dim": 256, "block_size": 8},
-    "int8_chunked_gqa": {
-        "context_lens": [33, 9],
-        "query_lens": [18, 1],
-        "heads": [4, 2],
-        "kv_cache_dtype": "int8",
-    },
     "int8_decode_split": {
         "context_lens": [150, 40],
         "query_lens": [1, 1],
         "num_splits": 4,
         "kv_cache_dtype": "int8",
-    },
-    "fp8_chunked_gqa": {
-        "context_lens": [33, 9],
-        "query_lens": [18, 1],
-        "heads": [4, 2],
-        "kv_cache_dtype": "fp8",
     },
     "fp8_verify_window_softcap": {
         "context_lens": [90, 13],
@@ -74,6 +62,9 @@ CASES: dict[str, dict[str, Any]] = {
         "kv_cache_dtype": "fp8",
     },
 }
+# The chunked prefill beside decodes over each quantized cache, read as stored.
+for _kind in ("int8", "fp8"):
+    CASES[f"{_kind}_chunked_gqa"] = {**CASES["chunked_prefill_gqa"], "kv_cache_dtype": _kind}
 
 
 def model_cases(model_dir: Path) -> dict[str, dict[str, str]]:

@@ -44,7 +44,17 @@ def add_engine_options(parser: argparse.ArgumentParser, repeatable: tuple[str, .
                 flag, dest=f.name, action="store_true", default=None, help=f.metadata["help"]
             )
             continue
-        g.add_argument(
+        # --no-speculation is --speculative-config's off switch; giving both is an error.
+        group = g.add_mutually_exclusive_group() if f.name == "speculative_config" else g
+        if f.name == "speculative_config":
+            group.add_argument(
+                "--no-speculation",
+                dest=f.name,
+                action="store_const",
+                const='{"method": "none"}',
+                help='no speculative decoding (--speculative-config \'{"method": "none"}\')',
+            )
+        group.add_argument(
             flag,
             type=kind,
             default=None,

@@ -97,7 +97,7 @@ class SpeculativeConfig:
     @classmethod
     def parse(cls, value: object) -> SpeculativeConfig | None:
         """From None, a SpeculativeConfig, a dict of vLLM's keys, or that dict as JSON (the
-        CLI's `--speculative-config '{...}'`)."""
+        CLI's `--speculative-config '{...}'`); `{"method": "none"}` is no speculation (None)."""
         if value is None or isinstance(value, SpeculativeConfig):
             return value
         if isinstance(value, str):
@@ -111,6 +111,15 @@ class SpeculativeConfig:
                 f'"num_speculative_tokens": 4}}, got {value!r}'
             )
         options = dict(value)
+        if options.get("method") == "none":
+            # The off switch: spelled as a method so that it fits the CLI's one JSON option
+            # and the Python keyword alike, and stays distinct from "unset" (None).
+            if len(options) > 1:
+                raise ValueError(
+                    'speculative_config {"method": "none"} turns speculation off and takes no '
+                    f"other keys, got {sorted(set(options) - {'method'})}"
+                )
+            return None
         if "model" in options:  # vLLM infers the method from a draft model
             options.setdefault("method", "draft_model")
         if "method" not in options:
@@ -195,7 +204,8 @@ class EngineConfig:
         'speculative decoding, vLLM\'s shape as JSON: \'{"method": "ngram", '
         '"num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}\' '
         '(prompt lookup) or \'{"model": "draft.gguf", "num_speculative_tokens": 4}\' (a '
-        "draft model with the target's vocabulary); greedy and sampled requests",
+        "draft model with the target's vocabulary); greedy and sampled requests; "
+        '\'{"method": "none"}\' turns it off',
     )
     pooling: str | None = _option(
         None,

@@ -98,11 +98,37 @@ def test_speculative_config_accepts_vllms_shapes():
         ({"method": "ngram", "draft_token_cost": "cheap"}, "a number >= 0"),
         ("{not json", "not valid JSON"),
         (7, "must be a dict"),
+        ({"method": "none", "num_speculative_tokens": 3}, "takes no other keys"),
     ],
 )
 def test_bad_speculative_configs_say_what_to_change(bad, message):
     with pytest.raises(ValueError, match=message):
         EngineConfig(speculative_config=bad)
+
+
+def test_method_none_is_the_off_switch_in_python_json_and_the_cli():
+    """`{"method": "none"}` means no speculation (None) in every way the option is given, and
+    stays allowed where speculation is refused (tensor parallelism)."""
+    off = {"method": "none"}
+    assert EngineConfig(speculative_config=off).speculative_config is None
+    assert EngineConfig(speculative_config=json.dumps(off)).speculative_config is None
+    args = build_parser().parse_args(["generate", "hi", "--speculative-config", json.dumps(off)])
+    assert EngineConfig(**engine_options(args)).speculative_config is None
+    assert EngineConfig(speculative_config=off, tensor_parallel_size=2).speculative_config is None
+    for command in (["generate", "hi"], ["serve"]):
+        args = build_parser().parse_args([*command, "--no-speculation"])
+        assert EngineConfig(**engine_options(args)).speculative_config is None
+
+
+def test_no_speculation_and_a_speculative_config_together_are_refused(capsys):
+    """The off switch and a config contradict each other: argparse refuses the pair (exit 2)
+    instead of letting whichever came last win silently."""
+    with pytest.raises(SystemExit) as exited:
+        build_parser().parse_args(
+            ["generate", "hi", "--no-speculation", "--speculative-config", json.dumps(NGRAM)]
+        )
+    assert exited.value.code == 2
+    assert "not allowed with argument" in capsys.readouterr().err
 
 
 def test_speculation_with_tensor_parallelism_is_refused():

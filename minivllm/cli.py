@@ -9,7 +9,7 @@ import time
 from dataclasses import Field, fields
 from typing import Any
 
-from minivllm.config import EngineConfig, cli_flag
+from minivllm.config import SPECULATION_OFF, EngineConfig, cli_flag
 
 DEMO_QUESTIONS = [
     "What is the capital of France?",
@@ -51,7 +51,7 @@ def add_engine_options(parser: argparse.ArgumentParser, repeatable: tuple[str, .
                 "--no-speculation",
                 dest=f.name,
                 action="store_const",
-                const='{"method": "none"}',
+                const=SPECULATION_OFF,
                 help='no speculative decoding (--speculative-config \'{"method": "none"}\')',
             )
         group.add_argument(

@@ -27,6 +27,8 @@ def cli_flag(name: str, negated: bool = False) -> str:
 
 
 SPECULATIVE_METHODS = ("ngram", "draft_model")
+# `speculative_config`'s off switch, as the CLI gives it (unset means the engine's default).
+SPECULATION_OFF = '{"method": "none"}'
 KV_CACHE_DTYPES = ("auto", "int8", "fp8")
 
 
@@ -205,7 +207,8 @@ class EngineConfig:
         '"num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}\' '
         '(prompt lookup) or \'{"model": "draft.gguf", "num_speculative_tokens": 4}\' (a '
         "draft model with the target's vocabulary); greedy and sampled requests; "
-        '\'{"method": "none"}\' turns it off',
+        '\'{"method": "none"}\' (or --no-speculation) turns it off. Unset: on the CPU, '
+        "n-gram drafts where the start-up measurement says they pay",
     )
     pooling: str | None = _option(
         None,

@@ -66,6 +66,13 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         help="serve --compare llama.cpp: llama.cpp's server binary (default: "
         "$LLAMA_SERVER, else benchmarks/build_llama_cpp.sh's build)",
     )
+    parser.add_argument(
+        "--llama-spec-type",
+        default=None,
+        metavar="TYPE",
+        help="serve --compare llama.cpp: llama-server's --spec-type (ngram-simple: its "
+        "prompt lookup; default: its own, none)",
+    )
 
 
 def run_bench(args: argparse.Namespace, options: dict[str, Any]) -> int:

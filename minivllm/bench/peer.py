@@ -24,7 +24,7 @@ from minivllm.bench.common import machine
 from minivllm.bench.serve import SERVE_VOCAB_SIZE, acceptance, read_spec_counters, run_level
 from minivllm.bench.text_workloads import text_prompts
 from minivllm.bench.workloads import Workload
-from minivllm.config import cli_flag
+from minivllm.config import SPECULATION_OFF, SpeculativeConfig, cli_flag
 from minivllm.distributed.parallel_state import free_loopback_port
 
 # (name, concurrency, requests, prompt lengths): the levels of docs/benchmarks.md's table
@@ -115,10 +115,15 @@ def load_levels(url: str, prompts: list[list[list[int]]]) -> list[dict[str, Any]
 
 
 def peer_commands(
-    gguf: Path, llama_server: Path, options: dict[str, Any], ports: tuple[int, int]
+    gguf: Path,
+    llama_server: Path,
+    options: dict[str, Any],
+    ports: tuple[int, int],
+    llama_spec_type: str | None = None,
 ) -> dict[str, list[str]]:
     """How each server is started: ours with the engine options given, llama.cpp's with
-    16 slots of 512 tokens and one thread per core."""
+    16 slots of 512 tokens, one thread per core and its `--spec-type` if given
+    (`ngram-simple`: its prompt lookup, off by default)."""
     ours = [sys.executable, "-m", "minivllm.cli", "serve", str(gguf), "--port", str(ports[0])]
     for key, value in options.items():
         if key == "model" or value is None:
@@ -145,6 +150,8 @@ def peer_commands(
         threads,
         "--no-webui",
     ]
+    if llama_spec_type:
+        theirs += ["--spec-type", llama_spec_type]
     return {"minivllm": ours, "llama.cpp": theirs}
 
 
@@ -168,15 +175,18 @@ def cmd_compare_llama_cpp(args: argparse.Namespace, options: dict[str, Any]) -> 
     tokenizer = build_tokenizer(gguf) if args.workload != "random" else None
     prompts = level_prompts(args.workload, tokenizer, args.seed)
     llama_server = find_llama_server(args.llama_server)
-    # With speculation the same engine also runs without it, so one run gives both ratios.
+    # Unless told not to speculate (whose default on the CPU is to, where it pays), the same
+    # engine also runs with the off switch, so one run gives both ratios.
     configs = {"minivllm": options}
-    if options.get("speculative_config") is not None:
-        configs["minivllm, no speculation"] = dict(options, speculative_config=None)
+    given = options.get("speculative_config")
+    if given is None or SpeculativeConfig.parse(given) is not None:
+        configs["minivllm, no speculation"] = dict(options, speculative_config=SPECULATION_OFF)
     commands: dict[str, list[str]] = {}
     runs = {}
     for name in [*configs, "llama.cpp"]:
         port = free_loopback_port()
-        pair = peer_commands(gguf, llama_server, configs.get(name, options), (port, port))
+        ours = configs.get(name, options)
+        pair = peer_commands(gguf, llama_server, ours, (port, port), args.llama_spec_type)
         commands[name] = pair["llama.cpp" if name == "llama.cpp" else "minivllm"]
         print(f"{name}: {' '.join(commands[name])}", flush=True)
         ready = "/health" if name == "llama.cpp" else "/v1/models"

@@ -95,7 +95,7 @@ class LLMEngine:
         from minivllm.engine.memory import fit_max_model_len
         from minivllm.engine.model_runner import ModelRunner
         from minivllm.engine.pooling_config import with_pooling
-        from minivllm.engine.spec_cost import with_measured_draft_cost
+        from minivllm.engine.spec_cost import with_default_speculation, with_measured_draft_cost
         from minivllm.models.config import load_tokenizer, resolve_config
 
         config = EngineConfig.from_options(**options)
@@ -117,7 +117,12 @@ class LLMEngine:
             max_model_len_given=options.get("max_model_len") is not None,
         )
         proposer = load_draft_proposer(config, draft, runner.num_kv_blocks) if draft else None
-        config = with_measured_draft_cost(config, runner, proposer.runner if proposer else None)
+        if proposer is not None:
+            config = with_measured_draft_cost(config, runner, proposer.runner)
+        else:  # the user's n-gram config, the off switch, or unset: the default's rule
+            chosen = options.get("speculative_config") is not None
+            device_type = getattr(getattr(runner, "device", None), "type", "")  # TP: none
+            config = with_default_speculation(config, runner, device_type, chosen)
         return cls(config, runner, tokenizer, tracer, defaults, proposer)
 
     def close(self) -> None:

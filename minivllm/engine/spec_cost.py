@@ -15,6 +15,12 @@ draft token costs on top. With r = t(1 + k) / t(1), the model gives
 
 Their KV goes to the pool's first blocks, which no request holds yet. Torch-free: it only
 calls the runner and reads the clock.
+
+The same measurement decides the default (`with_default_speculation`): on the CPU, an engine
+whose user left `speculative_config` unset gets n-gram speculation (vLLM's keys, k = 4), kept
+only where fully accepted drafts would win `MIN_BEST_SPEEDUP`. A 1.5B model on a 2-core CPU
+reads its weights once for 1 or 5 tokens alike, so drafts pay there; the 135M default model's
+5-token step costs nearly two 1-token ones, so it decodes without (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ import time
 from dataclasses import replace
 from typing import Any
 
-from minivllm.config import EngineConfig
+from minivllm.config import EngineConfig, SpeculativeConfig
 from minivllm.engine.scheduler import ScheduledBatch
 from minivllm.engine.sequence import Sequence, SequenceStatus
 from minivllm.paging import blocks_for
@@ -99,11 +105,36 @@ def measure_draft_token_cost(
     return min(MAX_COST, cost)
 
 
+def default_speculation_applies(config: EngineConfig, device_type: str) -> bool:
+    """Whether an engine whose user left `speculative_config` unset speculates by default: on
+    the CPU, in one process, without LoRA adapters (whose steps have not been measured with
+    drafts). CUDA's decode steps are launch-bound CUDA graphs of one shape: not measured
+    there either, so GPUs keep vLLM's default (off)."""
+    return (
+        config.speculative_config is None
+        and device_type == "cpu"
+        and config.tensor_parallel_size == 1
+        and not config.enable_lora
+    )
+
+
+def with_default_speculation(
+    config: EngineConfig, runner: Any, device_type: str, chosen: bool
+) -> EngineConfig:
+    """`config` with speculation measured on `runner`: the user's (`chosen`: a config or the
+    off switch, `{"method": "none"}`) as given, else the default where it applies and pays."""
+    if chosen or not default_speculation_applies(config, device_type):
+        return with_measured_draft_cost(config, runner)
+    default = replace(config, speculative_config=SpeculativeConfig(method="ngram"))
+    return with_measured_draft_cost(default, runner, default=True)
+
+
 def with_measured_draft_cost(
-    config: EngineConfig, runner: Any, draft_runner: Any = None
+    config: EngineConfig, runner: Any, draft_runner: Any = None, default: bool = False
 ) -> EngineConfig:
     """The config with speculation's `draft_token_cost` measured on this runner (and draft
-    model's runner, if any) when the user left it unset."""
+    model's runner, if any) when the user left it unset. `default`: the speculation is the
+    engine's default, dropped (None) where it would not pay or cannot be measured."""
     spec = config.speculative_config
     if spec is None or spec.draft_token_cost is not None:
         return config
@@ -111,8 +142,17 @@ def with_measured_draft_cost(
         runner, spec.num_speculative_tokens, config.block_size, draft_runner
     )
     if cost is None:
-        return config
+        return replace(config, speculative_config=None) if default else config
     best = best_speedup(cost, spec.num_speculative_tokens)
+    if best < MIN_BEST_SPEEDUP and default:
+        logger.info(
+            "speculative decoding off by default: fully accepted drafts would win %.2fx on "
+            "this model here (draft_token_cost %.2f, below %.1fx)",
+            best,
+            cost,
+            MIN_BEST_SPEEDUP,
+        )
+        return replace(config, speculative_config=None)
     if best < MIN_BEST_SPEEDUP:
         # The batch rule at 1 turns it off for every step; the counters stay at zero.
         logger.warning(
@@ -126,5 +166,12 @@ def with_measured_draft_cost(
         )
         spec = replace(spec, disable_by_batch_size=1)
     else:
-        logger.info("speculative decoding: draft_token_cost %.3f, measured on this model", cost)
+        logger.info(
+            "speculative decoding%s: n-gram, draft_token_cost %.3f, measured on this model "
+            "(fully accepted drafts: %.2fx)%s",
+            " on by default" if default else "",
+            cost,
+            best,
+            '; --no-speculation or {"method": "none"} turns it off' if default else "",
+        )
     return replace(config, speculative_config=replace(spec, draft_token_cost=cost))

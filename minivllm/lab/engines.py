@@ -13,6 +13,7 @@ import copy
 from dataclasses import replace
 from functools import lru_cache
 
+from minivllm.config import SPECULATION_OFF
 from minivllm.engine.llm_engine import LLMEngine
 from minivllm.engine.tracing import Tracer
 from minivllm.lab.scenarios import MAX_BATCHED_TOKENS, MAX_KV_BLOCKS, EngineShape
@@ -32,6 +33,9 @@ class SharedModelEngines:
             num_kv_blocks=pool,
             max_num_batched_tokens=budget,
             max_model_len=LAB_MAX_MODEL_LEN,
+            # Each scenario's engine sets its own (chapter 07's speculates); the base engine
+            # only lends them its runner, so it measures no default speculation at start-up.
+            speculative_config=SPECULATION_OFF,
         )
 
     def __call__(self, shape: EngineShape, tracer: Tracer) -> LLMEngine:

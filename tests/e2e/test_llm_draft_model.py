@@ -14,7 +14,7 @@ import functools
 import json
 
 import pytest
-from support.spec_checks import second_tokens, total_variation
+from support.spec_checks import OFF, second_tokens, total_variation
 
 from minivllm import LLM, SamplingParams
 from minivllm.cli import main
@@ -29,10 +29,11 @@ PROMPTS = [
 SMALL = {"max_num_batched_tokens": 16, "block_size": 4, "num_kv_blocks": 30}
 
 
-def spec(draft: str | None) -> dict | None:
-    """The cost model off, so every decoding sequence drafts at every step."""
+def spec(draft: str | None) -> dict:
+    """The cost model off, so every decoding sequence drafts at every step; without a draft,
+    no speculation at all (the baseline)."""
     if draft is None:
-        return None
+        return OFF
     return {
         "model": draft,
         "num_speculative_tokens": 3,

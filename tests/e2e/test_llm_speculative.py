@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 
 import pytest
-from support.spec_checks import NGRAM, second_tokens, total_variation
+from support.spec_checks import NGRAM, OFF, second_tokens, total_variation
 
 from minivllm import LLM, SamplingParams
 from minivllm.layers import rejection_sampler
@@ -27,7 +27,7 @@ PROMPTS = [
 
 @functools.cache
 def cached_llm(model_dir: str, speculative: bool, **options) -> LLM:
-    spec = NGRAM if speculative else None
+    spec = NGRAM if speculative else OFF
     return LLM(model_dir, dtype="float32", max_model_len=512, speculative_config=spec, **options)
 
 
@@ -67,7 +67,7 @@ def test_greedy_with_speculation_is_token_identical_in_every_family(
             dtype="float32",
             max_model_len=256,
             block_size=4,
-            speculative_config=NGRAM if speculative else None,
+            speculative_config=NGRAM if speculative else OFF,
         )
         outputs.append(
             [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:2], params, use_tqdm=False)]
@@ -112,3 +112,21 @@ def test_seeded_sampling_with_speculation_is_reproducible_whatever_the_batch(tin
     noise = SamplingParams(temperature=1.0, max_tokens=9, ignore_eos=True)
     batch = llm.generate(PROMPTS, [params, noise, noise, noise], use_tqdm=False)
     assert batch[0].outputs[0].token_ids == alone
+
+
+def test_unset_speculation_is_the_measured_ngram_default_with_the_same_greedy_tokens(
+    tiny_llama_dir,
+):
+    """On the CPU an engine left unset speculates by default: a tiny model's 4-token step
+    costs about one 1-token step (per-step overheads), so its measured cost keeps n-gram
+    drafts on, and fp32 greedy output stays the off switch's, token for token."""
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    default = LLM(str(tiny_llama_dir), dtype="float32", max_model_len=512)
+    spec = default.llm_engine.config.speculative_config
+    assert spec is not None and spec.method == "ngram" and spec.draft_token_cost is not None
+    off = cached_llm(str(tiny_llama_dir), False)
+    assert off.llm_engine.config.speculative_config is None
+    expected = [o.outputs[0].token_ids for o in off.generate(PROMPTS, params, use_tqdm=False)]
+    got = [o.outputs[0].token_ids for o in default.generate(PROMPTS, params, use_tqdm=False)]
+    assert got == expected
+    assert default.llm_engine.stats()["spec_decode_num_accepted_tokens"] > 0

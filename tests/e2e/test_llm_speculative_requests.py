@@ -8,7 +8,7 @@ from __future__ import annotations
 import functools
 import math
 
-from support.spec_checks import NGRAM
+from support.spec_checks import NGRAM, OFF
 
 from minivllm import LLM, SamplingParams
 from minivllm.sampling_params import StructuredOutputsParams
@@ -23,7 +23,7 @@ def cached_llm(model_dir: str, speculative: bool) -> LLM:
         dtype="float32",
         max_model_len=256,
         block_size=4,
-        speculative_config=NGRAM if speculative else None,
+        speculative_config=NGRAM if speculative else OFF,
     )
 
 

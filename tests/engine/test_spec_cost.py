@@ -14,6 +14,7 @@ from minivllm.engine.spec_cost import (
     best_speedup,
     draft_token_cost,
     measure_draft_token_cost,
+    with_default_speculation,
     with_measured_draft_cost,
 )
 
@@ -102,3 +103,52 @@ def test_speculation_is_left_off_where_even_full_acceptance_cannot_pay(clock, ca
     cheap = FakeRunner(clock, fixed=0.010, per_token=0.001)
     config = with_measured_draft_cost(EngineConfig(speculative_config={"method": "ngram"}), cheap)
     assert config.speculative_config.disable_by_batch_size == 256
+
+
+def test_unset_speculation_defaults_to_ngram_on_the_cpu_where_drafts_pay(clock, caplog):
+    """The default: n-gram with vLLM's keys, its cost measured like a user's config."""
+    cheap = FakeRunner(clock, fixed=0.010, per_token=0.001)
+    with caplog.at_level("INFO"):
+        config = with_default_speculation(EngineConfig(), cheap, "cpu", chosen=False)
+    spec = config.speculative_config
+    assert spec.method == "ngram" and spec.num_speculative_tokens == 4
+    assert spec.draft_token_cost == pytest.approx(0.1)
+    assert spec.disable_by_batch_size == 256
+    assert "on by default" in caplog.text
+
+
+def test_the_default_is_dropped_where_full_acceptance_cannot_pay(clock, caplog):
+    """Unlike a user's config (kept, switched off by the batch rule, with a warning), the
+    default leaves the engine without speculation, and says so at info level."""
+    dear = FakeRunner(clock, fixed=0.010, per_token=0.040)
+    with caplog.at_level("INFO"):
+        config = with_default_speculation(EngineConfig(), dear, "cpu", chosen=False)
+    assert config.speculative_config is None
+    assert "off by default" in caplog.text
+    assert not [r for r in caplog.records if r.levelname == "WARNING"]
+    tiny_pool = FakeRunner(clock, fixed=0.010, per_token=0.001, blocks=2)
+    config = with_default_speculation(EngineConfig(), tiny_pool, "cpu", chosen=False)
+    assert config.speculative_config is None
+
+
+@pytest.mark.parametrize(
+    ("options", "device"),
+    [
+        ({"speculative_config": {"method": "none"}}, "cpu"),  # the off switch
+        ({}, "cuda"),
+        ({"enable_lora": True}, "cpu"),
+    ],
+)
+def test_no_default_speculation_off_the_cpu_with_lora_or_the_off_switch(clock, options, device):
+    runner = FakeRunner(clock, fixed=0.010, per_token=0.001)
+    config = EngineConfig(**options)
+    chosen = "speculative_config" in options
+    assert with_default_speculation(config, runner, device, chosen).speculative_config is None
+    assert runner.plans == []  # nothing measured either
+
+
+def test_a_chosen_config_is_measured_as_given_not_replaced(clock):
+    runner = FakeRunner(clock, fixed=0.010, per_token=0.001)
+    mine = EngineConfig(speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+    spec = with_default_speculation(mine, runner, "cpu", chosen=True).speculative_config
+    assert spec.num_speculative_tokens == 2 and spec.draft_token_cost is not None

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections import Counter
 
 from minivllm import LLM, SamplingParams
+from minivllm.config import SPECULATION_OFF
 
 # n-gram speculation with the cost model off (tests/engine/test_spec_policy.py covers it):
 # every match proposes, at any batch size, so a test verifies drafts wherever the proposer
@@ -18,6 +19,9 @@ NGRAM = {
     "disable_by_batch_size": None,
     "draft_token_cost": 0.0,
 }
+# The off switch: unset, an engine on the CPU speculates where its start-up measurement says
+# drafts pay, so the baselines "without speculation" say so.
+OFF = SPECULATION_OFF
 
 
 def second_tokens(llm: LLM, prompt: list[int], n: int) -> Counter:

@@ -148,6 +148,8 @@ def test_a_cpu_pool_is_zero_aligned_and_resident_only_where_written(kind: str) -
     assert rss_mib() - before < 32
     for t in cache:
         assert t.data_ptr() % 64 == 0
+        # a tensor of its own at its storage's start, which a compiled step writes in place
+        assert t._base is None and t.storage_offset() == 0
         assert not t[:2].view(torch.uint8).any()  # the first blocks only: reads touch pages
     cache[0][0].view(torch.uint8).fill_(1)  # one block written: its pages, not the pool's
     assert rss_mib() - before < 48

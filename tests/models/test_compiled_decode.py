@@ -10,12 +10,14 @@ choice of when to compile.
 
 from __future__ import annotations
 
+import platform
 import sys
 
 import pytest
 import torch
 from support.model_fixtures import allocate_kv_caches, make_attention_metadata
 
+from minivllm.config import SPECULATION_OFF
 from minivllm.engine import compiled_decode
 from minivllm.engine.compiled_decode import (
     CompiledDecode,
@@ -194,6 +196,47 @@ def test_the_runner_compiles_bf16_and_qgemv_decode_steps_only(options, compiled,
         [[5, 6, 7, 8]], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False
     )
     assert len(out[0].outputs[0].token_ids) == 6
+
+
+@needs_compile
+def test_compiled_steps_write_the_pool_in_place_not_a_copy_of_it(tiny_llama_dir):
+    """The pool's pages become resident only where a step writes (kv_quant._zeros), so a
+    compiled step that copied the whole pool instead of writing its new slots in place (it
+    did, while the pool was a view at an offset into its storage) leaves every page of it
+    resident after the start-up's warm-up steps; in place, the few blocks they used."""
+    from minivllm import LLM, SamplingParams
+
+    if platform.system() != "Linux":
+        pytest.skip("asks Linux's mincore which pages are resident")
+    llm = LLM(
+        str(tiny_llama_dir),
+        device="cpu",
+        dtype="bfloat16",
+        num_kv_blocks=1 << 14,
+        max_model_len=64,
+        speculative_config=SPECULATION_OFF,
+    )
+    runner = llm.llm_engine.model_runner
+    assert runner.compiled_decode is not None
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    llm.generate([[5, 6, 7, 8]] * 2, params, use_tqdm=False)
+    for layer in runner.kv_caches:
+        for pool in layer:
+            assert _resident_share(pool) < 0.05
+
+
+def _resident_share(t: torch.Tensor) -> float:
+    """The share of `t`'s memory pages that are resident (Linux's mincore)."""
+    import ctypes
+    import mmap
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    page = mmap.PAGESIZE
+    begin = t.data_ptr() // page * page
+    length = t.data_ptr() + t.nbytes - begin
+    vec = (ctypes.c_ubyte * ((length + page - 1) // page))()
+    assert libc.mincore(ctypes.c_void_p(begin), ctypes.c_size_t(length), vec) == 0
+    return sum(v & 1 for v in vec) / len(vec)
 
 
 def test_one_sequence_steps_run_on_the_servers_thread_share(tiny_llama_dir):

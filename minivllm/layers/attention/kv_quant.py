@@ -24,11 +24,10 @@ from __future__ import annotations
 
 import functools
 import math
+import mmap
 
-import numpy as np
 import torch
 
-ALIGN = 64  # bytes
 KVCache = tuple[torch.Tensor, ...]  # (k, v) or, int8, (k, v, k_scale, v_scale)
 
 FP8 = torch.float8_e4m3fn
@@ -87,15 +86,20 @@ def allocate_kv_cache(
 
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A zeroed tensor. On the CPU from numpy's calloc: the system hands out zero pages as
-    they are first touched, so the pool costs neither the start-up's time to write it (seconds
-    for gigabytes on a busy machine) nor resident memory until a slot is used."""
+    """A zeroed tensor. On the CPU from an anonymous memory map: the system hands out zero
+    pages as they are first touched, so the pool costs neither the start-up's time to write
+    it (seconds for gigabytes on a busy machine) nor resident memory until a slot is used.
+
+    A tensor of its own at the map's page-aligned start, neither a view of another tensor nor
+    at an offset into its storage: the compiled decode step writes the new keys into its
+    input in place only then; through a view at an offset, every step copied the whole pool
+    (docs/performance.md)."""
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-    raw = torch.from_numpy(np.zeros(nbytes + ALIGN, dtype=np.uint8))
-    start = -raw.data_ptr() % ALIGN  # torch's own allocator's alignment (calloc gives 16)
-    return raw[start : start + nbytes].view(dtype).view(shape)
+    pages = torch.frombuffer(mmap.mmap(-1, max(nbytes, 1)), dtype=torch.uint8)
+    stride = torch.empty(shape, dtype=dtype, device="meta").stride()
+    return torch.empty(0, dtype=dtype).set_(pages.untyped_storage(), 0, shape, stride)
 
 
 def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -248,6 +248,10 @@ def _register_fakes() -> None:
         columns = sum(b.shape[0] * (8 if q >= 256 else 1) for b, q in zip(blocks, qtypes))
         return x.new_empty(x.shape[0], columns, dtype=torch.float32)
 
+    @torch.library.register_fake("minivllm::ggml_matmul_kinds")
+    def _(x, blocks, qtypes, columns, isa):  # noqa: ANN001, ANN202
+        return x.new_empty(x.shape[0], columns, dtype=torch.float32)
+
     @torch.library.register_fake("minivllm::ggml_dequantize")
     def _(blocks, qtype, cols, dtype, isa):  # noqa: ANN001, ANN202
         return blocks.new_empty(blocks.shape[0] * (8 if qtype >= 256 else 1), cols, dtype=dtype)

@@ -14,6 +14,7 @@ import torch
 from gguf import GGMLQuantizationType as QT
 from support.gguf_files import gguf_writer
 from support.hf_reference import hf_prompt_logprobs
+from support.spec_checks import OFF
 
 from minivllm import LLM, SamplingParams
 from minivllm.layers.cpu_kernels import cpu_kernels_available
@@ -68,7 +69,7 @@ def _blocks(qtype: QT, rows: int, cols: int, rng: np.random.Generator) -> np.nda
 OVERRIDES = {(0, "ffn_up"): QT.Q4_1, (1, "ffn_up"): QT.F16}
 
 
-def _write(path: Path) -> None:
+def _write(path: Path, overrides: dict = OVERRIDES) -> None:
     from transformers import LlamaConfig
     from transformers.convert_slow_tokenizer import bytes_to_unicode
 
@@ -117,7 +118,7 @@ def _write(path: Path) -> None:
         writer.add_tensor(f"blk.{layer}.attn_norm.weight", np.ones(HIDDEN, np.float32))
         writer.add_tensor(f"blk.{layer}.ffn_norm.weight", np.ones(HIDDEN, np.float32))
         for part, (rows, cols) in shapes.items():
-            qtype = OVERRIDES.get((layer, part), TYPES[part])
+            qtype = overrides.get((layer, part), TYPES[part])
             name = f"blk.{layer}.{part}.weight"
             if qtype == QT.F16:
                 writer.add_tensor(
@@ -222,6 +223,24 @@ def test_compiled_bf16_decode_runs_on_the_blocks(model_files: tuple[Path, Path])
     prompt = [int(t) for t in np.random.default_rng(2).integers(3, 256, size=12)]
     tokens, scores = _engine_logprobs(llm, prompt, new=6)
     ref = hf_prompt_logprobs(str(model_files[1]), tuple(tokens))
+    expected = ref.gather(-1, torch.tensor(tokens[1:])[:, None])[:, 0]
+    assert ((torch.tensor(scores) - expected).abs() < 0.1 + 0.01 * expected.abs()).all()
+
+
+def test_layers_of_different_kinds_share_the_compiled_steps_graph(tmp_path: Path) -> None:
+    """A Q4_K_M file keeps some layers' v and down in Q6_K and the others' in Q4_K. The
+    one-call kernel takes the kinds as a tensor, so both layers run one graph (one trace per
+    step size at start-up, not one per mix of kinds), each on its own blocks: the scores are
+    the dequantized model's, within bf16's error."""
+    path = tmp_path / "mixed.gguf"
+    _write(path, overrides={(1, "attn_v"): QT.Q4_K, (1, "ffn_down"): QT.Q4_K})
+    llm = LLM(model=str(path), num_kv_blocks=64, dtype="bfloat16", speculative_config=OFF)
+    compiled = llm.llm_engine.model_runner.compiled_decode
+    assert compiled is not None
+    prompt = [int(t) for t in np.random.default_rng(3).integers(3, 256, size=12)]
+    tokens, scores = _engine_logprobs(llm, prompt, new=6)
+    assert len(compiled._kind) == LAYERS and len(set(compiled._kind.values())) == 1
+    ref = hf_prompt_logprobs(str(convert_gguf(path, tmp_path / "hf")), tuple(tokens))
     expected = ref.gather(-1, torch.tensor(tokens[1:])[:, None])[:, 0]
     assert ((torch.tensor(scores) - expected).abs() < 0.1 + 0.01 * expected.abs()).all()
 

@@ -499,6 +499,23 @@ at::Tensor ggml_matmul(const at::Tensor& x, const at::Tensor& blocks, int64_t qt
   return ggml_matmul_segments(x, {blocks}, {qtype}, isa_arg);
 }
 
+// ggml_matmul_segments with the kinds as a tensor: a compiled decode step then takes them as
+// a graph input, so layers whose kinds differ (a Q4_K_M file's Q6_K down projections beside
+// its Q4_K ones) share one graph instead of each tracing its own. `columns` is the output
+// width, which the fake kernel cannot read from the kinds' values.
+at::Tensor ggml_matmul_kinds(const at::Tensor& x, at::TensorList blocks, const at::Tensor& qtypes,
+                             int64_t columns, int64_t isa_arg) {
+  TORCH_CHECK(qtypes.dim() == 1 && qtypes.scalar_type() == at::kLong && qtypes.is_cpu(),
+              "ggml_matmul: qtypes must be a 1-D int64 CPU tensor");
+  const at::Tensor kinds = qtypes.contiguous();
+  const int64_t* kind = kinds.data_ptr<int64_t>();
+  const std::vector<int64_t> values(kind, kind + kinds.numel());
+  at::Tensor y = ggml_matmul_segments(x, blocks, values, isa_arg);
+  TORCH_CHECK(y.size(1) == columns, "ggml_matmul: the blocks give ", y.size(1),
+              " output columns, not ", columns);
+  return y;
+}
+
 // Rows [begin, end) of `blocks` into `out` (fp32 or bf16), split over the thread pool. With
 // `qtype` plus kX8 the blocks are x8 tiles: each row is moved back to ggml's layout first.
 void dequantize_into(const at::Tensor& blocks, int qtype, int64_t k, int64_t begin, int64_t end,
@@ -592,6 +609,7 @@ at::Tensor ggml_dequant_matmul(const at::Tensor& x, const at::Tensor& blocks, in
 TORCH_LIBRARY_FRAGMENT(minivllm, m) {
   m.def("ggml_matmul(Tensor x, Tensor blocks, int qtype, int isa) -> Tensor");
   m.def("ggml_matmul_segments(Tensor x, Tensor[] blocks, int[] qtypes, int isa) -> Tensor");
+  m.def("ggml_matmul_kinds(Tensor x, Tensor[] blocks, Tensor qtypes, int columns, int isa) -> Tensor");
   m.def("ggml_dequantize(Tensor blocks, int qtype, int cols, ScalarType dtype, int isa) -> Tensor");
   m.def("ggml_dequant_matmul(Tensor x, Tensor blocks, int qtype, int tile_rows) -> Tensor");
   m.def("ggml_q4x8_repack(Tensor blocks, int qtype) -> Tensor");
@@ -605,6 +623,7 @@ TORCH_LIBRARY_FRAGMENT(minivllm, m) {
 TORCH_LIBRARY_IMPL(minivllm, CPU, m) {
   m.impl("ggml_matmul", &ggml_matmul);
   m.impl("ggml_matmul_segments", &ggml_matmul_segments);
+  m.impl("ggml_matmul_kinds", &ggml_matmul_kinds);
   m.impl("ggml_dequantize", &ggml_dequantize);
   m.impl("ggml_q4x8_repack", &ggml_q4x8_repack);
   m.impl("ggml_dequant_matmul", &ggml_dequant_matmul);

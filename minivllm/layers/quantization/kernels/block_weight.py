@@ -161,6 +161,10 @@ class BlockWeight:
         # operator with no Python checks in between (each would break its graph).
         self._blocks = [s.blocks.contiguous() for s in segments]
         self._qtypes = [int(s.qtype) + (X8_FLAG if s.x8 else 0) for s in segments]
+        # ... and as a tensor for the one-call kernel: a value Dynamo does not specialise on,
+        # so layers of different kinds share a compiled step's graph.
+        self._kinds = torch.tensor(self._qtypes, dtype=torch.int64)
+        self._columns = sum(s.rows for s in segments)
         # The row tables: up to the smallest segment's integer-kernel rows one call computes
         # every segment (x rounded once); above, each segment its own way at that count.
         limits = [0.0 if activations == "float" else block_rows(s.qtype, s.x8) for s in segments]
@@ -180,7 +184,7 @@ class BlockWeight:
 
     @property
     def shape(self) -> tuple[int, int]:
-        return sum(s.rows for s in self.segments), self.cols
+        return self._columns, self.cols
 
     @property
     def nbytes(self) -> int:
@@ -203,7 +207,9 @@ class BlockWeight:
             # residual's share of that sum would count twice. x - left re-rounds to the same code.
             left = int8_residual(flat, self._residual_block)
             flat = torch.cat([flat.float() - left, left])
-        out = torch.ops.minivllm.ggml_matmul_segments(flat, self._blocks, self._qtypes, 0)
+        out = torch.ops.minivllm.ggml_matmul_kinds(
+            flat, self._blocks, self._kinds, self._columns, 0
+        )
         if self._residual_block is not None:
             out = out[:rows] + out[rows:]  # [M, out]
         return out.view(*x.shape[:-1], out.shape[-1]).to(x.dtype)

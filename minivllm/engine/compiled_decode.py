@@ -45,7 +45,7 @@ from tqdm import tqdm
 
 from minivllm.cache import cache_dir
 from minivllm.layers.attention import AttentionMetadata
-from minivllm.layers.attention.decode import DecodeMetadata
+from minivllm.layers.attention.decode import DecodeMetadata, decode_metadata
 from minivllm.layers.attention.kv_quant import KVCache
 from minivllm.layers.cpu_kernels import cpu_caps
 from minivllm.layers.quantization.rows import compiled_steps_max_seqs
@@ -53,6 +53,9 @@ from minivllm.layers.quantization.rows import compiled_steps_max_seqs
 logger = logging.getLogger(__name__)
 
 KVCaches = list[KVCache]
+# Most new tokens a sequence brings to a compiled step (1 + k drafts, k up to 7); a longer
+# run is a prefill chunk, which SDPA over the gathered context computes faster.
+MAX_QUERY = 8
 
 
 def compile_decode_step(
@@ -85,30 +88,6 @@ def compiled_step_available() -> bool:
         torch.__version__,
     )
     return False
-
-
-def decode_metadata(meta: AttentionMetadata, paged: bool = False) -> DecodeMetadata:
-    """The tensors the compiled step's attention reads, from a decode-only step's metadata:
-    the block tables for our paged kernel (`paged`), else the gathered path's indices."""
-    if paged:
-        return DecodeMetadata(
-            slot_mapping=meta.slot_mapping,
-            kv_index=None,
-            kv_valid=None,
-            key_positions=None,
-            query_positions=meta.seq_lens - 1,
-            block_tables=meta.block_tables,
-            seq_lens=meta.seq_lens,
-        )
-    index = meta.kv_gather_index  # [S, L]
-    key_positions = torch.arange(index.shape[1], device=index.device)  # [L]
-    return DecodeMetadata(
-        slot_mapping=meta.slot_mapping,
-        kv_index=index,
-        kv_valid=key_positions[None, :] < meta.seq_lens[:, None],  # [S, L]
-        key_positions=key_positions,
-        query_positions=meta.seq_lens - 1,
-    )
 
 
 def inductor_cache_dir() -> str:
@@ -296,8 +275,17 @@ class CompiledDecode:
         return run
 
     def applies(self, meta: AttentionMetadata) -> bool:
-        """Whether a step runs compiled: up to `max_seqs` sequences decoding one token each."""
-        return meta.is_decode_only and meta.num_seqs <= self.max_seqs
+        """Whether a step runs compiled: up to `max_seqs` sequences decoding one token each,
+        or with the paged kernel up to `max_seqs` tokens, at most `MAX_QUERY` a sequence, over
+        cached context (a speculative step verifying its drafts: `decode_metadata`)."""
+        if meta.is_decode_only:
+            return meta.num_seqs <= self.max_seqs
+        return (
+            self.paged
+            and meta.max_query_len <= MAX_QUERY
+            and meta.num_tokens <= self.max_seqs
+            and all(s > q for s, q in zip(meta.seq_lens_cpu, meta.query_lens_cpu, strict=True))
+        )
 
     def __call__(
         self,

@@ -91,18 +91,59 @@ def test_the_compiled_step_matches_the_eager_one(family, tiny_llama_dir, tiny_fa
             assert (got - want).norm() / want.norm() < 2e-2, length
 
 
-def _hidden_after_prefills(model, caches, prompts: list[list[int]], compiled):
-    """Prefill each prompt but its last token eagerly (sequence s in blocks 4s..4s+3), then
-    decode the last tokens in one step of len(prompts) sequences, eagerly or compiled."""
+def _hidden_after_prefills(model, caches, prompts: list[list[int]], compiled, tails=None):
+    """Prefill each prompt but its last `tails[s]` tokens (default 1) eagerly (sequence s in
+    blocks 4s..4s+3), then run those tokens in one step, eagerly or compiled."""
+    tails = tails or [1] * len(prompts)
     tables = [list(range(4 * s, 4 * s + 4)) for s in range(len(prompts))]
-    for table, prompt in zip(tables, prompts, strict=True):
-        meta, positions = make_attention_metadata([table], [0], [len(prompt) - 1], BLOCK)
-        model(torch.tensor(prompt[:-1]), positions, caches, meta)
+    for table, prompt, tail in zip(tables, prompts, tails, strict=True):
+        meta, positions = make_attention_metadata([table], [0], [len(prompt) - tail], BLOCK)
+        model(torch.tensor(prompt[:-tail]), positions, caches, meta)
     meta, positions = make_attention_metadata(
-        tables, [len(p) - 1 for p in prompts], [1] * len(prompts), BLOCK
+        tables, [len(p) - t for p, t in zip(prompts, tails, strict=True)], tails, BLOCK
     )
     step = compiled if compiled is not None else model
-    return step(torch.tensor([p[-1] for p in prompts]), positions, caches, meta)  # [S, hidden]
+    ids = torch.tensor([t for p, n in zip(prompts, tails, strict=True) for t in p[-n:]])
+    return step(ids, positions, caches, meta)  # [num_tokens, hidden]
+
+
+@needs_compile
+@pytest.mark.skipif(not cpu_kernels_available(), reason="the paged kernel is for x86 CPUs")
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+def test_a_verifying_step_runs_compiled_as_one_row_a_token(
+    family, tiny_llama_dir, tiny_family_dirs
+) -> None:
+    """A speculative step brings 1 + k tokens a sequence over its cached context: with the
+    paged kernel it runs compiled, each token a row reading its sequence's blocks up to its own
+    position (causal, and Gemma 2's windows per token), with the eager step's hidden states.
+    A prefill (no cached context) or a run longer than MAX_QUERY stays eager."""
+    model_dir = tiny_llama_dir if family == "llama" else tiny_family_dirs["gemma2"]
+    model, config = load_model(model_dir, torch.bfloat16, "cpu")
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    compiled = CompiledDecode(model, paged=True, stored_blocks=True)
+    for context, new, runs_compiled in (
+        ([3, 6], [5, 3], True),
+        ([0], [4], False),
+        ([2], [9], False),
+    ):
+        meta, _ = make_attention_metadata([[0, 1, 2, 3]] * len(new), context, new, BLOCK)
+        assert compiled.applies(meta) == runs_compiled
+    prompts = [[(7 * i + 3 * s) % config.vocab_size for i in range(8 + 5 * s)] for s in range(2)]
+    with torch.inference_mode():
+        want, got = (
+            _hidden_after_prefills(
+                model,
+                allocate_kv_caches(
+                    config.num_hidden_layers, 8, BLOCK, config.num_key_value_heads, head_dim
+                ),
+                prompts,
+                step,
+                tails=[5, 3],
+            ).float()
+            for step in (None, compiled)
+        )
+    assert got.shape == want.shape == (8, config.hidden_size)
+    assert (got - want).norm() / want.norm() < 2e-2
 
 
 @needs_compile

@@ -14,6 +14,7 @@ import torch
 
 from minivllm.layers.activation import soft_cap
 from minivllm.layers.attention.kv_quant import KVCache, gather_rows, kv_scales, store_kv
+from minivllm.layers.attention.metadata import AttentionMetadata
 from minivllm.layers.attention.paged_decode import paged_decode_attention
 from minivllm.layers.attention.sdpa import attention_dtype
 
@@ -89,3 +90,46 @@ def decode_attention(
     weights = scores.softmax(1)  # [S, L, KVH, G]: over each query's keys
     out = (weights[..., None] * values[:, :, :, None, :]).sum(1)  # [S, KVH, G, D]
     return out.reshape(num_seqs, -1).to(out_dtype)  # [S, H*D]
+
+
+def decode_metadata(meta: AttentionMetadata, paged: bool = False) -> DecodeMetadata:
+    """The tensors the compiled step's attention reads, from a decode-only step's metadata:
+    the block tables for our paged kernel (`paged`), else the gathered path's indices.
+
+    With the paged kernel a sequence may bring several tokens over its cached context (a
+    verifying step's last token and drafts): each token becomes a row of its own, reading its
+    sequence's block table up to its own position. A layer stores every new token's K/V before
+    it attends, so row i sees its sequence's keys up to and including token i: causal."""
+    if paged and not meta.is_decode_only:
+        lens = meta.query_lens  # [S]
+        seq = torch.repeat_interleave(torch.arange(meta.num_seqs, device=lens.device), lens)
+        offset = torch.arange(meta.num_tokens, device=lens.device) - meta.query_start_loc[seq]
+        positions = (meta.seq_lens - lens)[seq] + offset  # [T]
+        return DecodeMetadata(
+            slot_mapping=meta.slot_mapping,
+            kv_index=None,
+            kv_valid=None,
+            key_positions=None,
+            query_positions=positions,
+            block_tables=meta.block_tables[seq],
+            seq_lens=positions + 1,
+        )
+    if paged:
+        return DecodeMetadata(
+            slot_mapping=meta.slot_mapping,
+            kv_index=None,
+            kv_valid=None,
+            key_positions=None,
+            query_positions=meta.seq_lens - 1,
+            block_tables=meta.block_tables,
+            seq_lens=meta.seq_lens,
+        )
+    index = meta.kv_gather_index  # [S, L]
+    key_positions = torch.arange(index.shape[1], device=index.device)  # [L]
+    return DecodeMetadata(
+        slot_mapping=meta.slot_mapping,
+        kv_index=index,
+        kv_valid=key_positions[None, :] < meta.seq_lens[:, None],  # [S, L]
+        key_positions=key_positions,
+        query_positions=meta.seq_lens - 1,
+    )

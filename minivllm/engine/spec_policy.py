@@ -17,7 +17,8 @@ the step approaches 1 and nothing does. Two rules follow:
   steps, from an even prior) beats the break-even at the current batch size. A sequence below
   it still probes: first after `PROBE_INTERVAL` decode steps, then as often as keeps failed
   probes under `PROBE_BUDGET` of the time (`probe_interval`), so an answer that starts quoting
-  its prompt later is noticed.
+  its prompt later is noticed; in a batch of B every sequence probes, so the intervals stretch
+  until their probes together cost what one sequence's do alone (`batch_probe_interval`).
 
 Pure Python: the decisions are a function of counts, tested without a clock.
 """
@@ -46,6 +47,14 @@ def probe_interval(token_cost: float, num_speculative_tokens: int) -> int:
     of that many steps."""
     probe = num_speculative_tokens * token_cost / (1.0 + token_cost)
     return max(PROBE_INTERVAL, math.ceil(probe / PROBE_BUDGET))
+
+
+def batch_probe_interval(interval: int, batch_size: int, token_cost: float) -> int:
+    """A probe interval for one sequence, stretched for a batch of `batch_size`: a probe's k
+    drafts cost k * c / (1 + B * c) of a B-sequence step, and each of the B sequences probes,
+    so failed probes take the same share of the time as one sequence's do every `interval`."""
+    share = batch_size * (1.0 + token_cost) / (1.0 + batch_size * token_cost)
+    return max(interval, math.ceil(interval * share))
 
 
 def break_even_acceptance(batch_size: int, token_cost: float) -> float:
@@ -85,6 +94,7 @@ class SpeculationPolicy:
         waited = self._waited.get(seq_id, 0) + 1
         # A sequence that never verified a draft probes soon: its answer may be a quote.
         interval = self.probe_interval if seq_id in self._history else PROBE_INTERVAL
+        interval = batch_probe_interval(interval, batch_size, self.token_cost)
         if waited >= interval:
             self._waited[seq_id] = 0
             return True

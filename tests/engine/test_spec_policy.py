@@ -13,6 +13,7 @@ from minivllm.engine.spec_policy import (
     PROBE_INTERVAL,
     WINDOW,
     SpeculationPolicy,
+    batch_probe_interval,
     break_even_acceptance,
     probe_interval,
 )
@@ -105,3 +106,17 @@ def test_a_new_request_probes_early_even_when_verifying_is_dear():
     p.observe(3, 4, 1)  # the probe mostly failed: the next one waits the long interval
     assert not any(p.should_propose(3, 1) for _ in range(p.probe_interval - 1))
     assert p.should_propose(3, 1)
+
+
+def test_in_a_batch_every_sequences_probes_stretch_to_cost_what_one_sequences_do():
+    """k drafts cost k c / (1 + B c) of a B-sequence step and all B sequences probe: their
+    intervals stretch by B (1 + c) / (1 + B c), so together they cost what one sequence's
+    probes do alone (at c = 0.39, 16 sequences: 3.1x); nothing stretches at one sequence."""
+    assert batch_probe_interval(8, 1, 0.39) == 8
+    assert batch_probe_interval(8, 16, 0.39) == 25  # ceil(8 * 16 * 1.39 / 7.24)
+    for batch in (2, 4, 16, 64):
+        interval = batch_probe_interval(57, batch, 0.39)
+        assert batch / interval * 4 * 0.39 / (1 + batch * 0.39) <= 4 * 0.39 / 1.39 / 57
+    p = policy(disable_by_batch_size=None, draft_token_cost=0.39)  # break-even 0.86 at 16
+    decisions = [p.should_propose(3, 16) for _ in range(25)]
+    assert decisions == [False] * 24 + [True]  # a new request's first probe, 25 steps in

@@ -24,6 +24,7 @@ import random
 import time
 
 from minivllm import LLM, SamplingParams
+from minivllm.config import SPECULATION_OFF
 
 TAIL = 16  # the tokens that differ between prompts with --shared-prefix (one block)
 
@@ -70,6 +71,7 @@ def main() -> None:
             max_model_len=args.context + args.new + 16,
             # every concurrency's prompts stay cached: the pool holds this many sequences
             max_num_seqs=sum(args.concurrency),
+            speculative_config=SPECULATION_OFF,  # the cache's decode steps, no drafts
             **options,
         )
         vocab = llm.llm_engine.model_runner.vocab_size

@@ -58,3 +58,17 @@ def test_offline_benchmarks_write_their_report(which: str, tiny_llama_dir: Path,
     report = json.loads(out.read_text())
     assert report["benchmark"] == which
     assert all(r["tok_per_s"] > 0 for r in report["results"])
+
+
+def test_the_llama_cpp_comparison_starts_each_server_as_asked(tmp_path: Path):
+    """Our server gets the engine options as flags (the off switch's JSON included), and
+    llama-server its --spec-type only when one is asked for (its default has no drafts)."""
+    from minivllm.bench.peer import peer_commands
+    from minivllm.config import SPECULATION_OFF
+
+    gguf, server = tmp_path / "m.gguf", tmp_path / "llama-server"
+    plain = peer_commands(gguf, server, {"speculative_config": SPECULATION_OFF}, (1, 2))
+    assert plain["minivllm"][-2:] == ["--speculative-config", SPECULATION_OFF]
+    assert "--spec-type" not in plain["llama.cpp"]
+    drafts = peer_commands(gguf, server, {}, (1, 2), llama_spec_type="ngram-simple")
+    assert drafts["llama.cpp"][-2:] == ["--spec-type", "ngram-simple"]

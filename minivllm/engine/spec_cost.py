@@ -20,7 +20,7 @@ The same measurement decides the default (`with_default_speculation`): on the CP
 whose user left `speculative_config` unset gets n-gram speculation (vLLM's keys, k = 4), kept
 only where fully accepted drafts would win `MIN_BEST_SPEEDUP`. A 1.5B model on a 2-core CPU
 reads its weights once for 1 or 5 tokens alike, so drafts pay there; the 135M default model's
-5-token step costs nearly two 1-token ones, so it decodes without (docs/benchmarks.md).
+5-token step costs more than two 1-token ones, so it decodes without (docs/benchmarks.md).
 """
 
 from __future__ import annotations

@@ -58,6 +58,14 @@ def test_decode_attention_matches_the_eager_paged_attention(window, softcap) -> 
     torch.testing.assert_close(caches[0], eager_caches[0], equal_nan=True)  # same K/V stored
 
 
+def _bf16_model(family: str, tiny_llama_dir, tiny_family_dirs):
+    """The tiny Llama or Gemma 2 in bf16 on the CPU: (model, config, head_dim)."""
+    model_dir = tiny_llama_dir if family == "llama" else tiny_family_dirs["gemma2"]
+    model, config = load_model(model_dir, torch.bfloat16, "cpu")
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return model, config, head_dim
+
+
 def _hidden_after_prefill(model, caches, prompt: list[int], compiled: CompiledDecode | None):
     """Prefill `prompt[:-1]` eagerly, then decode its last token eagerly or compiled."""
     n = len(prompt) - 1
@@ -72,9 +80,7 @@ def _hidden_after_prefill(model, caches, prompt: list[int], compiled: CompiledDe
 @needs_compile
 @pytest.mark.parametrize("family", ["llama", "gemma2"])
 def test_the_compiled_step_matches_the_eager_one(family, tiny_llama_dir, tiny_family_dirs) -> None:
-    model_dir = tiny_llama_dir if family == "llama" else tiny_family_dirs["gemma2"]
-    model, config = load_model(model_dir, torch.bfloat16, "cpu")
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    model, config, head_dim = _bf16_model(family, tiny_llama_dir, tiny_family_dirs)
 
     def caches():
         return allocate_kv_caches(
@@ -117,9 +123,7 @@ def test_a_verifying_step_runs_compiled_as_one_row_a_token(
     paged kernel it runs compiled, each token a row reading its sequence's blocks up to its own
     position (causal, and Gemma 2's windows per token), with the eager step's hidden states.
     A prefill (no cached context) or a run longer than MAX_QUERY stays eager."""
-    model_dir = tiny_llama_dir if family == "llama" else tiny_family_dirs["gemma2"]
-    model, config = load_model(model_dir, torch.bfloat16, "cpu")
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    model, config, head_dim = _bf16_model(family, tiny_llama_dir, tiny_family_dirs)
     compiled = CompiledDecode(model, paged=True, stored_blocks=True)
     for context, new, runs_compiled in (
         ([3, 6], [5, 3], True),
@@ -157,10 +161,8 @@ def test_the_compiled_step_of_several_sequences_matches_the_eager_one(
     windows bite on the longest) match the eager step, and so does one sequence on its own
     graph afterwards; 5 sequences (past the int4 rows) stay eager, unless the layers run on
     GGUF blocks (the same operator at every step size)."""
-    model_dir = tiny_llama_dir if family == "llama" else tiny_family_dirs["gemma2"]
-    model, config = load_model(model_dir, torch.bfloat16, "cpu")
+    model, config, head_dim = _bf16_model(family, tiny_llama_dir, tiny_family_dirs)
     assert quantize_linear_int4(model, STORED_4BIT) > 0
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     compiled = CompiledDecode(model, paged=True)
     with torch.inference_mode():
         for num_seqs, runs_compiled in ((4, True), (5, False)):
@@ -354,9 +356,7 @@ def test_each_step_goes_through_dynamo_once_per_layer_kind(
     """Dynamo's guard check runs on the first layer of each kind (Gemma 2 alternates sliding
     and full attention: two); the other layers call that graph directly, with the answer the
     all-Dynamo step gives."""
-    model_dir = tiny_llama_dir if family == "llama" else tiny_family_dirs["gemma2"]
-    model, config = load_model(model_dir, torch.bfloat16, "cpu")
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    model, config, head_dim = _bf16_model(family, tiny_llama_dir, tiny_family_dirs)
     compiled = CompiledDecode(model)
     prompt = [(5 * i + 1) % config.vocab_size for i in range(11)]
 

@@ -100,29 +100,21 @@ def decode_metadata(meta: AttentionMetadata, paged: bool = False) -> DecodeMetad
     verifying step's last token and drafts): each token becomes a row of its own, reading its
     sequence's block table up to its own position. A layer stores every new token's K/V before
     it attends, so row i sees its sequence's keys up to and including token i: causal."""
-    if paged and not meta.is_decode_only:
-        lens = meta.query_lens  # [S]
-        seq = torch.repeat_interleave(torch.arange(meta.num_seqs, device=lens.device), lens)
-        offset = torch.arange(meta.num_tokens, device=lens.device) - meta.query_start_loc[seq]
-        positions = (meta.seq_lens - lens)[seq] + offset  # [T]
-        return DecodeMetadata(
-            slot_mapping=meta.slot_mapping,
-            kv_index=None,
-            kv_valid=None,
-            key_positions=None,
-            query_positions=positions,
-            block_tables=meta.block_tables[seq],
-            seq_lens=positions + 1,
-        )
     if paged:
+        tables, lens = meta.block_tables, meta.seq_lens  # one token a sequence: as they are
+        if not meta.is_decode_only:  # a row a token
+            new = meta.query_lens  # [S]
+            seq = torch.repeat_interleave(torch.arange(meta.num_seqs, device=new.device), new)
+            offset = torch.arange(meta.num_tokens, device=new.device) - meta.query_start_loc[seq]
+            tables, lens = tables[seq], (lens - new)[seq] + offset + 1  # [T, B], [T]
         return DecodeMetadata(
             slot_mapping=meta.slot_mapping,
             kv_index=None,
             kv_valid=None,
             key_positions=None,
-            query_positions=meta.seq_lens - 1,
-            block_tables=meta.block_tables,
-            seq_lens=meta.seq_lens,
+            query_positions=lens - 1,
+            block_tables=tables,
+            seq_lens=lens,
         )
     index = meta.kv_gather_index  # [S, L]
     key_positions = torch.arange(index.shape[1], device=index.device)  # [L]

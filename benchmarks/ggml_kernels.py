@@ -7,15 +7,17 @@ and in GB/s of weight bytes read (the bytes of the weight as that path stores it
 call's time):
 
 - `dense fp32` / `dense bf16`: `F.linear` on a dense weight (what a dequantized model runs);
-- `ggml Q4_K`, `ggml Q6_K`, `ggml Q8_0`: `ggml_matmul` on the raw blocks (fp32 activations,
-  int8-quantized inside), the path for decode-sized steps;
-- `dequant Q4_K fp32` / `bf16`: `dequant_matmul` (tile-by-tile dequantization into a scratch
-  buffer in x's dtype, then torch's matmul), the path for prefill-sized steps;
+- `ggml Q4_K`, `ggml Q6_K`, `ggml Q8_0`, `ggml Q5_0`: `ggml_matmul` on the raw blocks (fp32
+  activations, int8-quantized inside), the path for decode-sized steps of weights that are
+  not moved into tiles;
+- `dequant Q4_K fp32` / `bf16`, `dequant Q8_0 bf16`: `dequant_matmul` (tile-by-tile
+  dequantization into a scratch buffer in x's dtype, then torch's matmul), the path for
+  prefill-sized steps;
 - `ggml Q4_1`: `ggml_matmul` on Q4_1 blocks as the file stores them; `ggml Q4_1 x8`: the
   same bytes in tiles of 8 rows (`repack_q4x8`, two int8 codes an activation), the path
-  Q4_0/Q4_1 weights take; `ggml Q4_K x8`, `ggml Q6_K x8`: those kinds in tiles of 8 rows
-  (`... x8 avx2`: the same tiles on the AVX2 kernel, where the VNNI one runs),
-  the path they take;
+  Q4_0/Q4_1 weights take; `ggml Q4_K x8`, `ggml Q6_K x8`, `ggml Q8_0 x8`, `ggml Q5_0 x8`:
+  those kinds in tiles of 8 rows (Q5_0's codes a byte each; `... x8 avx2`: the same tiles on
+  the AVX2 kernel, where the VNNI one runs), the path they take;
 - `qgemv 4-bit`: our earlier kernel on repacked Q4_1-like groups of 32 (fp32 activations);
 - `int4 bf16`: torch's packed int4 kernel (bf16 activations).
 
@@ -98,28 +100,30 @@ def kernels(k: int, n: int, rows: int) -> dict[str, tuple[Callable[[], object], 
         n * k * 2,
         lambda w: F.linear(x16, w),
     )
-    for qtype in (T.Q4_K, T.Q6_K, T.Q8_0):
+    for qtype in (T.Q4_K, T.Q6_K, T.Q8_0, T.Q5_0):
         if k % GGML_QUANT_SIZES[qtype][0]:  # SmolLM2's 576 inputs: no K-quant rows
             continue
         nbytes = n * k // GGML_QUANT_SIZES[qtype][0] * GGML_QUANT_SIZES[qtype][1]
         blocks = copies_of(lambda q=qtype: random_blocks(q, n, k, rng), nbytes)
         add(f"ggml {qtype.name}", blocks, nbytes, lambda w, q=qtype: ggml_matmul(x32, w, q))
-        if qtype in (T.Q4_K, T.Q6_K):
-            tiles = [repack_q4x8(w, qtype) for w in blocks]
-            x8_k = int(qtype) + X8_FLAG
+        tiles = [repack_q4x8(w, qtype) for w in blocks]
+        tile_bytes = sum(t.numel() for t in tiles) // len(tiles)  # Q5_0's: a byte a code
+        x8_k = int(qtype) + X8_FLAG
+        add(
+            f"ggml {qtype.name} x8",
+            tiles,
+            tile_bytes,
+            lambda w, q=x8_k: segments_op()(x32, [w], [q], 0),
+        )
+        if "avx512_vnni" in available_isas():  # the same tiles on the AVX2 kernel
             add(
-                f"ggml {qtype.name} x8",
+                f"ggml {qtype.name} x8 avx2",
                 tiles,
-                nbytes,
-                lambda w, q=x8_k: segments_op()(x32, [w], [q], 0),
+                tile_bytes,
+                lambda w, q=x8_k: segments_op()(x32, [w], [q], 2),
             )
-            if "avx512_vnni" in available_isas():  # the same tiles on the AVX2 kernel
-                add(
-                    f"ggml {qtype.name} x8 avx2",
-                    tiles,
-                    nbytes,
-                    lambda w, q=x8_k: segments_op()(x32, [w], [q], 2),
-                )
+        if qtype == T.Q8_0:
+            add("dequant Q8_0 bf16", blocks, nbytes, lambda w: dequant_matmul(x16, w, T.Q8_0))
         if qtype == T.Q4_K:
             add("dequant Q4_K fp32", blocks, nbytes, lambda w: dequant_matmul(x32, w, T.Q4_K))
             add("dequant Q4_K bf16", blocks, nbytes, lambda w: dequant_matmul(x16, w, T.Q4_K))

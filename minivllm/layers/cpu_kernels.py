@@ -149,8 +149,11 @@ class CpuCaps:
     def rows_kind(self) -> str:
         """The row table this CPU reads (`minivllm.layers.quantization.rows`): its kind, or
         "AVX512_AMX" where oneDNN's bf16 matmuls run on AMX tiles, so fast that a weight
-        dequantized to bf16 a tile at a time beats the integer kernels at prefill sizes."""
-        return "AVX512_AMX" if self.native_bf16 and self.amx and self.onednn_bf16 else self.kind
+        dequantized to bf16 a tile at a time beats the integer kernels at prefill sizes, or
+        "AVX512_BF16" where they run on AVX-512 BF16 (fast enough to beat the two-code ones)."""
+        if self.native_bf16 and self.onednn_bf16:
+            return "AVX512_AMX" if self.amx else "AVX512_BF16"
+        return self.kind
 
     @property
     def native_bf16(self) -> bool:
@@ -259,6 +262,10 @@ def _register_fakes() -> None:
     @torch.library.register_fake("minivllm::ggml_dequant_matmul")
     def _(x, blocks, qtype, tile_rows):  # noqa: ANN001, ANN202
         return x.new_empty(x.shape[0], blocks.shape[0] * (8 if qtype >= 256 else 1))
+
+    @torch.library.register_fake("minivllm::ggml_dequant_matmul_kinds")
+    def _(x, blocks, qtypes, columns, tile_rows):  # noqa: ANN001, ANN202
+        return x.new_empty(x.shape[0], columns)
 
     @torch.library.register_fake("minivllm::paged_decode")
     def _(q, k_cache, v_cache, block_tables, seq_lens, scale, window, softcap, ks=None, vs=None):  # noqa: ANN001, ANN202, E501

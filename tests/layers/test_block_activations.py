@@ -25,18 +25,18 @@ pytestmark = pytest.mark.skipif(
 ROWS, COLS = 64, 512
 
 
-def _segment(qtype: QT, seed: int) -> BlockSegment:
-    """Random valid `[ROWS, COLS]` blocks of `qtype`, their fp16 scales (and mins) small and
+def _segment(qtype: QT, seed: int, rows: int = ROWS) -> BlockSegment:
+    """Random valid `[rows, COLS]` blocks of `qtype`, their fp16 scales (and mins) small and
     finite."""
     rng = np.random.default_rng(seed)
     sizes = {QT.Q8_0: (32, 34), QT.Q5_0: (32, 22), QT.Q5_1: (32, 24), QT.Q4_K: (256, 144)}
     elems, size = {**sizes, QT.Q6_K: (256, 210)}[qtype]
-    blocks = rng.integers(0, 256, (ROWS * COLS // elems, size), dtype=np.uint8)
+    blocks = rng.integers(0, 256, (rows * COLS // elems, size), dtype=np.uint8)
     # where the block's fp16 scale d sits, and its min's (dmin or m) for kinds that have one
     at = {QT.Q6_K: [208], QT.Q5_1: [0, 2], QT.Q4_K: [0, 2]}.get(qtype, [0])
     for offset in at:
         blocks[:, offset : offset + 2] = np.frombuffer(np.float16(1e-3).tobytes(), np.uint8)
-    return BlockSegment(torch.from_numpy(blocks.reshape(ROWS, -1)), qtype)
+    return BlockSegment(torch.from_numpy(blocks.reshape(rows, -1)), qtype)
 
 
 def _outlier_rows(rows: int) -> torch.Tensor:
@@ -46,18 +46,21 @@ def _outlier_rows(rows: int) -> torch.Tensor:
     return x
 
 
-KINDS = [QT.Q8_0, QT.Q5_0, QT.Q5_1, QT.Q4_K, QT.Q6_K]
+# Q8_0 and Q5_0 of 60 rows stay in the stored layout (tiles need a multiple of 8 rows)
+KINDS = [(QT.Q8_0, 60), (QT.Q5_0, 60), (QT.Q5_1, ROWS), (QT.Q4_K, ROWS), (QT.Q6_K, ROWS)]
 
 
-@pytest.mark.parametrize("qtype", KINDS, ids=lambda q: q.name)
+@pytest.mark.parametrize(("qtype", "weight_rows"), KINDS, ids=lambda q: getattr(q, "name", q))
 @pytest.mark.parametrize("rows", [1, 5])
-def test_a_second_code_or_float_activations_keep_outlier_rows_exact(qtype: QT, rows: int) -> None:
+def test_a_second_code_or_float_activations_keep_outlier_rows_exact(
+    qtype: QT, weight_rows: int, rows: int
+) -> None:
     """Against fp32 on the dequantized weight: one code errs by over 1e-3 of the output's
     scale where outliers sit in a block; a second code cuts that over 50-fold, to within
     5e-4, and float activations stay within fp32 rounding. Kinds with a min term (Q5_1,
     Q4_K; Q4_K in tiles of 8 rows) weigh it by the row's exact sum: counted once, not once
     per code."""
-    segment = _segment(qtype, seed=rows)
+    segment = _segment(qtype, seed=rows, rows=weight_rows)
     x = _outlier_rows(rows)
     want = x @ ggml_dequantize(segment.blocks, qtype, COLS).T  # [rows, ROWS] fp32
     scale = want.abs().max()
@@ -70,6 +73,24 @@ def test_a_second_code_or_float_activations_keep_outlier_rows_exact(qtype: QT, r
     assert one_code > 1e-3
     assert error("int8x2") < min(5e-4, one_code / 50)
     assert error("float") < 1e-5
+
+
+@pytest.mark.parametrize("qtype", [QT.Q8_0, QT.Q5_0], ids=lambda q: q.name)
+def test_q8_0_and_q5_0_in_tiles_always_carry_two_codes(qtype: QT) -> None:
+    """In tiles of 8 rows (their kernel's only layout) Q8_0 and Q5_0 round each activation to
+    two codes whatever the precision asked: within 5e-4 of fp32 on outlier rows, as Q4_0's
+    tiles are; the same weight in the stored layout with one code is over 1e-3 off."""
+    segment = _segment(qtype, seed=7)
+    x = _outlier_rows(5)
+    want = x @ ggml_dequantize(segment.blocks, qtype, COLS).T
+    scale = want.abs().max()
+    tiled = BlockWeight([segment], COLS, "int8")
+    assert tiled.segments[0].x8
+    assert float((tiled.matmul(x) - want).abs().max() / scale) < 5e-4
+    stored = BlockWeight([_segment(qtype, seed=7, rows=ROWS - 4)], COLS, "int8")
+    assert not stored.segments[0].x8
+    want = x @ ggml_dequantize(stored.segments[0].blocks, qtype, COLS).T
+    assert float((stored.matmul(x) - want).abs().max() / want.abs().max()) > 1e-3
 
 
 def test_the_residual_is_what_one_code_per_block_leaves() -> None:

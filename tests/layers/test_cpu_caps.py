@@ -87,12 +87,13 @@ def test_each_kernel_reads_its_threshold_from_the_table() -> None:
     assert block_rows(GGMLQuantizationType.Q8_0) == rows.ggml_int_dot
     assert block_rows(GGMLQuantizationType.Q4_K) == rows.ggml_int_dot_k
     assert block_rows(GGMLQuantizationType.Q4_K, x8=True) == rows.ggml_q4x8
+    assert block_rows(GGMLQuantizationType.Q5_0, x8=True) == rows.ggml_q8x8
     assert compiled_steps_max_seqs(stored_blocks=False) == rows.int4
     avx512, avx2, amx = KERNEL_ROWS["AVX512"], KERNEL_ROWS["AVX2"], KERNEL_ROWS["AVX512_AMX"]
     assert (avx512.ggml_int_dot, avx512.ggml_int_dot_k) == (avx2.ggml_int_dot, avx2.ggml_int_dot_k)
     # the GGUF block kernels cross over at the same rows on both CPU kinds; with AMX, bf16
     # tiles for oneDNN take every kind's prefill-sized steps
-    assert max(amx.ggml_int_dot, amx.ggml_int_dot_k, amx.ggml_q4x8) < 128
+    assert max(amx.ggml_int_dot, amx.ggml_int_dot_k, amx.ggml_q4x8, amx.ggml_q8x8) < 128
     assert rows == KERNEL_ROWS[cpu_caps().rows_kind]
     halves = split_int8(torch.randint(-128, 128, (16, 64), dtype=torch.int8), torch.rand(16, 2))
     assert _counts(int8_head_table(*halves, torch.float32, caps)) == [rows.qgemv]

@@ -154,18 +154,23 @@ def test_segments_are_the_single_matmuls_side_by_side(isa: str) -> None:
 
 
 @pytest.mark.parametrize("isa", ISAS)
-@pytest.mark.parametrize("qtype", [T.Q4_0, T.Q4_1], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", [T.Q4_0, T.Q4_1, T.Q8_0, T.Q5_0], ids=lambda t: t.name)
 def test_x8_layout_matches_the_float_product(qtype: T, isa: str) -> None:
-    """Q4_0/Q4_1 repacked 8 rows at a time, with two int8 codes an activation, match the fp64
-    product of gguf-py's weights within about 15 bits, far closer than the stored layout's
-    kernel (one code), for decode rows, each remainder of 4 and a prefill of more than 64
-    rows; every path gives the scalar path's result; fused beside other kinds each segment
-    equals its own matmul; dequantizing the tiles gives gguf-py's values."""
+    """Q4_0/Q4_1/Q8_0/Q5_0 repacked 8 rows at a time, with two int8 codes an activation, match
+    the fp64 product of gguf-py's weights within about 15 bits, far closer than the stored
+    layout's kernel (one code), for decode rows, each remainder of 4 and a prefill of more
+    than 64 rows; every path gives the scalar path's result; fused beside other kinds each
+    segment equals its own matmul; dequantizing the tiles gives gguf-py's values."""
     k, n = 96, 40
     blocks = random_blocks(qtype, n, k, seed=3)
+    if qtype == T.Q8_0:  # the extreme codes, -128 and 127: the int16 and int32 sums' worst case
+        codes = blocks.reshape(n, k // 32, 34)[:8, :, 2:]
+        codes[:4], codes[4:] = np.uint8(0x80), np.uint8(0x7F)
     raw = torch.from_numpy(blocks)
     tiles = repack_q4x8(raw, qtype)
-    assert tiles.shape == (n // 8, 8 * raw.shape[1]) and tiles.dtype == torch.uint8
+    stored = T.Q8_0 if qtype == T.Q5_0 else qtype  # Q5_0's tiles hold a byte a code
+    assert tiles.shape == (n // 8, 8 * GGML_QUANT_SIZES[stored][1] * k // 32)
+    assert tiles.dtype == torch.uint8
     w = dense_parts(blocks, qtype, k)[0]
     ops, x8 = torch.ops.minivllm, int(qtype) + X8_FLAG
     torch.manual_seed(0)
@@ -229,8 +234,8 @@ def test_x8_bad_input_is_a_clear_error() -> None:
     raw = torch.from_numpy(random_blocks(T.Q4_0, 12, 64))
     with pytest.raises(ValueError, match="multiple of 8|8k"):
         repack_q4x8(raw, T.Q4_0)
-    with pytest.raises(ValueError, match="only Q4_0, Q4_1, Q4_K and Q6_K"):
-        repack_q4x8(torch.from_numpy(random_blocks(T.Q8_0, 8, 64)), T.Q8_0)
+    with pytest.raises(ValueError, match="only Q4_0, Q4_1, Q4_K, Q6_K, Q8_0 and Q5_0"):
+        repack_q4x8(torch.from_numpy(random_blocks(T.Q5_1, 8, 64)), T.Q5_1)
     tiles = repack_q4x8(raw[:8], T.Q4_0)
     with pytest.raises(RuntimeError, match="tiles of .* bytes, expected"):
         torch.ops.minivllm.ggml_matmul_segments(torch.randn(1, 96), [tiles], [int(T.Q4_0) + 256], 0)

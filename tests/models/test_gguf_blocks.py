@@ -5,6 +5,7 @@ prefill-sized and decode-sized steps alike."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import gguf
@@ -17,11 +18,12 @@ from support.hf_reference import hf_prompt_logprobs
 from support.spec_checks import OFF
 
 from minivllm import LLM, SamplingParams
-from minivllm.layers.cpu_kernels import cpu_kernels_available
+from minivllm.layers.cpu_kernels import cpu_caps, cpu_kernels_available
 from minivllm.layers.linear import LinearBase
 from minivllm.layers.quantization.head import BlockHead
 from minivllm.layers.quantization.lookup import BlockLookup
 from minivllm.layers.quantization.methods import GgmlBlockMethod
+from minivllm.layers.quantization.rows import KERNEL_ROWS
 from minivllm.models.gguf import convert_gguf
 
 pytestmark = pytest.mark.skipif(
@@ -243,6 +245,39 @@ def test_layers_of_different_kinds_share_the_compiled_steps_graph(tmp_path: Path
     ref = hf_prompt_logprobs(str(convert_gguf(path, tmp_path / "hf")), tuple(tokens))
     expected = ref.gather(-1, torch.tensor(tokens[1:])[:, None])[:, 0]
     assert ((torch.tensor(scores) - expected).abs() < 0.1 + 0.01 * expected.abs()).all()
+
+
+def test_compiled_steps_that_dequantize_take_each_layers_own_kinds(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Above the row table's two-code threshold a step dequantizes its stored blocks; in a
+    compiled step of several sequences that call too serves layers of different kinds from one
+    graph, so it takes the kinds as a tensor: with ints, layer 0's Q6_K kind was baked into
+    the graph and layer 1's Q4_K tiles failed its size check. Four sequences decode together
+    (steps of 4 rows, over a threshold of 2) and score as the dequantized model does."""
+    rows_kind = cpu_caps().rows_kind
+    monkeypatch.setitem(
+        KERNEL_ROWS, rows_kind, dataclasses.replace(KERNEL_ROWS[rows_kind], ggml_two_codes=2)
+    )
+    path = tmp_path / "mixed.gguf"
+    _write(path, overrides={(1, "attn_v"): QT.Q4_K, (1, "ffn_down"): QT.Q4_K})
+    llm = LLM(model=str(path), num_kv_blocks=64, dtype="bfloat16", speculative_config=OFF)
+    assert llm.llm_engine.model_runner.compiled_decode is not None
+    rng = np.random.default_rng(4)
+    prompts = [[int(t) for t in rng.integers(3, 256, size=10)] for _ in range(4)]
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, logprobs=0)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    hf = convert_gguf(path, tmp_path / "hf")
+    for prompt, out in zip(prompts, outs, strict=True):
+        completion = out.outputs[0]
+        assert completion.finish_reason == "length" and len(completion.token_ids) == 5
+        tokens = prompt + list(completion.token_ids)
+        ref = hf_prompt_logprobs(str(hf), tuple(tokens))[len(prompt) - 1 :]
+        expected = ref.gather(-1, torch.tensor(completion.token_ids)[:, None])[:, 0]
+        scores = torch.tensor(
+            [e[t].logprob for e, t in zip(completion.logprobs, completion.token_ids, strict=True)]
+        )
+        assert ((scores - expected).abs() < 0.1 + 0.01 * expected.abs()).all()
 
 
 def test_dense_options_keep_dense_weights(model_files: tuple[Path, Path]) -> None:

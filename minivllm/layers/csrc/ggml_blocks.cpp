@@ -305,6 +305,7 @@ namespace avx2 {
 #include "ggml_blocks_simd.h"
 #include "ggml_kquants_simd.h"
 #include "ggml_q4x8_simd.h"
+#include "ggml_q8x8_simd.h"
 #include "ggml_q4kx8_simd.h"
 #include "ggml_q6kx8_simd.h"
 }  // namespace avx2
@@ -316,6 +317,7 @@ namespace vnni {
 #include "ggml_blocks_simd.h"
 #include "ggml_kquants_simd.h"
 #include "ggml_q4x8_simd.h"
+#include "ggml_q8x8_simd.h"
 #include "ggml_q4kx8_simd.h"
 #include "ggml_q6kx8_simd.h"
 #undef MINIVLLM_GGML_VNNI
@@ -407,12 +409,13 @@ void matmul_columns_kx8_scalar(int qtype, const uint8_t* tiles, int64_t tile_byt
 // The traits table, llama.cpp's `type_traits_cpu[]` for our kernels: one row per (kind family,
 // layout), one kernel per instruction set (kScalar, kAvx2, kVnni). The K kinds on plain rows
 // run the same integer kernel on both vector sets.
-enum Family { kFamily32 = 0, kFamilyK = 1, kFamilyQ6K = 2 };  // Q4_0..Q8_0 | Q4_K, Q5_K | Q6_K
+// Q4_0..Q8_0 | Q4_K, Q5_K | Q6_K | Q8_0, Q5_0 (their tiles: a byte a code)
+enum Family { kFamily32 = 0, kFamilyK = 1, kFamilyQ6K = 2, kFamilyQ8 = 3 };
 enum Layout { kRowLayout = 0, kTileLayout = 1 };                 // [N, row_bytes] | x8 tiles
 struct ColumnTraits {
   ColumnsFn by_isa[3];  // indexed by Isa - kScalar
 };
-constexpr ColumnTraits kColumnTraits[3][2] = {
+constexpr ColumnTraits kColumnTraits[4][2] = {
     {{{matmul_columns_scalar, avx2::matmul_columns, vnni::matmul_columns}},
      {{matmul_columns_q4x8_scalar, avx2::matmul_columns_q4x8, vnni::matmul_columns_q4x8}}},
     {{{matmul_columns_scalar, avx2::matmul_columns_k, avx2::matmul_columns_k}},
@@ -421,10 +424,15 @@ constexpr ColumnTraits kColumnTraits[3][2] = {
     {{{matmul_columns_scalar, avx2::matmul_columns_k, avx2::matmul_columns_k}},
      {{matmul_columns_kx8_scalar, one_kind<avx2::matmul_columns_q6kx8>,
        one_kind<vnni::matmul_columns_q6kx8>}}},
+    {{{matmul_columns_scalar, avx2::matmul_columns, vnni::matmul_columns}},
+     {{matmul_columns_q8x8_scalar, avx2::matmul_columns_q8x8, vnni::matmul_columns_q8x8}}},
 };
 
 Family family(int qtype) {
-  return qtype == kQ6_K ? kFamilyQ6K : is_k_kind(qtype) ? kFamilyK : kFamily32;
+  return qtype == kQ6_K       ? kFamilyQ6K
+         : is_k_kind(qtype)   ? kFamilyK
+         : q8x8_kind(qtype)   ? kFamilyQ8
+                              : kFamily32;
 }
 
 // Columns [begin, end) of one segment, on the chosen instruction set: one look-up, one call.
@@ -468,7 +476,7 @@ at::Tensor ggml_matmul_segments(const at::Tensor& x, at::TensorList blocks,
     n_out += n;
     widest = std::max(widest, blocks[i].size(1) / (x8 ? 8 : 1));  // bytes an output column
     (is_k_kind(qt) ? any256 : any32) = true;
-    any_x8 = any_x8 || (x8 && !is_k_kind(qt));  // the Q4_0/Q4_1 x8 kernel reads fine codes
+    any_x8 = any_x8 || (x8 && !is_k_kind(qt));  // the 32-input kinds' x8 kernels read fine codes
     any_q6x8 = any_q6x8 || (x8 && qt == kQ6_K);  // the Q6_K one unsigned codes
   }
   const Isa isa = resolve(isa_arg);
@@ -521,7 +529,8 @@ at::Tensor ggml_matmul_kinds(const at::Tensor& x, at::TensorList blocks, const a
 void dequantize_into(const at::Tensor& blocks, int qtype, int64_t k, int64_t begin, int64_t end,
                      void* out, bool bf16, Isa isa) {
   const bool x8 = qtype >= kX8;
-  const int kind = qtype % kX8;
+  // Q5_0's tiles move back as Q8_0 blocks (x8_row): the same values
+  const int kind = x8 && q8x8_kind(qtype % kX8) ? kQ8_0 : qtype % kX8;
   const Geometry geo = geometry(kind);
   const int64_t row_bytes = k / geo.elems * geo.bytes;  // a row in ggml's layout
   const int64_t grain = std::max<int64_t>(1, 16384 / k);
@@ -604,6 +613,33 @@ at::Tensor ggml_dequant_matmul(const at::Tensor& x, const at::Tensor& blocks, in
   return y;
 }
 
+// ggml_dequant_matmul over a fused layer's segments, outputs side by side, with the kinds as a
+// tensor (as ggml_matmul_kinds takes them): in a compiled step the layers sharing a graph then
+// each pass their own kinds, where ints would be the first traced layer's constants.
+at::Tensor ggml_dequant_matmul_kinds(const at::Tensor& x, at::TensorList blocks,
+                                     const at::Tensor& qtypes, int64_t columns,
+                                     int64_t tile_rows) {
+  TORCH_CHECK(qtypes.dim() == 1 && qtypes.scalar_type() == at::kLong && qtypes.is_cpu() &&
+                  qtypes.numel() == static_cast<int64_t>(blocks.size()) && !blocks.empty(),
+              "ggml_dequant_matmul: qtypes must be a 1-D int64 CPU tensor, one per blocks tensor");
+  const at::Tensor kinds = qtypes.contiguous();
+  const int64_t* kind = kinds.data_ptr<int64_t>();
+  int64_t total = 0;
+  for (size_t i = 0; i < blocks.size(); ++i) {
+    total += check_any(blocks[i], kind[i], x.size(-1), "ggml_dequant_matmul");
+  }
+  TORCH_CHECK(total == columns, "ggml_dequant_matmul: the blocks give ", total,
+              " output columns, not ", columns);
+  if (blocks.size() == 1) return ggml_dequant_matmul(x, blocks[0], kind[0], tile_rows);
+  at::Tensor y = at::empty({x.size(0), columns}, x.options());
+  for (int64_t i = 0, at_column = 0; i < static_cast<int64_t>(blocks.size()); ++i) {
+    const at::Tensor part = ggml_dequant_matmul(x, blocks[i], kind[i], tile_rows);
+    y.narrow(1, at_column, part.size(1)).copy_(part);
+    at_column += part.size(1);
+  }
+  return y;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(minivllm, m) {
@@ -612,6 +648,8 @@ TORCH_LIBRARY_FRAGMENT(minivllm, m) {
   m.def("ggml_matmul_kinds(Tensor x, Tensor[] blocks, Tensor qtypes, int columns, int isa) -> Tensor");
   m.def("ggml_dequantize(Tensor blocks, int qtype, int cols, ScalarType dtype, int isa) -> Tensor");
   m.def("ggml_dequant_matmul(Tensor x, Tensor blocks, int qtype, int tile_rows) -> Tensor");
+  m.def("ggml_dequant_matmul_kinds(Tensor x, Tensor[] blocks, Tensor qtypes, int columns, "
+        "int tile_rows) -> Tensor");
   m.def("ggml_q4x8_repack(Tensor blocks, int qtype) -> Tensor");
   m.def("ggml_vnni() -> bool", [] { return vnni_available(); });
   m.def("ggml_scratch_bytes() -> int", [] {
@@ -627,4 +665,5 @@ TORCH_LIBRARY_IMPL(minivllm, CPU, m) {
   m.impl("ggml_dequantize", &ggml_dequantize);
   m.impl("ggml_q4x8_repack", &ggml_q4x8_repack);
   m.impl("ggml_dequant_matmul", &ggml_dequant_matmul);
+  m.impl("ggml_dequant_matmul_kinds", &ggml_dequant_matmul_kinds);
 }

@@ -1,6 +1,7 @@
 // The x8 layouts' host side, included by ggml_blocks.cpp (after its block kinds,
-// QuantizedRows and check_blocks): Q4_0 / Q4_1 / Q4_K / Q6_K weights moved into tiles of 8
-// rows (ggml_q4x8_simd.h, ggml_q4kx8_simd.h and ggml_q6kx8_simd.h have the layouts and why),
+// QuantizedRows and check_blocks): Q4_0 / Q4_1 / Q4_K / Q6_K / Q8_0 / Q5_0 weights moved into
+// tiles of 8 rows (ggml_q4x8_simd.h, ggml_q4kx8_simd.h, ggml_q6kx8_simd.h and
+// ggml_q8x8_simd.h have the layouts and why),
 // their checks, the moves there and back, and the scalar reference of the Q4_0 / Q4_1 kernel
 // (the K kinds' is the stored layout's, on rows moved back).
 
@@ -9,11 +10,46 @@ constexpr int kX8 = 256;
 
 // Bytes of one x8 block (8 rows of one ggml block: 32 inputs, or 256 for the K kinds).
 constexpr int64_t x8_group_bytes(int qtype) {
-  return qtype == kQ6_K ? 2224 : qtype == kQ4_K ? 1184 : qtype == kQ4_1 ? 160 : 144;
+  return qtype == kQ6_K   ? 2224
+         : qtype == kQ4_K ? 1184
+         : qtype == kQ8_0 || qtype == kQ5_0 ? 272
+         : qtype == kQ4_1 ? 160
+                          : 144;
 }
 
+// Q8_0 and Q5_0 share one tile layout: a byte a code (ggml_q8x8_simd.h).
+bool q8x8_kind(int64_t qtype) { return qtype == kQ8_0 || qtype == kQ5_0; }
+
 bool x8_kind(int64_t qtype) {
-  return qtype == kQ4_0 || qtype == kQ4_1 || qtype == kQ4_K || qtype == kQ6_K;
+  return qtype == kQ4_0 || qtype == kQ4_1 || qtype == kQ4_K || qtype == kQ6_K || q8x8_kind(qtype);
+}
+
+// The scalar twin of the q8x8 matmul: the same integers, from the tiles' signed codes.
+void matmul_columns_q8x8_scalar(int, const uint8_t* tiles, int64_t tile_bytes,
+                                const QuantizedRows& xq, int64_t rows, int64_t k, float* y,
+                                int64_t ldy, int64_t begin, int64_t end) {
+  const int64_t groups = k / kGroup;
+  for (int64_t n = begin; n < end; ++n) {
+    const int c = static_cast<int>(n % 8);
+    for (int64_t r = 0; r < rows; ++r) {
+      const int8_t* x = xq.codes.data() + r * k;
+      const int8_t* f = xq.fine.data() + r * k;
+      float acc = 0.0f;
+      for (int64_t g = 0; g < groups; ++g) {
+        const uint8_t* b = tiles + (n / 8) * tile_bytes + g * 272;
+        int32_t dot = 0;  // sum(q * (254 x + f))
+        for (int u = 0; u < 8; ++u) {
+          for (int i = 0; i < 4; ++i) {
+            const int64_t at = g * kGroup + 4 * u + i;
+            dot += static_cast<int8_t>(b[32 * u + 4 * c + i]) * (254 * x[at] + f[at]);
+          }
+        }
+        const float d = fp16(b + 256 + 2 * c) * (1.0f / 254.0f);  // as the vector paths round it
+        acc += static_cast<float>(dot) * (d * xq.steps[r * groups + g]);
+      }
+      y[r * ldy + n] = acc;
+    }
+  }
 }
 
 // The scalar twin of the x8 matmul (the reference for the vector paths): the same integers,
@@ -54,8 +90,8 @@ void matmul_columns_q4x8_scalar(int qtype, const uint8_t* tiles, int64_t tile_by
 
 // Checks x8 tiles (ggml_q4x8_repack's output) against `k` inputs a row.
 void check_x8(const at::Tensor& tiles, int qtype, int64_t k, const char* op) {
-  TORCH_CHECK(x8_kind(qtype), op, ": only Q4_0, Q4_1, Q4_K and Q6_K repack 8 rows at a time, "
-              "got GGML type ", qtype);
+  TORCH_CHECK(x8_kind(qtype), op, ": only Q4_0, Q4_1, Q4_K, Q6_K, Q8_0 and Q5_0 repack 8 rows "
+              "at a time, got GGML type ", qtype);
   const int64_t elems = geometry(qtype).elems;
   TORCH_CHECK(k > 0 && k % elems == 0, op, ": the row size (", k, ") must be a multiple of ",
               elems);
@@ -166,8 +202,18 @@ void q6k_x8_block_values(const uint8_t* src, T* out, int64_t ldo) {
   }
 }
 
-// Row c of an x8 tile (`groups` groups) back in ggml's layout: one block a group.
+// Row c of an x8 tile (`groups` groups) back in ggml's layout: one block a group; Q5_0's as
+// Q8_0 blocks (its codes centred, a byte each: the same values).
 void x8_row(int qtype, const uint8_t* tile, int c, int64_t groups, uint8_t* row) {
+  if (q8x8_kind(qtype)) {
+    for (int64_t g = 0; g < groups; ++g) {
+      const uint8_t* src = tile + g * 272;
+      uint8_t* blk = row + g * 34;
+      std::memcpy(blk, src + 256 + 2 * c, 2);
+      for (int u = 0; u < 8; ++u) std::memcpy(blk + 2 + 4 * u, src + 32 * u + 4 * c, 4);
+    }
+    return;
+  }
   const Geometry geo = geometry(qtype);
   const int qs = geo.has_min ? 4 : 2, gbytes = static_cast<int>(x8_group_bytes(qtype));
   for (int64_t g = 0; g < groups; ++g) {
@@ -198,8 +244,8 @@ int64_t check_any(const at::Tensor& blocks, int64_t qtype, int64_t k, const char
 // Q4_K's packed 6-bit scales and mins unpacked to bytes, Q6_K's codes to a byte each).
 // Tiles split over the thread pool.
 at::Tensor ggml_q4x8_repack(const at::Tensor& blocks, int64_t qtype) {
-  TORCH_CHECK(x8_kind(qtype), "ggml_q4x8_repack: only Q4_0, Q4_1, Q4_K and Q6_K, got GGML "
-              "type ", qtype);
+  TORCH_CHECK(x8_kind(qtype), "ggml_q4x8_repack: only Q4_0, Q4_1, Q4_K, Q6_K, Q8_0 and Q5_0, "
+              "got GGML type ", qtype);
   const Geometry geo = geometry(static_cast<int>(qtype));
   TORCH_CHECK(blocks.dim() == 2 && blocks.size(1) % geo.bytes == 0,
               "ggml_q4x8_repack: blocks must be [N, row_bytes], whole blocks a row");
@@ -220,6 +266,16 @@ at::Tensor ggml_q4x8_repack(const at::Tensor& blocks, int64_t qtype) {
           const uint8_t* rows8[8];
           for (int c = 0; c < 8; ++c) rows8[c] = in + (8 * t + c) * in_row + g * geo.bytes;
           (qtype == kQ4_K ? q4k_to_x8 : q6k_to_x8)(rows8, dst);
+          continue;
+        }
+        if (q8x8_kind(qtype)) {
+          for (int c = 0; c < 8; ++c) {
+            const uint8_t* blk = in + (8 * t + c) * in_row + g * geo.bytes;
+            int8_t q[32];
+            group_codes_scalar(static_cast<int>(qtype), blk, 0, q);  // Q5_0's centred
+            for (int u = 0; u < 8; ++u) std::memcpy(dst + 32 * u + 4 * c, q + 4 * u, 4);
+            std::memcpy(dst + 256 + 2 * c, blk, 2);  // d
+          }
           continue;
         }
         for (int c = 0; c < 8; ++c) {

@@ -85,7 +85,12 @@ def _linear_method(
     layer: LinearBase, stored: StoredFormat, policy: WeightPolicy, prefix: str, caps: CpuCaps
 ) -> LinearMethod:
     if stored.blocks:
-        weight = BlockWeight(list(stored.blocks), layer.input_size, stored.activations)
+        weight = BlockWeight(
+            list(stored.blocks),
+            layer.input_size,
+            stored.activations,
+            two_code_rows=_two_code_rows(layer.weight.dtype),
+        )
         return GgmlBlockMethod(weight)
     if policy.int8:
         return Int8Method() if prefix.rsplit(".", 1)[-1] in INT8_LAYERS else UnquantizedMethod()
@@ -95,6 +100,13 @@ def _linear_method(
         if table is not None:
             return Int4Method(table, UnquantizedMethod(), _kernel_names(table))
     return UnquantizedMethod()
+
+
+def _two_code_rows(dtype: torch.dtype) -> float:
+    """Above how many rows a two-code stored-block step dequantizes instead: the row table's
+    crossover for bf16 activations; fp32's dequantized matmul is slower than the integer
+    kernel's at every count measured."""
+    return kernel_rows().ggml_two_codes if dtype == torch.bfloat16 else float("inf")
 
 
 def _head_method(

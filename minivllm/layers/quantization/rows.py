@@ -53,13 +53,24 @@ class KernelRows:
     # qgemv's AVX-512 VNNI path on a bf16 layer's 4-bit weight over torch's int4 kernel: as
     # fast at 2-4 rows, but there it fails the quality bar (tests/models/test_quality.py)
     qgemv_vnni_bf16: int
-    # the integer-dot kernel on stored GGUF blocks of the 32-input kinds (Q8_0, Q5_0, Q5_1)
-    # over tile-by-tile dequantization; the K kinds' (Q4_K, Q5_K, Q6_K) wins at every count
+    # the integer-dot kernel on stored GGUF blocks of the 32-input kinds not in tiles (Q5_1,
+    # and tensors whose rows are no multiple of 8) over tile-by-tile dequantization; the K
+    # kinds' (Q4_K, Q5_K, Q6_K) wins at every count
     ggml_int_dot: int
     ggml_int_dot_k: float
-    # the integer kernel on Q4_0/Q4_1 repacked 8 rows at a time (two int8 codes an
-    # activation) over tile-by-tile dequantization: it wins at every count
+    # the integer kernel on weights repacked 8 rows at a time (X8_KINDS; the 32-input kinds
+    # with two int8 codes an activation) over tile-by-tile dequantization: it wins at every
+    # count
     ggml_q4x8: float
+    # the integer kernel on Q8_0/Q5_0 repacked 8 rows at a time (a byte a code, two int8
+    # codes an activation) over tile-by-tile dequantization to bf16 (oneDNN): 24 rows 6.6 vs
+    # 7.8 ms, 32 rows 8.6 vs 8.9, 48 rows 12.7 vs 11.2 (2048 -> 8192, one thread, Zen 4)
+    ggml_q8x8: int = 32
+    # a stored-block step whose activations take a second code as a second row (int8x2: the
+    # K kinds, the 32-input kinds not in tiles) over the weight dequantized to bf16 a tile at
+    # a time, for a bf16 model: where oneDNN runs bf16 natively, 2048 -> 8192 Q4_K at 64 rows
+    # (128 integer rows) 17 vs 14 ms, at 512 (1024) 133 vs 81 (one thread, Zen 4)
+    ggml_two_codes: float = float("inf")
     # LoRA updates: our grouped kernel (each row through its own adapter, float32) over the
     # masked matmul of every resident adapter (docs/lora.md)
     lora_rows: int = 64
@@ -81,6 +92,9 @@ KERNEL_ROWS = {
     # AMX: from 128 rows a K-quant or x8 weight dequantized to bf16 a tile at a time and
     # multiplied on AMX tiles beats the integer kernels; below, they win (docs/ggml-kernels.md)
     "AVX512_AMX": replace(_AVX512, ggml_int_dot_k=127, ggml_q4x8=127),
+    # AVX-512 with BF16 but no AMX (Zen 4): bf16 matmuls fast enough to take the prefills of
+    # two-code weights from 48 rows
+    "AVX512_BF16": replace(_AVX512, ggml_two_codes=48),
     # AVX2: the same crossovers, without the Q8_0 head as an int4 pair
     "AVX2": replace(_AVX512, int8_as_int4_pair=0),
 }
@@ -90,6 +104,9 @@ def kernel_rows() -> KernelRows:
     """The thresholds for the kernels torch runs on this CPU."""
     return KERNEL_ROWS[cpu_caps().rows_kind]
 
+
+# The kinds whose tiles hold a byte a code (`csrc/ggml_q8x8_simd.h`)
+Q8X8_KINDS = frozenset({GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q5_0})
 
 # The K kinds: activations rounded per block of 256 (`block_rows`, the integer kernel)
 K_KINDS = frozenset(
@@ -103,6 +120,8 @@ def block_rows(qtype: int, x8: bool = False) -> float:
     shared by 8 columns) beat the dequantizing path at every row count; the other 32-input
     kinds' (a float multiply each group and column) only up to a threshold."""
     rows = kernel_rows()
+    if x8 and qtype in Q8X8_KINDS:
+        return rows.ggml_q8x8
     if x8:
         return rows.ggml_q4x8
     return rows.ggml_int_dot_k if qtype in K_KINDS else rows.ggml_int_dot

@@ -5,13 +5,13 @@ Q8_0 files hold) keeps no dense weight: its `BlockWeight` is the file's rows of 
 of the memory map, or for llama's permuted q/k rows a reordered copy), and every step size runs
 on them (`minivllm.layers.quantization.kernels.ggml_blocks`):
 
-- the integer kernel: the activations rounded to 8 bits (for Q4_0/Q4_1 two 8-bit codes each,
+- the integer kernel: the activations rounded to 8 bits (in tiles, two 8-bit codes each,
   about 15 bits) and integer dot products, each weight row unpacked once for 4 activation
-  rows; every step size for the K kinds and Q4_0/Q4_1, up to `rows.block_rows` rows for the
-  other 32-input ones. Q4_0, Q4_1, Q4_K and Q6_K tensors of 8k rows are moved at load into
-  tiles of 8 rows ("x8": `csrc/ggml_q4x8_simd.h`, `csrc/ggml_q4kx8_simd.h`,
-  `csrc/ggml_q6kx8_simd.h`), the same values, so that one vector instruction serves 8 output
-  columns;
+  rows; every step size for the K kinds and tiles, up to `rows.block_rows` rows for the other
+  32-input ones (Q5_1). Q4_0, Q4_1, Q4_K, Q6_K, Q8_0 and Q5_0 tensors of 8k rows are moved at
+  load into tiles of 8 rows ("x8": `csrc/ggml_q4x8_simd.h`, `csrc/ggml_q4kx8_simd.h`,
+  `csrc/ggml_q6kx8_simd.h`, `csrc/ggml_q8x8_simd.h`), the same values (Q5_0's codes widened
+  to a byte each), so that one vector instruction serves 8 output columns;
 - beyond (those kinds' prefills): the weight dequantized a tile at a time into one reused
   buffer, each tile multiplied by torch's matmul.
 
@@ -24,7 +24,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import partial
 
 import torch
 from gguf import GGMLQuantizationType
@@ -78,8 +77,8 @@ class BlockSegment:
         return int(self.blocks.shape[0]) * (8 if self.x8 else 1)
 
     def for_kernels(self) -> BlockSegment:
-        """The segment in the layout the integer kernel reads fastest: Q4_0/Q4_1/Q4_K of 8k
-        rows repacked (a new tensor; the file's pages are then never read again), others as
+        """The segment in the layout the integer kernel reads fastest: X8_KINDS of 8k rows
+        repacked (a new tensor; the file's pages are then never read again), others as
         is."""
         if self.x8 or self.qtype not in X8_KINDS or self.rows % 8:
             return self
@@ -115,7 +114,8 @@ def int8_residual(x: torch.Tensor, block: int) -> torch.Tensor:
 def two_code_block(segments: list[BlockSegment]) -> int | None:
     """The block (256 for the K kinds, 32 for Q5_0/Q5_1/Q8_0) over which the integer kernel
     rounds the activations of all `segments`, where a second code can follow it; None where
-    the segments' kinds round differently (or, Q4_0/Q4_1 in tiles, keep two codes already)."""
+    the segments' kinds round differently (or, the 32-input kinds in tiles, keep two codes
+    already)."""
     blocks = {
         256 if s.qtype in K_KINDS else 32 if not (s.x8 and s.qtype in X8_KINDS) else 0
         for s in segments
@@ -138,7 +138,16 @@ ACTIVATIONS = ("int8", "int8x2", "float")
 class BlockWeight:
     """The `[out, in]` weight of a linear layer as ggml blocks, segments stacked along out."""
 
-    def __init__(self, segments: list[BlockSegment], cols: int, activations: str = "int8") -> None:
+    def __init__(
+        self,
+        segments: list[BlockSegment],
+        cols: int,
+        activations: str = "int8",
+        two_code_rows: float = float("inf"),
+    ) -> None:
+        """`two_code_rows`: above this many rows, a step whose activations would take a second
+        code as a second row (int8x2) dequantizes the weight instead (`rows.KernelRows.
+        ggml_two_codes`, for bf16 activations where oneDNN runs bf16 natively)."""
         if activations not in ACTIVATIONS:
             raise ValueError(f"activations must be one of {ACTIVATIONS}, got {activations!r}")
         if not segments:
@@ -165,21 +174,21 @@ class BlockWeight:
         # so layers of different kinds share a compiled step's graph.
         self._kinds = torch.tensor(self._qtypes, dtype=torch.int64)
         self._columns = sum(s.rows for s in segments)
-        # The row tables: up to the smallest segment's integer-kernel rows one call computes
-        # every segment (x rounded once); above, each segment its own way at that count.
-        limits = [0.0 if activations == "float" else block_rows(s.qtype, s.x8) for s in segments]
-        self.table: RowTable[Kernel] = (
-            (min(limits), self._one_call),
-            (float("inf"), self._by_segment),
-        )
-        self._segment_tables: list[RowTable[Kernel]] = [
-            ((limit, partial(self._int_dot, i)), (float("inf"), partial(self._dequant, i)))
-            for i, limit in enumerate(limits)
-        ]
         # the block of the second code's residual; None: one code (or no integer kernel)
         self._residual_block = two_code_block(segments) if activations == "int8x2" else None
         self.activations = (
             activations if activations != "int8x2" or self._residual_block else "int8"
+        )
+        # The row table: up to the smallest segment's integer-kernel rows one call computes
+        # every segment (x rounded once); above, one call dequantizes every segment a tile
+        # at a time. Both take the kinds as a tensor, so that in a compiled step the layers
+        # sharing a graph each pass their own.
+        limits = [0.0 if activations == "float" else block_rows(s.qtype, s.x8) for s in segments]
+        if self._residual_block is not None:  # the second code doubles the integer rows
+            limits = [min(limit, two_code_rows) for limit in limits]
+        self.table: RowTable[Kernel] = (
+            (min(limits), self._one_call),
+            (float("inf"), self._dequant),
         )
 
     @property
@@ -214,28 +223,14 @@ class BlockWeight:
             out = out[:rows] + out[rows:]  # [M, out]
         return out.view(*x.shape[:-1], out.shape[-1]).to(x.dtype)
 
-    def _by_segment(self, x: torch.Tensor) -> torch.Tensor:
-        """Each segment on its own row table, the outputs side by side."""
-        outs = [pick(table, x)(x) for table in self._segment_tables]
-        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
-
-    def _int_dot(self, i: int, x: torch.Tensor) -> torch.Tensor:
-        """Segment i's columns on the integer kernel."""
-        segment = self.segments[i]
-        if not segment.x8:
-            return ggml_matmul_segments(x, [(segment.blocks, segment.qtype)]).to(x.dtype)
-        flat = x.reshape(-1, self.cols)
-        out = torch.ops.minivllm.ggml_matmul_segments(flat, [self._blocks[i]], [self._qtypes[i]], 0)
-        return out.view(*x.shape[:-1], out.shape[-1]).to(x.dtype)
-
-    def _dequant(self, i: int, x: torch.Tensor) -> torch.Tensor:
-        """Segment i's columns with its weight dequantized a tile at a time."""
-        segment = self.segments[i]
-        if not segment.x8:
-            return dequant_matmul(x, segment.blocks, segment.qtype)
+    def _dequant(self, x: torch.Tensor) -> torch.Tensor:
+        """Every segment with its weight dequantized a tile at a time, in x's dtype."""
+        if not self._kernels:
+            outs = [dequant_matmul(x, s.blocks, s.qtype) for s in self.segments]
+            return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
         flat = x.reshape(-1, self.cols)
         tile_rows = max(16, DEQUANT_TILE_BYTES // (self.cols * x.element_size()))
-        out = torch.ops.minivllm.ggml_dequant_matmul(
-            flat, self._blocks[i], self._qtypes[i], tile_rows
+        out = torch.ops.minivllm.ggml_dequant_matmul_kinds(
+            flat, self._blocks, self._kinds, self._columns, tile_rows
         )
-        return out.view(*x.shape[:-1], out.shape[-1]).to(x.dtype)
+        return out.view(*x.shape[:-1], out.shape[-1])

@@ -44,13 +44,15 @@ GGML_KERNEL_TYPES = frozenset(
 # The matmul's instruction sets, as the operator numbers them; "auto" is the fastest one that
 # runs here (AVX-512 VNNI where torch runs its AVX-512 kernels, else AVX2).
 ISAS = {"auto": 0, "scalar": 1, "avx2": 2, "avx512_vnni": 3}
-# Added to a Q4_0/Q4_1/Q4_K/Q6_K qtype for the operator: the blocks are `repack_q4x8`'s tiles.
+# Added to an X8_KINDS qtype for the operator: the blocks are `repack_q4x8`'s tiles.
 X8_FLAG = 256
 X8_KINDS = (
     GGMLQuantizationType.Q4_0,
     GGMLQuantizationType.Q4_1,
     GGMLQuantizationType.Q4_K,
     GGMLQuantizationType.Q6_K,
+    GGMLQuantizationType.Q8_0,
+    GGMLQuantizationType.Q5_0,
 )
 # Bytes of one K kind's x8 block (256 inputs of 8 rows) where it is not 8 blocks of the file:
 # Q4_K's 6-bit scales and mins unpacked to bytes; Q6_K's codes a byte each, plus each row's
@@ -206,24 +208,30 @@ def ggml_matmul_segments(
 
 def x8_tile_bytes(qtype: GGMLQuantizationType | int | str, cols: int) -> int:
     """Bytes of one x8 tile (8 weight rows of `cols` inputs) of `repack_q4x8`: 8 rows' bytes,
-    or for the K kinds their blocks' as `_X8_K_BLOCK_BYTES` says."""
+    for the K kinds their blocks' as `_X8_K_BLOCK_BYTES` says, for Q5_0 8 rows of Q8_0 (its
+    codes a byte each)."""
     kind = ggml_type(qtype)
     if kind in _X8_K_BLOCK_BYTES:
         row_bytes(kind, cols)  # checks cols
         return _X8_K_BLOCK_BYTES[kind] * (cols // 256)
+    if kind == GGMLQuantizationType.Q5_0:
+        row_bytes(kind, cols)
+        return 8 * row_bytes(GGMLQuantizationType.Q8_0, cols)
     return 8 * row_bytes(kind, cols)
 
 
 def repack_q4x8(blocks: torch.Tensor, qtype: GGMLQuantizationType | int | str) -> torch.Tensor:
-    """Q4_0, Q4_1, Q4_K or Q6_K blocks `[N, row_bytes]` (N a multiple of 8) as x8 tiles: the
-    same values, moved so that one vector instruction multiplies 8 weight rows
-    (`csrc/ggml_q4x8_simd.h`, `csrc/ggml_q4kx8_simd.h`, `csrc/ggml_q6kx8_simd.h`),
-    `[N / 8, x8_tile_bytes]`.
+    """Q4_0, Q4_1, Q4_K, Q6_K, Q8_0 or Q5_0 blocks `[N, row_bytes]` (N a multiple of 8) as x8
+    tiles: the same values, moved so that one vector instruction multiplies 8 weight rows
+    (`csrc/ggml_q4x8_simd.h`, `csrc/ggml_q4kx8_simd.h`, `csrc/ggml_q6kx8_simd.h`,
+    `csrc/ggml_q8x8_simd.h`: Q5_0's codes widened to a byte each), `[N / 8, x8_tile_bytes]`.
     `ggml_matmul_segments`' operator takes them with the qtype plus `X8_FLAG`. Needs the
     kernels."""
     kind = ggml_type(qtype)
     if kind not in X8_KINDS:
-        raise ValueError(f"only Q4_0, Q4_1, Q4_K and Q6_K repack 8 rows at a time, got {kind.name}")
+        raise ValueError(
+            f"only Q4_0, Q4_1, Q4_K, Q6_K, Q8_0 and Q5_0 repack 8 rows at a time, got {kind.name}"
+        )
     if blocks.dim() != 2 or blocks.shape[0] % 8:
         raise ValueError(f"x8 repacking needs [8k, row_bytes] blocks, got {tuple(blocks.shape)}")
     return torch.ops.minivllm.ggml_q4x8_repack(blocks.contiguous(), int(kind))

@@ -48,6 +48,7 @@ from minivllm.layers.attention import AttentionMetadata
 from minivllm.layers.attention.decode import DecodeMetadata, decode_metadata
 from minivllm.layers.attention.kv_quant import KVCache
 from minivllm.layers.cpu_kernels import cpu_caps
+from minivllm.layers.quantization.methods import GgmlBlockMethod
 from minivllm.layers.quantization.rows import compiled_steps_max_seqs
 
 logger = logging.getLogger(__name__)
@@ -119,6 +120,17 @@ def _keep_guards_on_values(entries: list[Any]) -> list[bool]:
         )
         for entry in entries
     ]
+
+
+def kernel_switch_rows(layers: torch.nn.ModuleList) -> float:
+    """The fewest rows (tokens in a step) above which some linear layer of `layers` runs
+    another kernel: the first entry of its stored-block weight's row table."""
+    limits = [
+        module.method.weight.table[0][0]
+        for module in layers.modules()
+        if isinstance(getattr(module, "method", None), GgmlBlockMethod)
+    ]
+    return min(limits, default=float("inf"))
 
 
 def _run_layer(layer: torch.nn.Module, *args: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -230,6 +242,9 @@ class CompiledDecode:
         # blocks every step is compiled: the eager one's gathered SDPA and unfused element-wise
         # ops cost more (docs/performance.md, "The compiled decode step").
         self.max_seqs: float = compiled_steps_max_seqs(stored_blocks) if paged else 1
+        # Steps of more tokens than this run eagerly: past it some layer's row table switches
+        # kernel, and a graph traced below it would recompile (seconds) inside a request.
+        self.max_tokens = kernel_switch_rows(model.model.layers)
         # Without this, a context length that happens to equal a model dim (head_dim / 2 at
         # warm-up, say) is traced as that dim, and the graph holds for that length only.
         torch.fx.experimental._config.use_duck_shape = False
@@ -277,7 +292,10 @@ class CompiledDecode:
     def applies(self, meta: AttentionMetadata) -> bool:
         """Whether a step runs compiled: up to `max_seqs` sequences decoding one token each,
         or with the paged kernel up to `max_seqs` tokens, at most `MAX_QUERY` a sequence, over
-        cached context (a speculative step verifying its drafts: `decode_metadata`)."""
+        cached context (a speculative step verifying its drafts: `decode_metadata`); never
+        more than `max_tokens` tokens."""
+        if meta.num_tokens > self.max_tokens:
+            return False
         if meta.is_decode_only:
             return meta.num_seqs <= self.max_seqs
         return (

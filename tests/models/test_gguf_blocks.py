@@ -247,14 +247,14 @@ def test_layers_of_different_kinds_share_the_compiled_steps_graph(tmp_path: Path
     assert ((torch.tensor(scores) - expected).abs() < 0.1 + 0.01 * expected.abs()).all()
 
 
-def test_compiled_steps_that_dequantize_take_each_layers_own_kinds(
+def test_steps_past_a_kernel_switch_run_eagerly_on_each_layers_kinds(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Above the row table's two-code threshold a step dequantizes its stored blocks; in a
-    compiled step of several sequences that call too serves layers of different kinds from one
-    graph, so it takes the kinds as a tensor: with ints, layer 0's Q6_K kind was baked into
-    the graph and layer 1's Q4_K tiles failed its size check. Four sequences decode together
-    (steps of 4 rows, over a threshold of 2) and score as the dequantized model does."""
+    """Above the row table's two-code threshold a step dequantizes its stored blocks, one call
+    for a fused layer's segments of different kinds. A compiled graph traced below the
+    threshold would recompile (seconds, inside a request) at the first step past it, so such
+    steps run eagerly: four sequences decode together (steps of 4 rows, over a threshold of
+    2) without a new graph, and score as the dequantized model does."""
     rows_kind = cpu_caps().rows_kind
     monkeypatch.setitem(
         KERNEL_ROWS, rows_kind, dataclasses.replace(KERNEL_ROWS[rows_kind], ggml_two_codes=2)
@@ -262,11 +262,14 @@ def test_compiled_steps_that_dequantize_take_each_layers_own_kinds(
     path = tmp_path / "mixed.gguf"
     _write(path, overrides={(1, "attn_v"): QT.Q4_K, (1, "ffn_down"): QT.Q4_K})
     llm = LLM(model=str(path), num_kv_blocks=64, dtype="bfloat16", speculative_config=OFF)
-    assert llm.llm_engine.model_runner.compiled_decode is not None
+    compiled = llm.llm_engine.model_runner.compiled_decode
+    assert compiled is not None and compiled.max_tokens == 2
     rng = np.random.default_rng(4)
     prompts = [[int(t) for t in rng.integers(3, 256, size=10)] for _ in range(4)]
     params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, logprobs=0)
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
     hf = convert_gguf(path, tmp_path / "hf")
     for prompt, out in zip(prompts, outs, strict=True):
         completion = out.outputs[0]

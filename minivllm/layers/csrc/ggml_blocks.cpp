@@ -613,9 +613,10 @@ at::Tensor ggml_dequant_matmul(const at::Tensor& x, const at::Tensor& blocks, in
   return y;
 }
 
-// ggml_dequant_matmul over a fused layer's segments, outputs side by side, with the kinds as a
-// tensor (as ggml_matmul_kinds takes them): in a compiled step the layers sharing a graph then
-// each pass their own kinds, where ints would be the first traced layer's constants.
+// ggml_dequant_matmul over a fused layer's segments, outputs side by side: one call for a
+// layer's segments of different kinds, the kinds as a tensor as ggml_matmul_kinds takes them
+// (were a compiled graph to hold it, each layer sharing the graph would pass its own; ints
+// would be the first traced layer's constants).
 at::Tensor ggml_dequant_matmul_kinds(const at::Tensor& x, at::TensorList blocks,
                                      const at::Tensor& qtypes, int64_t columns,
                                      int64_t tile_rows) {

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from minivllm.layers.sampling_candidates import candidates, sample_among
 from minivllm.logprobs import Logprob, logprob_entry
 from minivllm.sampling_params import SamplingParams
 
@@ -199,6 +200,14 @@ def apply_penalties(
     return logits - presence.unsqueeze(-1) * (counts > 0).to(logits.dtype)
 
 
+def _scaled(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Each row's logits over its temperature (greedy rows: 1). [N, V] -> [N, V]."""
+    temperature = torch.tensor(
+        [1.0 if p.greedy else p.temperature for p in batch.params], device=logits.device
+    )
+    return logits / temperature.unsqueeze(-1)
+
+
 def _uniforms(
     batch: SamplingBatch, device: torch.device, generator: torch.Generator, stream: int = 0
 ) -> torch.Tensor:
@@ -331,24 +340,36 @@ class Sampler:
 
     def _sample(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         greedy = torch.tensor([p.greedy for p in batch.params], device=logits.device)  # [N]
-        probs = self.probabilities(logits, batch)  # [N, V]
-        sampled = sample_from(probs, self.uniforms(batch))  # [N]
+        scaled = _scaled(logits, batch)  # [N, V]
+        found = candidates(scaled, batch.params)
+        if found is not None:  # every rule's tokens among each row's largest logits
+            sampled = sample_among(*found, self.uniforms(batch))  # [N]
+        else:
+            probs = whole_vocabulary(scaled, batch.params)  # [N, V]
+            sampled = sample_from(probs, self.uniforms(batch))  # [N]
+        if not bool(greedy.any()):
+            return sampled
         return torch.where(greedy, logits.argmax(dim=-1), sampled)
 
     def probabilities(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         """The distribution a row samples from: processed logits through temperature, top-k,
         top-p and min-p (greedy rows at temperature 1, unused). [N, V] -> [N, V]."""
-        device = logits.device
-        params = batch.params
-        temperature = torch.tensor(
-            [1.0 if p.greedy else p.temperature for p in params], device=device
-        )
-        scaled = logits / temperature.unsqueeze(-1)  # [N, V]
-        if any(p.top_k > 0 for p in params):
-            top_k = torch.tensor([p.top_k for p in params], device=device)
-            scaled = apply_top_k(scaled, top_k)
-        if any(p.top_p < 1.0 for p in params):
-            scaled = apply_top_p(scaled, torch.tensor([p.top_p for p in params], device=device))
-        if any(p.min_p > 0.0 for p in params):
-            scaled = apply_min_p(scaled, torch.tensor([p.min_p for p in params], device=device))
-        return scaled.softmax(dim=-1)  # [N, V]
+        scaled = _scaled(logits, batch)  # [N, V]
+        found = candidates(scaled, batch.params)
+        if found is not None:  # the same distribution from each row's largest logits
+            values, ids = found
+            return torch.zeros_like(scaled).scatter_(-1, ids, values.softmax(dim=-1))
+        return whole_vocabulary(scaled, batch.params)
+
+
+def whole_vocabulary(scaled: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Top-k, top-p and min-p over every token of each row (`scaled`: logits over temperature),
+    then the softmax: the reference `sampling_candidates` keeps to. [N, V] -> [N, V]."""
+    device = scaled.device
+    if any(p.top_k > 0 for p in params):
+        scaled = apply_top_k(scaled, torch.tensor([p.top_k for p in params], device=device))
+    if any(p.top_p < 1.0 for p in params):
+        scaled = apply_top_p(scaled, torch.tensor([p.top_p for p in params], device=device))
+    if any(p.min_p > 0.0 for p in params):
+        scaled = apply_min_p(scaled, torch.tensor([p.min_p for p in params], device=device))
+    return scaled.softmax(dim=-1)  # [N, V]

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from minivllm.layers.sampling_candidates import candidates, sample_among
+from minivllm.layers.sampling_candidates import CDF_BLOCK, candidates, invert_cdf, sample_among
 from minivllm.logprobs import Logprob, logprob_entry
 from minivllm.sampling_params import SamplingParams
 
@@ -233,7 +233,10 @@ def sample_from(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """Invert each row's CDF at `u`: [N, V] probabilities, [N] uniforms -> [N] token ids.
 
     Searching for the first entry whose cumulative mass exceeds `u * total` never returns a
-    token of probability 0 (its entry equals the one before it)."""
+    token of probability 0 (its entry equals the one before it). Large vocabularies search
+    block sums first (`invert_cdf`)."""
+    if probs.shape[-1] > 4 * CDF_BLOCK:
+        return invert_cdf(probs, u)
     cdf = probs.double().cumsum(dim=-1)  # [N, V]
     target = (u * cdf[:, -1]).unsqueeze(-1)  # [N, 1]
     index = torch.searchsorted(cdf, target, right=True).squeeze(-1)  # [N]

@@ -95,3 +95,30 @@ def sample_among(values: torch.Tensor, ids: torch.Tensor, u: torch.Tensor) -> to
     target = (u * cdf[:, -1]).unsqueeze(-1)  # [N, 1]
     index = torch.searchsorted(cdf, target, right=True).clamp_(max=ids.shape[-1] - 1)
     return ids.gather(-1, order.gather(-1, index)).squeeze(-1)
+
+
+# Tokens a block of the two-level CDF holds (`invert_cdf`).
+CDF_BLOCK = 1024
+
+
+def invert_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """`[N, V]` weights (not necessarily normalised), `[N]` uniforms -> `[N]` token ids: each
+    row's first token whose cumulative weight exceeds `u` times its total, as one float64
+    cumsum over the vocabulary finds it up to rounding, but in two levels: the blocks' sums,
+    then one block's own cumsum (the whole-row cumsum and its float64 copy cost 18 of 29 ms at
+    16 rows of 262k tokens). Never a token of weight 0."""
+    rows, vocab = probs.shape
+    pad = -vocab % CDF_BLOCK  # a copy only where the vocabulary is no multiple of a block
+    padded = torch.nn.functional.pad(probs, (0, pad)) if pad else probs
+    blocks = padded.view(rows, -1, CDF_BLOCK)  # [N, B, 1024]
+    ends = blocks.sum(-1).double().cumsum(-1)  # [N, B] cumulative at each block end
+    target = (u * ends[:, -1]).unsqueeze(-1)  # [N, 1]
+    block = torch.searchsorted(ends, target, right=True).clamp_(max=ends.shape[-1] - 1)
+    start = torch.where(block > 0, ends.gather(-1, (block - 1).clamp(min=0)), 0.0)  # [N, 1]
+    inside = blocks.gather(1, block.unsqueeze(-1).expand(rows, 1, CDF_BLOCK)).squeeze(1)
+    cdf = start + inside.double().cumsum(-1)  # [N, 1024]
+    at = torch.searchsorted(cdf, target, right=True)  # [N, 1]
+    # the two levels' sums may round apart: never past the block's last token of weight > 0
+    last = (torch.arange(CDF_BLOCK, device=probs.device) * (inside > 0)).amax(-1, keepdim=True)
+    index = block * CDF_BLOCK + torch.minimum(at, last)
+    return index.squeeze(-1).clamp_(max=vocab - 1)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from minivllm.layers.sampler import sample_from, whole_vocabulary
-from minivllm.layers.sampling_candidates import CANDIDATES, candidates, sample_among
+from minivllm.layers.sampling_candidates import CANDIDATES, candidates, invert_cdf, sample_among
 from minivllm.sampling_params import SamplingParams
 
 VOCAB = 5000
@@ -102,3 +102,23 @@ def test_greedy_rows_alone_never_block_the_fast_path() -> None:
     """Greedy rows take the argmax: their own rules (none) do not matter."""
     params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.5, top_k=8)]
     assert candidates(_logits(2, 4.0), params) is not None
+
+
+@pytest.mark.parametrize("vocab", [8 * 1024, 151_936], ids=["blocks", "padded tail"])
+def test_the_two_level_cdf_picks_the_whole_cumsums_token(vocab: int) -> None:
+    """`invert_cdf` (block sums, then one block) against one float64 cumsum over the row: the
+    same token for the same uniform, never a token of weight 0 (half the weights are 0 here,
+    and u reaches both ends)."""
+    g = torch.Generator().manual_seed(0)
+    probs = torch.rand(8, vocab, generator=g) ** 4
+    probs[:, ::2] = 0.0
+    probs[3, : vocab - 5] = 0.0  # all the mass in the last block's last tokens
+    probs = probs / probs.sum(-1, keepdim=True)
+    cdf = probs.double().cumsum(-1)
+    for seed in range(30):
+        u = torch.rand(8, dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
+        u[0], u[1] = 0.0, 1.0 - 1e-12
+        want = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(-1), right=True).squeeze(-1)
+        got = invert_cdf(probs, u)
+        assert torch.equal(got, want.clamp(max=vocab - 1))
+        assert bool((probs.gather(-1, got.unsqueeze(-1)) > 0).all())

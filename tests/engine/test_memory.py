@@ -129,9 +129,9 @@ def test_report_line_and_gauges() -> None:
 def test_a_gguf_model_counts_its_stored_blocks_once(
     tmp_path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A model whose Q8_0 MLP down projections run as the file's blocks: those bytes are the
-    GGUF's mapped pages (2 layers x 64 rows x 8 blocks of 34 bytes), counted once, and the
-    start-up line says so."""
+    """A model whose Q5_1 MLP down projections run as the file's blocks (a kind not moved into
+    tiles of 8 rows): those bytes are the GGUF's mapped pages (2 layers x 64 rows x 8 blocks of
+    24 bytes), counted once, and the start-up line says so."""
     from gguf import GGMLQuantizationType as QT
     from support.gguf_files import write_tiny_llama_gguf
 
@@ -141,11 +141,11 @@ def test_a_gguf_model_counts_its_stored_blocks_once(
     if not cpu_kernels_available():
         pytest.skip("stored GGUF blocks need minivllm's CPU kernels")
     monkeypatch.setenv("MINIVLLM_CACHE", str(tmp_path / "cache"))  # the kernels are loaded
-    path = write_tiny_llama_gguf(tmp_path / "q8.gguf", ffn_type=QT.Q8_0)
+    path = write_tiny_llama_gguf(tmp_path / "q5_1.gguf", ffn_type=QT.Q5_1)
     with caplog.at_level(logging.INFO, logger="minivllm.engine.model_runner"):
         llm = LLM(model=str(path), enforce_eager=True, device="cpu", num_kv_blocks=8)
     report = llm.llm_engine.model_runner.memory
-    assert report.mapped_weight_bytes == 2 * 64 * 8 * 34
+    assert report.mapped_weight_bytes == 2 * 64 * 8 * 24
     dense = sum(
         p.numel() * p.element_size() for p in llm.llm_engine.model_runner.model.parameters()
     )

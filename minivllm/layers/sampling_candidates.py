@@ -19,8 +19,11 @@ import torch
 from minivllm.sampling_params import SamplingParams
 
 # Candidates a row samples among: enough for a nucleus of 0.95 at temperature 1 on the models
-# measured, few enough that the rules cost nothing beside the model's step.
+# measured, few enough that the rules cost nothing beside the model's step; a wider nucleus
+# tries WIDE_CANDIDATES before the whole vocabulary (16 rows of 262k logits: topk of 1024
+# 7 ms, of 8192 22 ms, a sort 190 ms).
 CANDIDATES = 1024
+WIDE_CANDIDATES = 8192
 
 
 def candidates(
@@ -31,14 +34,17 @@ def candidates(
     sampling row's rules may keep a token outside its `m` largest."""
     vocab = scaled.shape[-1]
     rules = [p for p in params if not p.greedy]
-    if not all(0 < p.top_k <= CANDIDATES or p.top_p < 1.0 or p.min_p > 0.0 for p in rules):
+    widest = min(WIDE_CANDIDATES, vocab)
+    if not all(0 < p.top_k <= widest or p.top_p < 1.0 or p.min_p > 0.0 for p in rules):
         return None  # a row that may keep any token
-    most = min(CANDIDATES, vocab)
+    tiers = [CANDIDATES, widest]
     if rules and all(0 < p.top_k for p in rules):  # first room for ties at the k-th logit
-        found = _within(scaled, params, min(most, 2 * max(p.top_k for p in rules)))
+        tiers.insert(0, 2 * max(p.top_k for p in rules))
+    for m in sorted({min(m, vocab) for m in tiers}):
+        found = _within(scaled, params, m)
         if found is not None:
             return found
-    return _within(scaled, params, most)
+    return None
 
 
 def _within(

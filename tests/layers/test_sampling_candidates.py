@@ -9,17 +9,25 @@ import pytest
 import torch
 
 from minivllm.layers.sampler import sample_from, whole_vocabulary
-from minivllm.layers.sampling_candidates import CANDIDATES, candidates, invert_cdf, sample_among
+from minivllm.layers.sampling_candidates import (
+    CANDIDATES,
+    WIDE_CANDIDATES,
+    candidates,
+    invert_cdf,
+    sample_among,
+)
 from minivllm.sampling_params import SamplingParams
 
 VOCAB = 5000
 
 
-def _logits(rows: int, scale: float, seed: int = 0, bf16: bool = True) -> torch.Tensor:
-    """`[rows, VOCAB]` logits, rounded to bf16 as a bf16 model's head gives them (many ties),
+def _logits(
+    rows: int, scale: float, seed: int = 0, bf16: bool = True, vocab: int = VOCAB
+) -> torch.Tensor:
+    """`[rows, vocab]` logits, rounded to bf16 as a bf16 model's head gives them (many ties),
     or left in fp32 (none)."""
     g = torch.Generator().manual_seed(seed)
-    logits = torch.randn(rows, VOCAB, generator=g) * scale
+    logits = torch.randn(rows, vocab, generator=g) * scale
     return logits.bfloat16().float() if bf16 else logits
 
 
@@ -85,7 +93,7 @@ def test_ties_at_the_top_k_edge_are_kept_as_the_whole_vocabulary_keeps_them() ->
     ("params", "scale"),
     [
         ([SamplingParams(temperature=1.0)], 4.0),  # no truncation: every token may come
-        ([SamplingParams(temperature=1.0, top_k=CANDIDATES + 1)], 4.0),
+        ([SamplingParams(temperature=1.0, top_k=WIDE_CANDIDATES + 1)], 4.0),
         ([SamplingParams(temperature=1.0, top_p=0.95)], 0.1),  # a flat row: a wide nucleus
         ([SamplingParams(temperature=1.0, min_p=0.5)], 0.0),  # every token at the top's level
         ([SamplingParams(temperature=0.0), SamplingParams(temperature=1.0)], 4.0),
@@ -95,7 +103,21 @@ def test_ties_at_the_top_k_edge_are_kept_as_the_whole_vocabulary_keeps_them() ->
 def test_rules_that_may_reach_past_the_candidates_take_the_whole_vocabulary(
     params: list[SamplingParams], scale: float
 ) -> None:
-    assert candidates(_logits(len(params), scale), params) is None
+    logits = _logits(len(params), scale, vocab=4 * WIDE_CANDIDATES)
+    assert candidates(logits, params) is None
+
+
+def test_a_wide_nucleus_takes_the_wider_candidates() -> None:
+    """A nucleus of a few thousand tokens (beyond the first 1024 candidates) is found among the
+    wider ones, with the whole vocabulary's distribution."""
+    params = [SamplingParams(temperature=1.0, top_p=0.9)] * 2
+    logits = _logits(2, 2.5, seed=3, bf16=False, vocab=4 * WIDE_CANDIDATES)  # about 3.5k
+    values, ids = candidates(logits, params)
+    assert CANDIDATES < values.shape[-1] <= WIDE_CANDIDATES
+    kept = int((values > float("-inf")).sum(-1).max())
+    assert kept > CANDIDATES
+    got = torch.zeros_like(logits).scatter_(-1, ids, values.softmax(dim=-1))
+    torch.testing.assert_close(got, whole_vocabulary(logits, params), rtol=1e-4, atol=1e-7)
 
 
 def test_greedy_rows_alone_never_block_the_fast_path() -> None:

@@ -124,13 +124,14 @@ def _keep_guards_on_values(entries: list[Any]) -> list[bool]:
 
 def kernel_switch_rows(layers: torch.nn.ModuleList) -> float:
     """The fewest rows (tokens in a step) above which some linear layer of `layers` runs
-    another kernel: the first entry of its stored-block weight's row table."""
+    another kernel: the first entry of its stored-block weight's row table (one below a row:
+    that weight runs one kernel at every count)."""
     limits = [
         module.method.weight.table[0][0]
         for module in layers.modules()
         if isinstance(getattr(module, "method", None), GgmlBlockMethod)
     ]
-    return min(limits, default=float("inf"))
+    return min((limit for limit in limits if limit >= 1), default=float("inf"))
 
 
 def _run_layer(layer: torch.nn.Module, *args: Any) -> tuple[torch.Tensor, torch.Tensor]:

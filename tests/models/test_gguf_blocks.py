@@ -291,3 +291,26 @@ def test_dense_options_keep_dense_weights(model_files: tuple[Path, Path]) -> Non
         qkv = llm.llm_engine.model_runner.model.model.layers[0].self_attn.qkv_proj
         assert not isinstance(qkv.method, GgmlBlockMethod) and qkv.weight.numel() > 0
         del llm
+
+
+def test_the_kernel_switch_is_the_fewest_rows_of_a_weight_that_switches() -> None:
+    """`kernel_switch_rows` reads each stored-block weight's row table: a Q5_1 weight switches
+    to dequantization above `ggml_int_dot` rows; a weight that dequantizes at every count
+    ("float" activations) switches nowhere and does not cap the compiled steps."""
+    from gguf.quants import quantize
+
+    from minivllm.engine.compiled_decode import kernel_switch_rows
+    from minivllm.layers.quantization.kernels.block_weight import BlockSegment, BlockWeight
+    from minivllm.layers.quantization.rows import kernel_rows
+
+    raw = quantize(np.random.default_rng(0).standard_normal((64, 256), dtype=np.float32), QT.Q5_1)
+    segment = BlockSegment(torch.from_numpy(raw), QT.Q5_1)
+
+    class Layer(torch.nn.Module):
+        def __init__(self, activations: str) -> None:
+            super().__init__()
+            self.method = GgmlBlockMethod(BlockWeight([segment], 256, activations))
+
+    assert kernel_switch_rows(torch.nn.ModuleList([Layer("float")])) == float("inf")
+    both = torch.nn.ModuleList([Layer("float"), Layer("int8")])
+    assert kernel_switch_rows(both) == kernel_rows().ggml_int_dot

@@ -305,9 +305,9 @@ namespace avx2 {
 #include "ggml_blocks_simd.h"
 #include "ggml_kquants_simd.h"
 #include "ggml_q4x8_simd.h"
-#include "ggml_q8x8_simd.h"
 #include "ggml_q4kx8_simd.h"
 #include "ggml_q6kx8_simd.h"
+#include "ggml_q8x8_simd.h"
 }  // namespace avx2
 
 #pragma GCC push_options
@@ -317,9 +317,9 @@ namespace vnni {
 #include "ggml_blocks_simd.h"
 #include "ggml_kquants_simd.h"
 #include "ggml_q4x8_simd.h"
-#include "ggml_q8x8_simd.h"
 #include "ggml_q4kx8_simd.h"
 #include "ggml_q6kx8_simd.h"
+#include "ggml_q8x8_simd.h"
 #undef MINIVLLM_GGML_VNNI
 }  // namespace vnni
 #pragma GCC pop_options

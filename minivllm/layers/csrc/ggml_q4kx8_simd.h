@@ -18,7 +18,8 @@
 constexpr int kQ4KX8Bytes = 1184;
 
 // Activation rows a tile's unpacked codes meet at once: 8 where VNNI's 32 vector registers hold
-// 8 rows' sums (the unpacking and the scales' loads shared by twice the rows), else 4.
+// 8 rows' sums (the unpacking and the scales' loads shared by twice the rows), else 4. The
+// Q6_K and q8x8 tiles take the same.
 #ifdef MINIVLLM_GGML_VNNI
 constexpr int kKTileRows = 8;
 #else

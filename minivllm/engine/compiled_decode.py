@@ -10,8 +10,8 @@ tensor maths for one sequence (`minivllm.layers.attention.decode`); at one seque
 kernel's step is the faster of the two (docs/benchmarks.md).
 The layers of a model share their code, so one graph serves all of them (their weights are
 the graph's inputs): compiling a layer costs a thirtieth of compiling the model.
-Steps of up to as many sequences as the int4 kernel takes rows (4) are compiled, in two
-graphs (one sequence; several), both at start-up; larger steps stay eager, where the dense
+Steps of up to as many sequences as the int4 kernel takes rows (4) are compiled, in one
+graph (the number of sequences is a symbol), at start-up; larger steps stay eager, where the dense
 bf16 matmuls run oneDNN-prepacked (opaque to Inductor, which would call aten::mm: slower).
 The embedding, the LM head and the sampler stay eager. Without the paged kernel, steps of
 several sequences stay eager: Inductor's own batched attention lost to SDPA
@@ -44,6 +44,11 @@ import torch
 from tqdm import tqdm
 
 from minivllm.cache import cache_dir
+from minivllm.engine.dynamo_marks import (
+    keep_guards_on_values,
+    mark_cache_sizes_static,
+    mark_weights_static,
+)
 from minivllm.layers.attention import AttentionMetadata
 from minivllm.layers.attention.decode import DecodeMetadata, decode_metadata
 from minivllm.layers.attention.kv_quant import KVCache
@@ -107,21 +112,6 @@ def inductor_cache_dir() -> str:
     return str(cache_dir() / "inductor" / cpu_caps().capability)
 
 
-def _keep_guards_on_values(entries: list[Any]) -> list[bool]:
-    """Which of a graph's guards to check before each call: not those on a layer's weights
-    or on the layer object itself (they never change once loaded, and dropping them lets
-    every layer share one graph), but those on its plain values, which can differ between
-    layers (Gemma 2 alternates sliding-window and full-attention layers: two graphs)."""
-    return [
-        not (
-            entry.orig_guard.source.is_unspecialized_nn_module()
-            and entry.has_value
-            and isinstance(entry.value, torch.Tensor | torch.nn.Module)
-        )
-        for entry in entries
-    ]
-
-
 def kernel_switch_rows(layers: torch.nn.ModuleList) -> float:
     """The fewest rows (tokens in a step) above which some linear layer of `layers` runs
     another kernel: the first entry of its stored-block weight's row table (one below a row:
@@ -136,37 +126,6 @@ def kernel_switch_rows(layers: torch.nn.ModuleList) -> float:
 
 def _run_layer(layer: torch.nn.Module, *args: Any) -> tuple[torch.Tensor, torch.Tensor]:
     return layer(*args)
-
-
-def _mark_weights_static(layer: torch.nn.Module) -> None:
-    """Trace every tensor the layer holds with its sizes as constants: its parameters, and the
-    GGUF blocks its linear methods keep in plain objects and lists. They have the same sizes
-    in every layer and step; under `dynamic=True` each size became a symbol with guards, and
-    tracing those symbols was a large share of a warm start's compile (docs/performance.md)."""
-    seen: set[int] = set()
-
-    def visit(value: Any, depth: int) -> None:
-        if id(value) in seen or depth > 8:  # a layer's blocks sit 6 levels down
-            return
-        seen.add(id(value))
-        if isinstance(value, torch.Tensor):
-            torch._dynamo.mark_static(value)
-        elif isinstance(value, list | tuple):
-            for item in value:
-                visit(item, depth + 1)
-        elif isinstance(value, torch.nn.Module):
-            for item in (*value._parameters.values(), *value._buffers.values()):
-                visit(item, depth + 1)
-            for child in value.children():
-                visit(child, depth + 1)
-            for name, item in vars(value).items():
-                if not name.startswith("_"):  # a linear layer's `method`, say
-                    visit(item, depth + 1)
-        elif hasattr(value, "__dict__") and not isinstance(value, type):
-            for item in vars(value).values():  # a method's weight, a weight's `_blocks`
-                visit(item, depth + 1)
-
-    visit(layer, 0)
 
 
 class LayerGraph:
@@ -255,7 +214,7 @@ class CompiledDecode:
         torch.fx.experimental._config.backed_size_oblivious = True
         self.decoder = model.model  # the LlamaModel: embedding, layers, final norm
         for layer in self.decoder.layers:
-            _mark_weights_static(layer)
+            mark_weights_static(layer)
         # isolate_recompiles: this engine's graphs count against its own recompile limit, not
         # against every engine's in the process (past 8 in all, Dynamo ran them eagerly).
         self._run_layer = torch.compile(
@@ -263,11 +222,12 @@ class CompiledDecode:
             dynamic=True,
             backend=self._compile_graph,
             isolate_recompiles=True,
-            options={"guard_filter_fn": _keep_guards_on_values},
+            options={"guard_filter_fn": keep_guards_on_values},
         )
         self._ran: LayerGraph | None = None  # the graph Dynamo's last call ran
         self._kind: dict[int, LayerGraph] = {}  # id(layer) -> the graph it first ran
         self._this_step: dict[LayerGraph, LayerGraph] = {}  # kind -> graph checked this step
+        self._static_caches: KVCaches | None = None  # the caches `mark_cache_sizes_static` saw
 
     def _compile_graph(
         self, graph: torch.fx.GraphModule, example_inputs: list[Any]
@@ -315,6 +275,9 @@ class CompiledDecode:
     ) -> torch.Tensor:
         if isinstance(meta, AttentionMetadata):
             meta = decode_metadata(meta, paged=self.paged)
+        if kv_caches is not self._static_caches:
+            mark_cache_sizes_static(kv_caches)
+            self._static_caches = kv_caches
         self._this_step.clear()
         return self.decoder(input_ids, positions, kv_caches, meta, run_layer=self.run_layer)
 
@@ -332,7 +295,12 @@ class CompiledDecode:
         if checked is not None:
             return checked(layer, hidden, residual, *args)
         self._ran = None
-        out = self._run_layer(layer, hidden, residual, *args)
+        # A layer's Python floats (norms' eps, attention's scale) traced as constants: under
+        # dynamic=True they became symbols, and the scale, passed to the paged kernel's op,
+        # specialised only once the graph reached the backend, which threw the trace away and
+        # traced the layer again (half a warm start's compile).
+        with torch._dynamo.config.patch(specialize_float=True):
+            out = self._run_layer(layer, hidden, residual, *args)
         if self._ran is not None and self._ran.callable_directly:  # None: Dynamo ran it eagerly
             kind = self._kind.setdefault(id(layer), self._ran)
             self._this_step[kind] = self._ran
@@ -342,8 +310,8 @@ class CompiledDecode:
     def warm_up(self, kv_caches: KVCaches, block_size: int) -> None:
         """Compile the step's graphs on dummy steps over the first KV blocks (free at
         start-up: nothing has been scheduled yet): one sequence, and with the paged kernel
-        also two (another graph: one is specialised). A pool too small for that compiles on
-        the first real step."""
+        also two, which must find the same graph. A pool too small for that compiles on the
+        first real step."""
         num_blocks = kv_caches[0][0].shape[0]
         context = min(2 * block_size, num_blocks * block_size)
         if context < 2:  # a context of one would be traced as a constant

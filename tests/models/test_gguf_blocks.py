@@ -314,3 +314,44 @@ def test_the_kernel_switch_is_the_fewest_rows_of_a_weight_that_switches() -> Non
     assert kernel_switch_rows(torch.nn.ModuleList([Layer("float")])) == float("inf")
     both = torch.nn.ModuleList([Layer("float"), Layer("int8")])
     assert kernel_switch_rows(both) == kernel_rows().ggml_int_dot
+
+
+def test_the_compiled_step_is_one_graph_traced_once_for_any_number_of_sequences(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Start-up traces the decode step once, for steps of one sequence and of several, and
+    Inductor is called once: a step of one sequence used to specialise on that size (a second
+    graph), and the attention's float scale made Dynamo throw its first trace away and trace
+    again (a second call). Steps of 3, 2 and 1 sequences and a speculative step then run that
+    graph, with the dequantized model's scores."""
+    from minivllm.engine.compiled_decode import CompiledDecode
+
+    calls: list[int] = []  # the graphs Dynamo handed to the backend (Inductor)
+    backend = CompiledDecode._compile_graph
+    monkeypatch.setattr(
+        CompiledDecode, "_compile_graph", lambda *a: calls.append(1) or backend(*a)
+    )
+    path = tmp_path / "model.gguf"
+    _write(path, overrides={(1, "attn_v"): QT.Q4_K, (1, "ffn_down"): QT.Q4_K})  # one layer kind
+    llm = LLM(model=str(path), num_kv_blocks=64, dtype="bfloat16", speculative_config=OFF)
+    assert llm.llm_engine.model_runner.compiled_decode is not None
+    assert len(calls) == 1
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    rng = np.random.default_rng(5)
+    prompts = [[int(t) for t in rng.integers(3, 256, size=9 + s)] for s in range(3)]
+    params = [
+        SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=0) for n in (3, 5, 7)
+    ]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert len(calls) == 1
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
+    hf = convert_gguf(path, tmp_path / "hf")
+    for prompt, out in zip(prompts, outs, strict=True):
+        completion = out.outputs[0]
+        tokens = prompt + list(completion.token_ids)
+        ref = hf_prompt_logprobs(str(hf), tuple(tokens))[len(prompt) - 1 :]
+        expected = ref.gather(-1, torch.tensor(completion.token_ids)[:, None])[:, 0]
+        scores = torch.tensor(
+            [e[t].logprob for e, t in zip(completion.logprobs, completion.token_ids, strict=True)]
+        )
+        assert ((scores - expected).abs() < 0.1 + 0.01 * expected.abs()).all()

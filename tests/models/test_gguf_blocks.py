@@ -328,9 +328,7 @@ def test_the_compiled_step_is_one_graph_traced_once_for_any_number_of_sequences(
 
     calls: list[int] = []  # the graphs Dynamo handed to the backend (Inductor)
     backend = CompiledDecode._compile_graph
-    monkeypatch.setattr(
-        CompiledDecode, "_compile_graph", lambda *a: calls.append(1) or backend(*a)
-    )
+    monkeypatch.setattr(CompiledDecode, "_compile_graph", lambda *a: calls.append(1) or backend(*a))
     path = tmp_path / "model.gguf"
     _write(path, overrides={(1, "attn_v"): QT.Q4_K, (1, "ffn_down"): QT.Q4_K})  # one layer kind
     llm = LLM(model=str(path), num_kv_blocks=64, dtype="bfloat16", speculative_config=OFF)

@@ -119,16 +119,21 @@ def fetch(model: str, cache: Path) -> Path:
 
 
 def rss_mib(pid: int) -> float:
-    """A process's resident memory (VmRSS) in MiB, from /proc."""
+    """A process's resident memory (VmRSS) in MiB, its children's included (the server's
+    engine runs in a process of its own), from /proc."""
+    total = 0.0
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    raise RuntimeError(f"no VmRSS for process {pid}")
+            total = int(line.split()[1]) / 1024
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        for child in (task / "children").read_text().split():
+            total += rss_mib(int(child))
+    return total
 
 
 def startup(gguf: Path, starts: int = 2) -> dict[str, object]:
     """Our server's time to ready on each of `starts` starts (the first cold, the rest warm)
-    and its resident memory once ready."""
+    and its resident memory once ready (the HTTP and engine processes together)."""
     from minivllm.bench.peer import running
     from minivllm.distributed.parallel_state import free_loopback_port
 

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any, Protocol
 
 from minivllm.config import EngineConfig
@@ -88,9 +90,15 @@ class LLMEngine:
         self._next_seq_id = 0  # taken only by an accepted request: a refusal uses no id
 
     @classmethod
-    def from_options(cls, tracer: NullTracer | None = None, **options: Any) -> LLMEngine:
+    def from_options(
+        cls,
+        tracer: NullTracer | None = None,
+        on_resolved: Callable[[Path], None] | None = None,
+        **options: Any,
+    ) -> LLMEngine:
         """Build an engine on a real model: `model` (HF dir, .gguf, or None for the default)
-        and any EngineConfig option (a draft model's speculative config loads the draft too)."""
+        and any EngineConfig option (a draft model's speculative config loads the draft too).
+        `on_resolved` is called with the model's directory as soon as it is known."""
         from minivllm.engine.draft_model import load_draft_proposer, resolve_draft
         from minivllm.engine.memory import fit_max_model_len
         from minivllm.engine.model_runner import ModelRunner
@@ -100,6 +108,8 @@ class LLMEngine:
 
         config = EngineConfig.from_options(**options)
         config, model_dir, hf_config = resolve_config(config)
+        if on_resolved is not None:
+            on_resolved(model_dir)
         tokenizer = load_tokenizer(model_dir)
         config = with_pooling(with_eos_token_ids(config, tokenizer, model_dir), model_dir)
         draft = resolve_draft(config, hf_config)  # a bad draft fails before any weight is read

@@ -126,6 +126,27 @@ def test_an_engine_that_cannot_start_says_why(tmp_path: Path) -> None:
         EngineProcess({"model": str(tmp_path / "no-such-model"), "device": "cpu"})
 
 
+def test_this_side_loads_the_tokenizer_the_engine_resolved(tmp_path: Path, tiny_llama_long_dir):
+    """The engine names its model's directory first and this side loads the tokenizer from it
+    while the engine builds: it encodes as the engine's own does. A model whose directory
+    resolves but whose weights are missing still fails with the engine's own exception."""
+    import shutil
+
+    engine = EngineProcess(_options(tiny_llama_long_dir))
+    try:
+        local = LLMEngine.from_options(**_options(tiny_llama_long_dir))
+        text = "The quick brown fox, 12 x 7 = 84."
+        assert engine.tokenizer.encode(text) == local.tokenizer.encode(text)
+    finally:
+        engine.shutdown()
+    broken = tmp_path / "no-weights"
+    shutil.copytree(tiny_llama_long_dir, broken)
+    for weights in broken.glob("*.safetensors"):
+        weights.unlink()
+    with pytest.raises((FileNotFoundError, RuntimeError, ValueError), match="safetensors|weights"):
+        EngineProcess(_options(broken))
+
+
 def test_the_engine_process_stops_when_the_server_dies(tiny_llama_long_dir: Path) -> None:
     """An HTTP process killed outright (SIGKILL: no shutdown ran) leaves no engine process
     behind: it sees its end of the pipe close and exits."""

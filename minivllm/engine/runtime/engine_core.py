@@ -25,6 +25,7 @@ from minivllm.engine.runtime.engine_messages import (
     AddRequest,
     EngineFailed,
     EngineReady,
+    EngineResolved,
     EngineStart,
     RequestAdded,
     SetWaitingLimit,
@@ -146,7 +147,10 @@ def engine_main(fd: int) -> None:
         return
     assert isinstance(start, EngineStart), start
     try:
-        engine = LLMEngine.from_options(**start.engine_options)
+        engine = LLMEngine.from_options(
+            on_resolved=lambda model_dir: conn.send(EngineResolved(str(model_dir))),
+            **start.engine_options,
+        )
     except Exception as exc:
         bad_input = exc if isinstance(exc, (ValueError, FileNotFoundError, TypeError)) else None
         conn.send(EngineFailed(f"{type(exc).__name__}: {exc}", _portable(bad_input)))
@@ -158,7 +162,6 @@ def engine_main(fd: int) -> None:
     conn.send(
         EngineReady(
             engine.config,
-            engine.tokenizer,
             dict(engine.default_sampling_params),
             engine.model_runner.vocab_size,
         )

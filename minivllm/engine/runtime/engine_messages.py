@@ -58,9 +58,17 @@ class Shutdown:
 
 
 @dataclass
+class EngineResolved:
+    """The model's directory (a GGUF's converted config and tokenizer), sent as soon as it is
+    known: the HTTP side loads the tokenizer from it while the engine loads and compiles,
+    instead of receiving it pickled at the end (2 s of a 262k-token vocabulary, in series)."""
+
+    model_dir: str
+
+
+@dataclass
 class EngineReady:
     config: EngineConfig
-    tokenizer: Any
     default_sampling_params: dict[str, Any]
     vocab_size: int
 

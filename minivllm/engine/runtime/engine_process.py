@@ -8,8 +8,9 @@ its own the engine loses only the CPU time the HTTP side really uses (docs/bench
 The contract is AsyncLLMEngine's (same asyncio side, same add/abort/shutdown semantics), plus:
 - The engine process is a fresh interpreter (no torch threads or locks inherited; started
   with `subprocess`, so no multiprocessing helper process outlives the server). It reads
-  `EngineStart`, builds the engine and answers `EngineReady` with what the HTTP side needs
-  (config, tokenizer, sampling defaults, vocabulary size), or `EngineFailed`.
+  `EngineStart`, names the model's directory (`EngineResolved`: this side loads the tokenizer
+  from it meanwhile), builds the engine and answers `EngineReady` with what the HTTP side
+  needs (config, sampling defaults, vocabulary size), or `EngineFailed` at either point.
 - The engine process runs `engine_core.engine_main`. Messages are the dataclasses of
   engine_messages.py, pickled over one socket pair (`multiprocessing.Pipe`'s `Connection`).
   To the engine: AddRequest, AbortRequest, AbortAllRequests, StopAccepting, SetWaitingLimit,
@@ -30,7 +31,8 @@ import subprocess
 import sys
 import threading
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from minivllm.engine.lora_registry import LoRARegistry
 from minivllm.engine.requests import Choice
@@ -55,6 +57,7 @@ from minivllm.engine.runtime.engine_messages import (
     AddRequest,
     EngineFailed,
     EngineReady,
+    EngineResolved,
     EngineStart,
     RequestAdded,
     SetWaitingLimit,
@@ -68,6 +71,7 @@ if TYPE_CHECKING:
     from minivllm.engine.runtime.engine_client import EngineClient
 
 logger = logging.getLogger(__name__)
+_Start = TypeVar("_Start", EngineResolved, EngineReady)
 
 
 @dataclass
@@ -105,18 +109,27 @@ class EngineProcess:
         child_conn.close()
         try:
             self._send(EngineStart(engine_options, max_waiting_requests))
-            ready = self._wait_ready()
+            resolved = self._receive_start(EngineResolved)
+            # While the engine process loads the weights and compiles, on the other core.
+            from minivllm.models.config import load_tokenizer  # transformers: imported here
+
+            try:
+                self.tokenizer = load_tokenizer(Path(resolved.model_dir))
+            except Exception as exc:  # the engine fails on it too: its EngineFailed is raised
+                ready = self._receive_start(EngineReady)
+                raise RuntimeError(f"the tokenizer of {resolved.model_dir}: {exc}") from exc
+            ready = self._receive_start(EngineReady)
         except BaseException:
             self.close()
             raise
         self.config = ready.config
         # the adapters' names, this side's: each request carries its adapter to the engine
         self.loras = LoRARegistry(ready.config)
-        self.tokenizer = ready.tokenizer
         self.default_sampling_params = ready.default_sampling_params
         self.vocab_size = ready.vocab_size
 
-    def _wait_ready(self) -> EngineReady:
+    def _receive_start(self, kind: type[_Start]) -> _Start:
+        """The engine process's next start-up message, of `kind`; its failure raised here."""
         try:
             message = self._conn.recv()
         except (EOFError, OSError):
@@ -129,7 +142,7 @@ class EngineProcess:
             if message.bad_input is not None:
                 raise message.bad_input
             raise RuntimeError(f"the engine could not start: {message.error}")
-        assert isinstance(message, EngineReady), message
+        assert isinstance(message, kind), message
         return message
 
     # ---- lifecycle --------------------------------------------------------------------

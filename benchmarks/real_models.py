@@ -181,7 +181,8 @@ def main() -> int:
         if args.quality:
             result["quality"] = bench(gguf, "quality", scratch / "quality.json", [])
         report[model] = result
-    args.output.write_text(json.dumps(report, indent=2))
+    if not args.fetch_only:
+        args.output.write_text(json.dumps(report, indent=2))
     return 0
 
 

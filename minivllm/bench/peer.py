@@ -25,7 +25,6 @@ from minivllm.bench.serve import SERVE_VOCAB_SIZE, acceptance, read_spec_counter
 from minivllm.bench.text_workloads import text_prompts
 from minivllm.bench.workloads import Workload
 from minivllm.config import SPECULATION_OFF, SpeculativeConfig, cli_flag
-from minivllm.distributed.parallel_state import free_loopback_port
 
 # (name, concurrency, requests, prompt lengths): the levels of docs/benchmarks.md's table
 LEVELS = [("c=1", 1, 4, (64, 64)), ("c=16", 16, 16, (32, 256))]
@@ -181,6 +180,10 @@ def cmd_compare_llama_cpp(args: argparse.Namespace, options: dict[str, Any]) -> 
     given = options.get("speculative_config")
     if given is None or SpeculativeConfig.parse(given) is not None:
         configs["minivllm, no speculation"] = dict(options, speculative_config=SPECULATION_OFF)
+    # here, not at the top: the module is imported by every `minivllm` command's parser, and
+    # parallel_state imports torch (0.8 s before `minivllm serve` started its engine)
+    from minivllm.distributed.parallel_state import free_loopback_port
+
     commands: dict[str, list[str]] = {}
     runs = {}
     for name in [*configs, "llama.cpp"]:

@@ -286,3 +286,16 @@ def test_the_server_is_split_by_api() -> None:
                 if _within(target, apis - {owner} - may):
                     crossed.add(f"{name} imports {target}")
     assert not crossed, sorted(crossed)
+
+
+def test_the_cli_parser_imports_no_torch() -> None:
+    """`minivllm serve` builds every command's parser before it starts the engine process:
+    importing torch there (0.8 s, through the bench commands' imports) delayed every start."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; from minivllm.cli import build_parser; build_parser(); "
+        "sys.exit('torch' in sys.modules)"
+    )
+    assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0

@@ -7,6 +7,7 @@ on the model (`max_model_len`) in a new, still frozen, `EngineConfig`.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import pickle
@@ -63,8 +64,9 @@ def load_tokenizer(model_dir: Path) -> Any:
         try:
             partial.write_bytes(pickle.dumps(tokenizer))
             partial.replace(snapshot)  # both processes of a server may write it: last wins
-        except OSError:
-            partial.unlink(missing_ok=True)
+        except Exception:  # unpicklable, or a read-only cache: the next start loads it again
+            with contextlib.suppress(OSError):
+                partial.unlink(missing_ok=True)
     return tokenizer
 
 

@@ -63,3 +63,19 @@ def test_a_users_directory_is_only_read(
     before = sorted(p.name for p in users.iterdir())
     assert model_config.load_tokenizer(users).encode(TEXT)
     assert sorted(p.name for p in users.iterdir()) == before
+
+
+def test_a_tokenizer_that_cannot_be_kept_still_loads(
+    tmp_path: Path, tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Pickling fails (a tokenizer class that refuses it, or a read-only cache): the tokenizer
+    is still returned, and no partial file is left."""
+    monkeypatch.setenv("MINIVLLM_CACHE", str(tmp_path / "cache"))
+    converted = _copy_tokenizer(tiny_llama_dir, tmp_path / "cache" / "gguf" / "m-4567")
+
+    def refuse(*args, **kwargs):
+        raise TypeError("cannot pickle this tokenizer")
+
+    monkeypatch.setattr(model_config.pickle, "dumps", refuse)
+    assert model_config.load_tokenizer(converted).encode(TEXT)
+    assert not list(converted.glob("tokenizer-snapshot-*"))

@@ -15,8 +15,10 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import transformers
 from transformers import AutoConfig, AutoTokenizer
 
+from minivllm.cache import cache_dir
 from minivllm.config import EngineConfig
 from minivllm.models.paths import resolve_model_dir
 from minivllm.models.registry import get_model_class
@@ -73,10 +75,6 @@ def load_tokenizer(model_dir: Path) -> Any:
 def _tokenizer_snapshot(model_dir: Path) -> Path | None:
     """Where a tokenizer snapshot of `model_dir` lives: None unless minivllm made the
     directory (a GGUF's conversion in its cache)."""
-    import transformers
-
-    from minivllm.cache import cache_dir
-
     try:
         model_dir.resolve().relative_to((cache_dir() / "gguf").resolve())
     except ValueError:

@@ -91,5 +91,6 @@ def _tokenizer_snapshot(model_dir: Path) -> Path | None:
         fingerprint.update(f"{path.name}:{stat.st_size}:{stat.st_mtime_ns};".encode())
     for stale in model_dir.glob("tokenizer-snapshot-*.pickle"):
         if not stale.name.endswith(f"{fingerprint.hexdigest()[:16]}.pickle"):
-            stale.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):  # a read-only cache keeps it
+                stale.unlink(missing_ok=True)
     return model_dir / f"tokenizer-snapshot-{fingerprint.hexdigest()[:16]}.pickle"

@@ -59,11 +59,14 @@ def main() -> None:
         help="rounds of --steps steps timed by the wall clock (0: none)",
     )
     args = parser.parse_args()
+    # every sequence's whole context resident (16 tokens a block, the default): a pool too
+    # small for the batch preempts some and times a smaller step than asked
+    max_tokens = (2 + args.wall_rounds) * args.steps + 8
     llm = LLM(
         args.model,
         dtype=args.dtype,
         quantization=args.quantization,
-        num_kv_blocks=512,
+        num_kv_blocks=max(512, args.batch * (-(-(args.context + max_tokens) // 16) + 1)),
         enforce_eager=args.enforce_eager,
         speculative_config=SPECULATION_OFF,  # one-token steps: what this script measures
     )
@@ -75,7 +78,7 @@ def main() -> None:
         engine.add_request(
             prompt,
             SamplingParams(
-                max_tokens=(2 + args.wall_rounds) * args.steps + 8,
+                max_tokens=max_tokens,
                 ignore_eos=True,
                 temperature=args.temperature,
             ),
@@ -87,6 +90,8 @@ def main() -> None:
         engine.step()
     for _ in range(3):
         engine.step()  # warm-up decodes
+    if len(engine.scheduler.running) != args.batch:
+        raise SystemExit(f"only {len(engine.scheduler.running)} of {args.batch} sequences run")
     start = time.process_time()  # CPU time: on a shared machine the wall clock is its load
     for _ in range(args.steps):
         engine.step()

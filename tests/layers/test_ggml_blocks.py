@@ -31,7 +31,7 @@ TYPES = sorted(GGML_KERNEL_TYPES, key=int)
 pytestmark = pytest.mark.skipif(
     not cpu_kernels_available(), reason="the block kernels are for x86 CPUs with AVX2"
 )
-ISAS = [isa for isa in ("scalar", "avx2", "avx512_vnni") if isa in available_isas()]
+ISAS = [isa for isa in ("scalar", "avx2", "avx512_vnni", "amx") if isa in available_isas()]
 # Bytes of each kind's block holding its codes (the rest: scales and mins), [start, end).
 CODE_BYTES = {T.Q4_1: (4, 20), T.Q5_1: (4, 24), T.Q4_K: (16, 144), T.Q5_K: (16, 176)}
 
@@ -228,6 +228,26 @@ def test_k_x8_layout_computes_the_stored_blocks_integers(qtype: T, isa: str) -> 
     x = torch.randn(5, k, dtype=torch.bfloat16)
     tiled = ops.ggml_dequant_matmul(x, tiles, x8, 12)
     torch.testing.assert_close(tiled, x @ bf16.T, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.skipif("amx" not in ISAS, reason="no AMX here (or torch runs its AVX2 kernels)")
+def test_amx_gives_the_vnni_kernels_results_bit_for_bit() -> None:
+    """Q4_K's x8 tiles on AMX (from 32 rows: two codes of 16 decodes) compute the VNNI
+    kernel's integers and float work: equal results, every row count around the thresholds
+    (fewer than 32 rows, 32 a pass, a second pass of 1..32), odd tiles at a range's end,
+    fused segments of both K kinds, activations with outliers."""
+    k = 768
+    q4 = torch.from_numpy(random_blocks(T.Q4_K, 40, k, seed=3))  # 5 tiles: a lone last one
+    q6 = torch.from_numpy(random_blocks(T.Q6_K, 16, k, seed=4))
+    tiles = [repack_q4x8(q4, T.Q4_K), repack_q4x8(q6, T.Q6_K)]
+    kinds = [int(T.Q4_K) + X8_FLAG, int(T.Q6_K) + X8_FLAG]
+    ops = torch.ops.minivllm
+    torch.manual_seed(1)
+    for m in (1, 16, 31, 32, 33, 48, 64, 70):
+        x = torch.randn(m, k) * torch.rand(m, k).pow(8).mul(60).add(1)
+        vnni = ops.ggml_matmul_segments(x, tiles, kinds, ISAS.index("avx512_vnni") + 1)
+        assert torch.equal(ops.ggml_matmul_segments(x, tiles, kinds, ISAS.index("amx") + 1), vnni)
+        assert torch.equal(ops.ggml_matmul_segments(x, tiles, kinds, 0), vnni), m  # auto: AMX
 
 
 def test_x8_bad_input_is_a_clear_error() -> None:

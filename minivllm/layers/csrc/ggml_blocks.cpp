@@ -324,17 +324,19 @@ namespace vnni {
 }  // namespace vnni
 #pragma GCC pop_options
 
-enum Isa : int64_t { kAuto = 0, kScalar = 1, kAvx2 = 2, kVnni = 3 };
+enum Isa : int64_t { kAuto = 0, kScalar = 1, kAvx2 = 2, kVnni = 3, kAmx = 4 };
 
 bool vnni_available() { return minivllm::vnni_runs(); }
 
 Isa resolve(int64_t isa) {
-  TORCH_CHECK(isa >= kAuto && isa <= kVnni, "ggml: isa must be 0 (auto), 1 (scalar), 2 (avx2) "
-              "or 3 (avx512 vnni), got ", isa);
-  if (isa == kAuto) return vnni_available() ? kVnni : kAvx2;
+  TORCH_CHECK(isa >= kAuto && isa <= kAmx, "ggml: isa must be 0 (auto), 1 (scalar), 2 (avx2), "
+              "3 (avx512 vnni) or 4 (amx), got ", isa);
+  if (isa == kAuto) return minivllm::amx_runs() ? kAmx : vnni_available() ? kVnni : kAvx2;
   TORCH_CHECK(isa != kVnni || vnni_available(),
               "ggml: the AVX-512 VNNI path does not run on this CPU (or torch runs its AVX2 "
               "kernels)");
+  TORCH_CHECK(isa != kAmx || minivllm::amx_runs(),
+              "ggml: the AMX path does not run on this CPU (or torch runs its AVX2 kernels)");
   return static_cast<Isa>(isa);
 }
 
@@ -352,6 +354,14 @@ Geometry check_blocks(const at::Tensor& blocks, int64_t qtype, int64_t k, const 
 }
 
 #include "ggml_x8.h"
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni,amx-tile,amx-int8")
+namespace amx {
+using namespace vnni;  // the VNNI kernels' tiles, loads and layouts (and what AMX leaves them)
+#include "ggml_amx.h"
+}  // namespace amx
+#pragma GCC pop_options
 
 // The activation rows quantized into each of x32 / x256 given (rows split over the thread
 // pool: a prefill's rows are many).
@@ -413,19 +423,23 @@ void matmul_columns_kx8_scalar(int qtype, const uint8_t* tiles, int64_t tile_byt
 enum Family { kFamily32 = 0, kFamilyK = 1, kFamilyQ6K = 2, kFamilyQ8 = 3 };
 enum Layout { kRowLayout = 0, kTileLayout = 1 };                 // [N, row_bytes] | x8 tiles
 struct ColumnTraits {
-  ColumnsFn by_isa[3];  // indexed by Isa - kScalar
+  ColumnsFn by_isa[4];  // indexed by Isa - kScalar
 };
 constexpr ColumnTraits kColumnTraits[4][2] = {
-    {{{matmul_columns_scalar, avx2::matmul_columns, vnni::matmul_columns}},
-     {{matmul_columns_q4x8_scalar, avx2::matmul_columns_q4x8, vnni::matmul_columns_q4x8}}},
-    {{{matmul_columns_scalar, avx2::matmul_columns_k, avx2::matmul_columns_k}},
+    {{{matmul_columns_scalar, avx2::matmul_columns, vnni::matmul_columns, vnni::matmul_columns}},
+     {{matmul_columns_q4x8_scalar, avx2::matmul_columns_q4x8, vnni::matmul_columns_q4x8,
+       vnni::matmul_columns_q4x8}}},
+    {{{matmul_columns_scalar, avx2::matmul_columns_k, avx2::matmul_columns_k,
+       avx2::matmul_columns_k}},
      {{matmul_columns_kx8_scalar, one_kind<avx2::matmul_columns_q4kx8>,
-       one_kind<vnni::matmul_columns_q4kx8>}}},
-    {{{matmul_columns_scalar, avx2::matmul_columns_k, avx2::matmul_columns_k}},
+       one_kind<vnni::matmul_columns_q4kx8>, one_kind<amx::matmul_columns_q4kx8>}}},
+    {{{matmul_columns_scalar, avx2::matmul_columns_k, avx2::matmul_columns_k,
+       avx2::matmul_columns_k}},
      {{matmul_columns_kx8_scalar, one_kind<avx2::matmul_columns_q6kx8>,
-       one_kind<vnni::matmul_columns_q6kx8>}}},
-    {{{matmul_columns_scalar, avx2::matmul_columns, vnni::matmul_columns}},
-     {{matmul_columns_q8x8_scalar, avx2::matmul_columns_q8x8, vnni::matmul_columns_q8x8}}},
+       one_kind<vnni::matmul_columns_q6kx8>, one_kind<vnni::matmul_columns_q6kx8>}}},
+    {{{matmul_columns_scalar, avx2::matmul_columns, vnni::matmul_columns, vnni::matmul_columns}},
+     {{matmul_columns_q8x8_scalar, avx2::matmul_columns_q8x8, vnni::matmul_columns_q8x8,
+       vnni::matmul_columns_q8x8}}},
 };
 
 Family family(int qtype) {
@@ -653,6 +667,7 @@ TORCH_LIBRARY_FRAGMENT(minivllm, m) {
         "int tile_rows) -> Tensor");
   m.def("ggml_q4x8_repack(Tensor blocks, int qtype) -> Tensor");
   m.def("ggml_vnni() -> bool", [] { return vnni_available(); });
+  m.def("ggml_amx() -> bool", [] { return minivllm::amx_runs(); });
   m.def("ggml_scratch_bytes() -> int", [] {
     const at::Tensor& scratch = dequant_scratch();
     return static_cast<int64_t>(scratch.defined() ? scratch.nbytes() : 0);

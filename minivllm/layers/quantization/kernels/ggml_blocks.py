@@ -42,8 +42,9 @@ GGML_KERNEL_TYPES = frozenset(
     }
 )
 # The matmul's instruction sets, as the operator numbers them; "auto" is the fastest one that
-# runs here (AVX-512 VNNI where torch runs its AVX-512 kernels, else AVX2).
-ISAS = {"auto": 0, "scalar": 1, "avx2": 2, "avx512_vnni": 3}
+# runs here (AMX where the CPU has it, else AVX-512 VNNI where torch runs its AVX-512 kernels,
+# else AVX2).
+ISAS = {"auto": 0, "scalar": 1, "avx2": 2, "avx512_vnni": 3, "amx": 4}
 # Added to an X8_KINDS qtype for the operator: the blocks are `repack_q4x8`'s tiles.
 X8_FLAG = 256
 X8_KINDS = (
@@ -118,9 +119,8 @@ def available_isas() -> tuple[str, ...]:
     """The matmul instruction sets that run here (beyond "auto")."""
     if not cpu_kernels_available():
         return ()
-    return (
-        ("scalar", "avx2", "avx512_vnni") if torch.ops.minivllm.ggml_vnni() else ("scalar", "avx2")
-    )
+    ops = torch.ops.minivllm
+    return ("scalar", "avx2") + ("avx512_vnni",) * ops.ggml_vnni() + ("amx",) * ops.ggml_amx()
 
 
 def _isa(isa: str) -> int:

@@ -1,0 +1,211 @@
+// Q4_K's x8 tiles multiplied on AMX's int8 tiles: included by ggml_blocks.cpp in namespace
+// amx, after the vnni kernels (whose integers these are, and which take what AMX does not).
+//
+// Why: with many activation rows (16 decodes, each with two int8 codes: 32 rows; a
+// speculative step's drafts) the VNNI kernel spends its time in `vpdpbusd`, 32 products an
+// instruction. One AMX `tdpbsud` makes 16 x 16 x 64; on a Xeon with AMX one core sums 3.6 T
+// int8 products a second there against 0.11 T with `vpdpbusd` on 256-bit vectors.
+//
+// What stands in the way is Q4_K's 6-bit scale per group of 32 inputs: a tile sums 64 inputs
+// of every column at once, across two groups. So the scales go into the codes: sc = 8 sh + sl
+// (digits sh, sl <= 7) and a block's integer, sum_j sc_j (x . q_j), is 8 (x . sh q) + (x . sl q)
+// over all 256 inputs, where a code times a digit (<= 105) is still a byte. Each block of 16
+// columns (two x8 tiles) is split so into 8 KB of B tiles just before it is used, and its two
+// int32 sums leave the tiles once a block. The integers, the activations (QuantizedRows' codes)
+// and the float work per column are the VNNI kernel's, so the results are equal bit for bit
+// and a batch's size never changes an answer.
+//
+// Below kAmxRows rows the fixed work (the split: 2 bytes written per weight and step) costs
+// more than the products save, and the VNNI kernel runs (benchmarks/gguf_step_rows.py).
+// The operating system lends the tile registers on request (Linux: arch_prctl), once per
+// process; each call loads its tile configuration (oneDNN's AMX kernels, on the same threads,
+// load theirs) and leaves it loaded: releasing the tiles costs a trap to the kernel at the
+// next use, about 0.1 ms.
+
+constexpr int64_t kAmxRows = 32;
+
+// LDTILECFG's 64 bytes: palette 1, each tile's rows and bytes a row.
+struct TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// 16 bytes of two x8 tiles' per-column values (8 at a, 8 at b) as 16 int32 lanes.
+inline __m512i pair_u8(const uint8_t* a, const uint8_t* b) {
+  return _mm512_cvtepu8_epi32(_mm_set_epi64x(*reinterpret_cast<const int64_t*>(b),
+                                             *reinterpret_cast<const int64_t*>(a)));
+}
+// Two x8 tiles' 8 fp16 values each as 16 floats.
+inline __m512 pair_fp16(const uint8_t* a, const uint8_t* b) {
+  const __m128i lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(a));
+  const __m128i hi = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b));
+  return _mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(lo), hi, 1));
+}
+
+// Q4_K's float work of one block, in the VNNI kernel's order: the block's scale and the min
+// term, sum_j m_j * (group j's exact sum), times dmin.
+inline void q4k_epilogue(const uint8_t* ba, const uint8_t* bb, int64_t blk, int64_t blocks,
+                         const QuantizedRows& xq, int64_t r0, int rows, int64_t k,
+                         const __m512i* isum, __m512* acc) {
+  const int64_t row_groups = k / kGroup;
+  const __m512 d = pair_fp16(ba + 1152, bb + 1152);
+  const __m512 dmin = pair_fp16(ba + 1168, bb + 1168);
+  __m512 mins[16];
+  for (int r = 0; r < rows; ++r) mins[r] = _mm512_setzero_ps();
+  for (int j = 0; j < 8; ++j) {
+    const __m512 m = _mm512_cvtepi32_ps(pair_u8(ba + 1088 + 8 * j, bb + 1088 + 8 * j));
+    for (int r = 0; r < rows; ++r) {
+      const float s = xq.sums[(r0 + r) * row_groups + blk * 8 + j];
+      mins[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(s), mins[r]);
+    }
+  }
+  for (int r = 0; r < rows; ++r) {
+    const __m512 scale = _mm512_mul_ps(d, _mm512_set1_ps(xq.steps[(r0 + r) * blocks + blk]));
+    acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r]), scale, acc[r]);
+    acc[r] = _mm512_fnmadd_ps(mins[r], dmin, acc[r]);
+  }
+}
+
+// Q4_K with its group scales inside the codes, so that a block's 8 groups sum in the tiles:
+// sc = 8 sh + sl (sh, sl <= 7), and a block's integer sum_j sc_j dot_j is
+// 8 (x . sh q) + (x . sl q), where each code times a digit, at most 15 * 7 = 105, is a byte.
+// One `vpmullw` multiplies the two codes in a 16-bit lane (both of one column) by the
+// column's digit without carry. Per block and 16 columns: 8 KB, the H codes (sh q) of its 4
+// chunks of 64 inputs, then the L codes (sl q), each chunk a B tile (16 rows: group 2 i's
+// inputs 4 u .., then group 2 i + 1's).
+inline void split_q4k_block(const uint8_t* a, const uint8_t* b, int64_t blk, uint8_t* out) {
+  const __m512i nibble = _mm512_set1_epi8(0x0F), seven = _mm512_set1_epi16(7);
+  const uint8_t* ba = a + blk * kQ4KX8Bytes;
+  const uint8_t* bb = b + blk * kQ4KX8Bytes;
+  // 4 blocks ahead (past a's last block: b's first, past b's: the next pair's), as the
+  // VNNI kernel: one step streams every weight from memory once
+  for (int line = 0; line < kQ4KX8Bytes; line += 64) {
+    _mm_prefetch(reinterpret_cast<const char*>(ba + 4 * kQ4KX8Bytes + line), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(bb + 4 * kQ4KX8Bytes + line), _MM_HINT_T0);
+  }
+  __m512i sh[8], sl[8];
+  for (int j = 0; j < 8; ++j) {  // column c's digits on 16-bit lanes 2 c and 2 c + 1
+    __m512i sc = pair_u8(ba + 1024 + 8 * j, bb + 1024 + 8 * j);
+    sc = _mm512_or_si512(sc, _mm512_slli_epi32(sc, 16));
+    sh[j] = _mm512_srli_epi16(sc, 3);
+    sl[j] = _mm512_and_si512(sc, seven);
+  }
+  for (int i = 0; i < 4; ++i) {
+    uint8_t* o = out + blk * 8192 + 1024 * i;
+    for (int u = 0; u < 8; ++u) {
+      const __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(load32(ba + 256 * i + 32 * u)),
+                                           load32(bb + 256 * i + 32 * u), 1);
+      const __m512i lo = _mm512_and_si512(v, nibble);
+      const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
+      _mm512_storeu_si512(o + 64 * u, _mm512_mullo_epi16(lo, sh[2 * i]));
+      _mm512_storeu_si512(o + 512 + 64 * u, _mm512_mullo_epi16(hi, sh[2 * i + 1]));
+      _mm512_storeu_si512(o + 4096 + 64 * u, _mm512_mullo_epi16(lo, sl[2 * i]));
+      _mm512_storeu_si512(o + 4096 + 512 + 64 * u, _mm512_mullo_epi16(hi, sl[2 * i + 1]));
+    }
+  }
+}
+
+// Q4_K's tiles: rows 0-15 of a pass on C tiles 0 (H) and 1 (L) with A tile 2; rows 16-31 on
+// C tiles 5 and 6 with A tile 7; the chunk's H and L codes in B tiles 3 and 4, read by both.
+inline void configure_q4k_tiles(int rows0, int rows1) {
+  TileConfig cfg;
+  for (int t : {0, 1, 2}) cfg.rows[t] = static_cast<uint8_t>(rows0), cfg.colsb[t] = 64;
+  for (int t : {5, 6, 7}) cfg.rows[t] = static_cast<uint8_t>(rows1), cfg.colsb[t] = rows1 ? 64 : 0;
+  for (int t : {3, 4}) cfg.rows[t] = 16, cfg.colsb[t] = 64;
+  _tile_loadconfig(&cfg);
+}
+
+// One block's H and L sums of up to 32 rows (x: the block's first activation row, k apart;
+// w: its split codes), to c[0..1] (rows 0-15) and c[2..3] (rows 16-31).
+inline void q4k_block(const int8_t* x, int64_t k, const uint8_t* w, bool second,
+                      int32_t (*c)[256]) {
+  _tile_zero(0);
+  _tile_zero(1);
+  if (second) {
+    _tile_zero(5);
+    _tile_zero(6);
+  }
+  for (int i = 0; i < 4; ++i) {
+    _tile_loadd(3, w + 1024 * i, 64);
+    _tile_loadd(4, w + 4096 + 1024 * i, 64);
+    _tile_loadd(2, x + 64 * i, k);
+    _tile_dpbsud(0, 2, 3);
+    _tile_dpbsud(1, 2, 4);
+    if (second) {
+      _tile_loadd(7, x + 16 * k + 64 * i, k);
+      _tile_dpbsud(5, 7, 3);
+      _tile_dpbsud(6, 7, 4);
+    }
+  }
+  _tile_stored(0, c[0], 64);
+  _tile_stored(1, c[1], 64);
+  if (second) {
+    _tile_stored(5, c[2], 64);
+    _tile_stored(6, c[3], 64);
+  }
+}
+
+// Output columns of x8 tiles a and b (16) for rows [r0, r0 + rows), rows <= 32, their codes
+// split into w as the first rows go (r0 == 0), block by block.
+inline void dot_pair_q4k(const uint8_t* a, const uint8_t* b, uint8_t* w, int64_t blocks,
+                         const QuantizedRows& xq, int64_t r0, int rows, int64_t k, float* y,
+                         int64_t ldy) {
+  alignas(64) int32_t c[4][256];
+  __m512i isum[16];
+  __m512 acc[32];
+  const int rows0 = std::min(rows, 16), rows1 = rows - rows0;
+  for (int r = 0; r < rows; ++r) acc[r] = _mm512_setzero_ps();
+  const int8_t* x = xq.codes.data() + r0 * k;
+  // The first rows split the codes as they go, two blocks ahead: a tile load of bytes still
+  // in the store buffer waits for them to reach the cache
+  constexpr int64_t kAhead = 2;
+  for (int64_t blk = 0; r0 == 0 && blk < std::min(kAhead, blocks); ++blk) {
+    split_q4k_block(a, b, blk, w);
+  }
+  for (int64_t blk = 0; blk < blocks; ++blk) {
+    if (r0 == 0 && blk + kAhead < blocks) split_q4k_block(a, b, blk + kAhead, w);
+    q4k_block(x + blk * 256, k, w + blk * 8192, rows1 > 0, c);
+    for (int half = 0; half < (rows1 > 0 ? 2 : 1); ++half) {
+      const int n = half ? rows1 : rows0;
+      for (int r = 0; r < n; ++r) {
+        isum[r] = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(c[2 * half] + 16 * r), 3),
+                                   _mm512_load_si512(c[2 * half + 1] + 16 * r));
+      }
+      q4k_epilogue(a + blk * kQ4KX8Bytes, b + blk * kQ4KX8Bytes, blk, blocks, xq, r0 + 16 * half,
+                   n, k, isum, acc + 16 * half);
+    }
+  }
+  for (int r = 0; r < rows; ++r) _mm512_storeu_ps(y + r * ldy, acc[r]);
+}
+
+// The calling thread's buffer for a pair of tiles' split codes (32 bytes an input).
+inline uint8_t* q4k_codes_buffer(int64_t k) {
+  thread_local std::vector<uint8_t> buffer;
+  if (static_cast<int64_t>(buffer.size()) < 32 * k) buffer.resize(32 * k);
+  return buffer.data();
+}
+
+// Output columns [begin, end) (multiples of 8) of every row of xq for Q4_K's x8 tiles: pairs
+// of tiles on AMX, 32 rows at a time; a range's last odd tile, and steps of fewer than
+// kAmxRows rows, on the VNNI kernel.
+inline void matmul_columns_q4kx8(const uint8_t* tiles, int64_t tile_bytes, const QuantizedRows& xq,
+                                 int64_t rows, int64_t k, float* y, int64_t ldy, int64_t begin,
+                                 int64_t end) {
+  const int64_t t0 = begin / 8, t1 = end / 8;
+  const int64_t pairs_end = rows < kAmxRows ? t0 : t0 + (t1 - t0) / 2 * 2;
+  uint8_t* codes = pairs_end > t0 ? q4k_codes_buffer(k) : nullptr;
+  int configured = 0;
+  for (int64_t t = t0; t < pairs_end; t += 2) {
+    const uint8_t* a = tiles + t * tile_bytes;
+    for (int64_t r0 = 0; r0 < rows; r0 += 32) {
+      const int m = static_cast<int>(std::min<int64_t>(32, rows - r0));
+      if (m != configured) configure_q4k_tiles(std::min(m, 16), m - std::min(m, 16));
+      configured = m;
+      dot_pair_q4k(a, a + tile_bytes, codes, k / 256, xq, r0, m, k, y + r0 * ldy + 8 * t, ldy);
+    }
+  }
+  if (pairs_end < t1) {
+    vnni::matmul_columns_q4kx8(tiles, tile_bytes, xq, rows, k, y, ldy, 8 * pairs_end, end);
+  }
+}

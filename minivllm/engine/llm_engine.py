@@ -100,7 +100,7 @@ class LLMEngine:
         and any EngineConfig option (a draft model's speculative config loads the draft too).
         `on_resolved` is called with the model's directory as soon as it is known."""
         from minivllm.engine.draft_model import load_draft_proposer, resolve_draft
-        from minivllm.engine.memory import fit_max_model_len
+        from minivllm.engine.memory import collapse_to_huge_pages, fit_max_model_len
         from minivllm.engine.model_runner import ModelRunner
         from minivllm.engine.pooling_config import with_pooling
         from minivllm.engine.spec_cost import with_default_speculation, with_measured_draft_cost
@@ -133,6 +133,8 @@ class LLMEngine:
             chosen = options.get("speculative_config") is not None
             device_type = getattr(getattr(runner, "device", None), "type", "")  # TP: none
             config = with_default_speculation(config, runner, device_type, chosen)
+        if isinstance(runner, ModelRunner):  # now that start-up timed what it measures
+            collapse_to_huge_pages(runner.model, runner.mapped)
         return cls(config, runner, tokenizer, tracer, defaults, proposer)
 
     def close(self) -> None:

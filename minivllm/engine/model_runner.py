@@ -199,6 +199,7 @@ class ModelRunner:
         self.model, self.hf_config = self._load_model(model_dir, tp_rank, tp_size)
         # the kernel of the weights kept as stored: "int4", "qgemv", "blocks" or None (dense)
         self.weight_kernel = self._quantize()
+        self.mapped = self.gguf.addresses() if self.gguf else range(0)  # the file's own pages
         self.lora = lora_manager(config, self.model, self.dtype)
         self._read_model_shape(tp_rank, tp_size)
         self.attention_backends = self._bind_attention()  # before sizing: its peak counts
@@ -286,7 +287,7 @@ class ModelRunner:
             self.model,
             self.kv_caches,
             self.num_kv_blocks,
-            self.gguf.addresses() if self.gguf else range(0),
+            self.mapped,
             self.block_size,
         )
         logger.info(report.log_line(self.block_size, self.kv_dtype, self.device))
@@ -346,10 +347,8 @@ class ModelRunner:
             return gpu_memory.kv_blocks_after_profiled_peak(
                 self.model, self.config, shape, self.kv_dtype, self.device, self._bytes_per_block()
             )
-        mapped = self.gguf.addresses() if self.gguf else range(0)
-        budget = memory.kv_cache_budget(
-            self.config, self.device, memory.weight_bytes(self.model, mapped)[1]
-        )
+        in_file = memory.weight_bytes(self.model, self.mapped)[1]
+        budget = memory.kv_cache_budget(self.config, self.device, in_file)
         return memory.kv_blocks_for_budget(self.config, budget, self._bytes_per_block())
 
     @torch.inference_mode()

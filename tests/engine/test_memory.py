@@ -152,3 +152,56 @@ def test_a_gguf_model_counts_its_stored_blocks_once(
     assert report.weight_bytes >= dense + report.mapped_weight_bytes
     assert report.num_kv_blocks == 8 and report.kv_cache_bytes > 0
     assert "memory: weights" in caplog.text and "of it the GGUF's mapped pages" in caplog.text
+
+
+def _huge_kb(address: int) -> int:
+    """AnonHugePages (kB) of the mapping of this process that holds `address`."""
+    inside = False
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                begin, end = (int(part, 16) for part in head.split("-"))
+                inside = begin <= address < end
+            elif inside and head == "AnonHugePages:":
+                return int(line.split()[1])
+    return 0
+
+
+def _collapse_runs_here() -> bool:
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            setting = f.read()
+        release = tuple(int(p) for p in __import__("platform").release().split(".")[:2])
+    except (OSError, ValueError):
+        return False
+    return "[never]" not in setting and release >= (6, 1)  # MADV_COLLAPSE: Linux 6.1
+
+
+@pytest.mark.skipif(not _collapse_runs_here(), reason="no THP or MADV_COLLAPSE (Linux < 6.1)")
+def test_the_weights_the_load_wrote_are_collapsed_to_huge_pages_not_the_mapped_ones(
+    tmp_path, monkeypatch
+) -> None:
+    """A written weight (a repacked tile, in a plain attribute) ends on 2 MB pages; one over
+    the file's mapped pages is left alone; MINIVLLM_NO_HUGE_PAGES=1 turns it off."""
+    monkeypatch.delenv("MINIVLLM_NO_HUGE_PAGES", raising=False)
+    path = tmp_path / "w.bin"
+    path.write_bytes(b"\0" * (8 << 20))
+    with open(path, "r+b") as f:
+        mapped = mmap.mmap(f.fileno(), 0)
+    in_file = torch.frombuffer(mapped, dtype=torch.uint8)
+    written, other = (torch.ones(16 << 20, dtype=torch.uint8) for _ in range(2))
+    model = nn.Module()
+    model.tiles = _Stored(written)
+    model.lookup = in_file
+    address = in_file.data_ptr()
+    memory.collapse_to_huge_pages(model, range(address, address + (8 << 20))).join()
+    middle = 8 << 20  # advice splits a mapping: its 2 MB-aligned middle is a mapping of its own
+    assert _huge_kb(written.data_ptr() + middle) >= 2048
+    assert _huge_kb(in_file.data_ptr() + (4 << 20)) == 0
+    monkeypatch.setenv("MINIVLLM_NO_HUGE_PAGES", "1")
+    model.tiles = _Stored(other)
+    memory.collapse_to_huge_pages(model).join()
+    assert _huge_kb(other.data_ptr() + middle) == 0
+    del in_file
+    mapped.close()

@@ -47,51 +47,60 @@ void dot_tile_q4kx8(const uint8_t* tile, int64_t blocks, const QuantizedRows& xq
     const uint8_t* b = tile + blk * kQ4KX8Bytes;
     __m256i isum[Rows];
     for (int r = 0; r < Rows; ++r) isum[r] = _mm256_setzero_si256();
-    for (int j = 0; j < 8; ++j) {  // group j: chunk j / 2, its low (even j) or high nibbles
-      const uint8_t* chunk = b + 256 * (j / 2);
-      const __m128i odd = _mm_cvtsi32_si128(4 * (j & 1));
-      const int8_t* xj = codes + blk * 256 + 32 * j;
-      _mm_prefetch(reinterpret_cast<const char*>(b + 4 * kQ4KX8Bytes + 148 * j), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(b + 4 * kQ4KX8Bytes + 148 * j + 64), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(b + 4 * kQ4KX8Bytes + 148 * j + 128), _MM_HINT_T0);
-      __m256i dot[Rows];
+    for (int i = 0; i < 4; ++i) {  // chunk i: group 2 i in its low nibbles, 2 i + 1 in its high
+      const uint8_t* chunk = b + 256 * i;
+      const int8_t* xi = codes + blk * 256 + 64 * i;
+      for (int line = 0; line < 5; ++line) {  // the chunk's 296 bytes 4 blocks on (19 lines a block)
+        _mm_prefetch(reinterpret_cast<const char*>(b + 4 * kQ4KX8Bytes + 296 * i + 64 * line),
+                     _MM_HINT_T0);
+      }
+      // both groups from one load a vector: a shift for the high nibbles, none for the low
+      // (one load and three operations per 64 codes, where a group at a time took two loads
+      // and four with a shift by a register)
+      __m256i lo[Rows], hi[Rows];
 #pragma GCC unroll 8
       for (int u = 0; u < 8; ++u) {
-        // the high nibbles for odd j, by a shift count rather than a branch
-        const __m256i q = _mm256_and_si256(_mm256_srl_epi16(load32(chunk + 32 * u), odd), nibble);
-#pragma GCC unroll 8  // each row's sum a register of its own, not an array in memory
+        const __m256i v = load32(chunk + 32 * u);
+        const __m256i ql = _mm256_and_si256(v, nibble);
+        const __m256i qh = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
+#pragma GCC unroll 8  // each row's sums registers of their own, not arrays in memory
         for (int r = 0; r < Rows; ++r) {
-          int32_t x4;
-          std::memcpy(&x4, xj + r * k + 4 * u, 4);
+          int32_t xl, xh;
+          std::memcpy(&xl, xi + r * k + 4 * u, 4);
+          std::memcpy(&xh, xi + r * k + 32 + 4 * u, 4);
 #ifdef MINIVLLM_GGML_VNNI
           // int32 sums straight away: one instruction where AVX2 needs two
-          dot[r] = _mm256_dpbusd_epi32(u == 0 ? _mm256_setzero_si256() : dot[r], q,
-                                       _mm256_set1_epi32(x4));
+          const __m256i zero = _mm256_setzero_si256();
+          lo[r] = _mm256_dpbusd_epi32(u == 0 ? zero : lo[r], ql, _mm256_set1_epi32(xl));
+          hi[r] = _mm256_dpbusd_epi32(u == 0 ? zero : hi[r], qh, _mm256_set1_epi32(xh));
+          // in registers, in order (GCC otherwise spills each product); "v": any of the 32
+          // registers AVX-512 has, where "x" is the first 16
+          asm("" : "+v"(lo[r]), "+v"(hi[r]));
 #else
           // int16 sums of at most 16 products of 15 * 127: exact, below 2^15
-          const __m256i p = _mm256_maddubs_epi16(q, _mm256_set1_epi32(x4));
-          dot[r] = u == 0 ? p : _mm256_add_epi16(dot[r], p);
-#endif
-          // in a register, in order (GCC otherwise spills each product); "v": any of the 32
-          // registers AVX-512 has, where "x" is the first 16
-#ifdef MINIVLLM_GGML_VNNI
-          asm("" : "+v"(dot[r]));
-#else
-          asm("" : "+x"(dot[r]));
+          const __m256i pl = _mm256_maddubs_epi16(ql, _mm256_set1_epi32(xl));
+          const __m256i ph = _mm256_maddubs_epi16(qh, _mm256_set1_epi32(xh));
+          lo[r] = u == 0 ? pl : _mm256_add_epi16(lo[r], pl);
+          hi[r] = u == 0 ? ph : _mm256_add_epi16(hi[r], ph);
+          asm("" : "+x"(lo[r]), "+x"(hi[r]));
 #endif
         }
       }
 #ifdef MINIVLLM_GGML_VNNI
       // each column's 32 products times its 6-bit scale: below 2^31 exactly (32 * 15 * 127 * 63)
-      const __m256i scale = _mm256_cvtepu8_epi32(
-          _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 1024 + 8 * j)));
+      const auto scale = [&](int j) {
+        return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 1024 + 8 * j)));
+      };
+      const __m256i sl = scale(2 * i), sh = scale(2 * i + 1);
       for (int r = 0; r < Rows; ++r) {
-        isum[r] = _mm256_add_epi32(isum[r], _mm256_mullo_epi32(dot[r], scale));
+        isum[r] = _mm256_add_epi32(isum[r], _mm256_add_epi32(_mm256_mullo_epi32(lo[r], sl),
+                                                             _mm256_mullo_epi32(hi[r], sh)));
       }
 #else
-      const __m256i scale = column_scales(b + 1024 + 8 * j);
+      const __m256i sl = column_scales(b + 1024 + 16 * i), sh = column_scales(b + 1032 + 16 * i);
       for (int r = 0; r < Rows; ++r) {
-        isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(dot[r], scale));
+        isum[r] = _mm256_add_epi32(isum[r], _mm256_add_epi32(_mm256_madd_epi16(lo[r], sl),
+                                                             _mm256_madd_epi16(hi[r], sh)));
       }
 #endif
     }

@@ -22,6 +22,7 @@ import time
 import torch
 
 from minivllm.layers.quantization.kernels.ggml_blocks import (
+    ISAS,
     X8_FLAG,
     X8_KINDS,
     available_isas,
@@ -61,8 +62,8 @@ def run(kernel: str, x: torch.Tensor, blocks: list, kinds: list, two_codes: bool
     if kernel == "dequant":
         ops.ggml_dequant_matmul_kinds(x.bfloat16(), blocks, kind_tensor, columns, 64)
     else:
-        isa = {"auto": 0, "avx2": 2, "avx512_vnni": 3, "amx": 4}[kernel]
-        ops.ggml_matmul_segments(torch.cat([x, x]) if two_codes else x, blocks, kinds, isa)
+        rows = torch.cat([x, x]) if two_codes else x
+        ops.ggml_matmul_segments(rows, blocks, kinds, ISAS[kernel])
 
 
 def main() -> None:

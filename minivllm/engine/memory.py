@@ -74,6 +74,13 @@ def _tensors_of(value: Any, depth: int = 0) -> Iterator[torch.Tensor]:
             yield from _tensors_of(item, depth + 1)
 
 
+def _weight_tensors(model: torch.nn.Module) -> Iterator[torch.Tensor]:
+    """Every tensor the model's modules hold (parameters, buffers, plain attributes)."""
+    for module in model.modules():
+        for value in vars(module).values():
+            yield from _tensors_of(value)
+
+
 def _storage_key(tensor: torch.Tensor) -> tuple[int, int]:
     """(address, bytes) of the memory behind `tensor`: views and tied weights share one."""
     try:
@@ -98,15 +105,13 @@ def collapse_to_huge_pages(model: torch.nn.Module, mapped: range = range(0)) -> 
     at load it lengthened a 1.5B model's start by 2 s, so it runs once the engine is built,
     beside its first steps. A no-op thread off Linux or with MINIVLLM_NO_HUGE_PAGES=1."""
     regions = set()
-    for module in model.modules():
-        for value in vars(module).values():
-            for tensor in _tensors_of(value):
-                try:
-                    storage = tensor.untyped_storage()
-                except (RuntimeError, NotImplementedError):  # opaque layouts: no address
-                    continue
-                if tensor.device.type == "cpu" and storage.data_ptr() not in mapped:
-                    regions.add((storage.data_ptr(), storage.nbytes()))
+    for tensor in _weight_tensors(model):
+        try:
+            storage = tensor.untyped_storage()
+        except (RuntimeError, NotImplementedError):  # opaque layouts: no address
+            continue
+        if tensor.device.type == "cpu" and storage.data_ptr() not in mapped:
+            regions.add((storage.data_ptr(), storage.nbytes()))
     wanted = sys.platform == "linux" and os.environ.get("MINIVLLM_NO_HUGE_PAGES", "0") == "0"
     thread = threading.Thread(
         target=_collapse if wanted else lambda _: None,
@@ -134,11 +139,9 @@ def weight_bytes(model: torch.nn.Module, mapped: range = range(0)) -> tuple[int,
     tensors layers keep in attributes (packed, quantized or stored weights), each block of
     memory counted once however many tensors view it."""
     seen: dict[int, int] = {}
-    for module in model.modules():
-        for value in vars(module).values():
-            for tensor in _tensors_of(value):
-                address, size = _storage_key(tensor)
-                seen[address] = max(size, seen.get(address, 0))
+    for tensor in _weight_tensors(model):
+        address, size = _storage_key(tensor)
+        seen[address] = max(size, seen.get(address, 0))
     in_file = sum(size for address, size in seen.items() if address in mapped)
     return sum(seen.values()), in_file
 

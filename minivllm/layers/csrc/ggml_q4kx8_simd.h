@@ -50,7 +50,7 @@ void dot_tile_q4kx8(const uint8_t* tile, int64_t blocks, const QuantizedRows& xq
     for (int i = 0; i < 4; ++i) {  // chunk i: group 2 i in its low nibbles, 2 i + 1 in its high
       const uint8_t* chunk = b + 256 * i;
       const int8_t* xi = codes + blk * 256 + 64 * i;
-      for (int line = 0; line < 5; ++line) {  // the chunk's 296 bytes 4 blocks on (19 lines a block)
+      for (int line = 0; line < 5; ++line) {  // the chunk's 296 B, 4 blocks on (19 lines a block)
         _mm_prefetch(reinterpret_cast<const char*>(b + 4 * kQ4KX8Bytes + 296 * i + 64 * line),
                      _MM_HINT_T0);
       }
@@ -89,7 +89,8 @@ void dot_tile_q4kx8(const uint8_t* tile, int64_t blocks, const QuantizedRows& xq
 #ifdef MINIVLLM_GGML_VNNI
       // each column's 32 products times its 6-bit scale: below 2^31 exactly (32 * 15 * 127 * 63)
       const auto scale = [&](int j) {
-        return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 1024 + 8 * j)));
+        const auto* at = reinterpret_cast<const __m128i*>(b + 1024 + 8 * j);
+        return _mm256_cvtepu8_epi32(_mm_loadl_epi64(at));
       };
       const __m256i sl = scale(2 * i), sh = scale(2 * i + 1);
       for (int r = 0; r < Rows; ++r) {

@@ -20,8 +20,8 @@ import time
 import torch
 
 from minivllm.layers.sampler import apply_token_bitmask
-from minivllm.models.config import load_tokenizer
 from minivllm.models.paths import resolve_model_dir
+from minivllm.tokenizer import load_tokenizer
 
 SCHEMA = {
     "type": "object",

@@ -100,9 +100,9 @@ def bench_tokenizer(model: str | None) -> Any:
     directory; None: the default model)."""
     from pathlib import Path
 
-    from minivllm.models.config import load_tokenizer
     from minivllm.models.gguf import build_tokenizer
     from minivllm.models.paths import default_model_path
+    from minivllm.tokenizer import load_tokenizer
 
     path = Path(model or default_model_path()).expanduser()
     return build_tokenizer(path) if path.suffix.lower() == ".gguf" else load_tokenizer(path)

@@ -104,7 +104,9 @@ class LLMEngine:
         from minivllm.engine.model_runner import ModelRunner
         from minivllm.engine.pooling_config import with_pooling
         from minivllm.engine.spec_cost import with_default_speculation, with_measured_draft_cost
-        from minivllm.models.config import load_tokenizer, resolve_config
+        from minivllm.heap import release_free_heap
+        from minivllm.models.config import resolve_config
+        from minivllm.tokenizer import load_tokenizer
 
         config = EngineConfig.from_options(**options)
         config, model_dir, hf_config = resolve_config(config)
@@ -135,6 +137,7 @@ class LLMEngine:
             config = with_default_speculation(config, runner, device_type, chosen)
         if isinstance(runner, ModelRunner):  # now that start-up timed what it measures
             collapse_to_huge_pages(runner.model, runner.mapped)
+        release_free_heap()  # what the load and the conversion freed (minivllm/heap.py)
         return cls(config, runner, tokenizer, tracer, defaults, proposer)
 
     def close(self) -> None:

@@ -4,12 +4,15 @@ files or a torn snapshot loads from the sources again; a user's directory is nev
 
 from __future__ import annotations
 
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from minivllm.models import config as model_config
+from minivllm import tokenizer as tokenizer_module
 
 TEXT = "The quick brown fox, 12 x 7 = 84.\n<|im_start|>user"
 
@@ -27,30 +30,28 @@ def test_a_converted_tokenizer_comes_back_from_its_snapshot(
 ) -> None:
     monkeypatch.setenv("MINIVLLM_CACHE", str(tmp_path / "cache"))
     converted = _copy_tokenizer(tiny_llama_dir, tmp_path / "cache" / "gguf" / "m-0123")
-    first = model_config.load_tokenizer(converted)
+    first = tokenizer_module.load_tokenizer(converted)
     (snapshot,) = converted.glob("tokenizer-snapshot-*.pickle")
-    sources = model_config.AutoTokenizer
+    sources = tokenizer_module._from_sources
 
-    class Refuse:
-        @staticmethod
-        def from_pretrained(*args, **kwargs):
-            raise AssertionError("loaded from the sources, not the snapshot")
+    def refuse(model_dir: Path) -> None:
+        raise AssertionError("loaded from the sources, not the snapshot")
 
-    monkeypatch.setattr(model_config, "AutoTokenizer", Refuse)
-    again = model_config.load_tokenizer(converted)
+    monkeypatch.setattr(tokenizer_module, "_from_sources", refuse)
+    again = tokenizer_module.load_tokenizer(converted)
     assert type(again) is type(first)
     assert again.encode(TEXT) == first.encode(TEXT)
     assert again.decode(first.encode(TEXT)) == first.decode(first.encode(TEXT))
     assert again.eos_token_id == first.eos_token_id
 
-    monkeypatch.setattr(model_config, "AutoTokenizer", sources)
+    monkeypatch.setattr(tokenizer_module, "_from_sources", sources)
     snapshot.write_bytes(b"torn")  # a broken snapshot: the sources, then a good one again
-    assert model_config.load_tokenizer(converted).encode(TEXT) == first.encode(TEXT)
+    assert tokenizer_module.load_tokenizer(converted).encode(TEXT) == first.encode(TEXT)
     assert snapshot.read_bytes() != b"torn"
 
     tokenizer_json = converted / "tokenizer.json"
     tokenizer_json.write_text(tokenizer_json.read_text() + "\n")  # a changed source file
-    model_config.load_tokenizer(converted)
+    tokenizer_module.load_tokenizer(converted)
     (fresh,) = converted.glob("tokenizer-snapshot-*.pickle")
     assert fresh != snapshot and not snapshot.exists()
 
@@ -61,7 +62,7 @@ def test_a_users_directory_is_only_read(
     monkeypatch.setenv("MINIVLLM_CACHE", str(tmp_path / "cache"))
     users = _copy_tokenizer(tiny_llama_dir, tmp_path / "my-model")
     before = sorted(p.name for p in users.iterdir())
-    assert model_config.load_tokenizer(users).encode(TEXT)
+    assert tokenizer_module.load_tokenizer(users).encode(TEXT)
     assert sorted(p.name for p in users.iterdir()) == before
 
 
@@ -76,6 +77,27 @@ def test_a_tokenizer_that_cannot_be_kept_still_loads(
     def refuse(*args, **kwargs):
         raise TypeError("cannot pickle this tokenizer")
 
-    monkeypatch.setattr(model_config.pickle, "dumps", refuse)
-    assert model_config.load_tokenizer(converted).encode(TEXT)
+    monkeypatch.setattr(tokenizer_module.pickle, "dumps", refuse)
+    assert tokenizer_module.load_tokenizer(converted).encode(TEXT)
     assert not list(converted.glob("tokenizer-snapshot-*"))
+
+
+def test_a_snapshot_loads_without_torch(
+    tmp_path: Path, tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The server's HTTP process loads the tokenizer and has no other use for torch: from a
+    snapshot, neither `minivllm.tokenizer` nor the unpickled tokenizer imports it."""
+    monkeypatch.setenv("MINIVLLM_CACHE", str(tmp_path / "cache"))
+    converted = _copy_tokenizer(tiny_llama_dir, tmp_path / "cache" / "gguf" / "m-89ab")
+    tokenizer_module.load_tokenizer(converted)  # writes the snapshot
+    code = (
+        "import sys; from pathlib import Path; from minivllm.tokenizer import load_tokenizer; "
+        f"t = load_tokenizer(Path({str(converted)!r})); assert t.encode({TEXT!r}); "
+        "print('torch' in sys.modules)"
+    )
+    env = {**os.environ, "MINIVLLM_CACHE": str(tmp_path / "cache")}
+    result = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "False"

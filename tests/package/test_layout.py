@@ -120,6 +120,8 @@ def test_the_engine_core_imports_neither_torch_nor_the_server_nor_the_lab() -> N
         "minivllm.engine.runtime.output_processor",
         "minivllm.engine.runtime.engine_loop",
         "minivllm.config",
+        "minivllm.heap",
+        "minivllm.tokenizer",
     ]:
         source = modules[name].read_text()
         tree = ast.parse(source)
@@ -146,6 +148,8 @@ HELPERS = {
     "cache",
     "lora_request",
     "config",
+    "heap",  # malloc_trim, after a load (the HTTP process's too: torch-free)
+    "tokenizer",  # the HTTP process loads it: torch-free
     "distributed",  # the ranks' state and head split; the TP executor is in engine/
     "logprobs",
     "outputs",

@@ -111,7 +111,7 @@ class EngineProcess:
             self._send(EngineStart(engine_options, max_waiting_requests))
             resolved = self._receive_start(EngineResolved)
             # While the engine process loads the weights and compiles, on the other core.
-            from minivllm.models.config import load_tokenizer  # transformers: imported here
+            from minivllm.tokenizer import load_tokenizer  # transformers, not torch
 
             try:
                 self.tokenizer = load_tokenizer(Path(resolved.model_dir))

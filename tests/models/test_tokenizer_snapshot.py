@@ -4,13 +4,16 @@ files or a torn snapshot loads from the sources again; a user's directory is nev
 
 from __future__ import annotations
 
+import json
 import os
+import pickle
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from transformers import AutoTokenizer
 
 from minivllm import tokenizer as tokenizer_module
 
@@ -101,3 +104,33 @@ def test_a_snapshot_loads_without_torch(
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "False"
+
+
+def test_the_construction_copies_are_dropped_and_nothing_else(
+    tmp_path: Path, tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A BPE class that keeps its vocabulary and merges as Python objects beside the Rust
+    tokenizer (Qwen2's here, on the tiny vocabulary) loads without them, from the sources and
+    from the snapshot, and tokenizes as transformers' own load does."""
+    monkeypatch.setenv("MINIVLLM_CACHE", str(tmp_path / "cache"))
+    converted = _copy_tokenizer(tiny_llama_dir, tmp_path / "cache" / "gguf" / "m-cdef")
+    settings = json.loads((converted / "tokenizer_config.json").read_text())
+    settings["tokenizer_class"] = "Qwen2Tokenizer"
+    (converted / "tokenizer_config.json").write_text(json.dumps(settings))
+    reference = AutoTokenizer.from_pretrained(converted)
+    assert reference._merges  # the copies this test is about
+    messages = [{"role": "user", "content": TEXT}]
+    for _ in range(2):  # from the sources, then from the snapshot
+        loaded = tokenizer_module.load_tokenizer(converted)
+        assert type(loaded) is type(reference)
+        assert loaded.encode(TEXT) == reference.encode(TEXT)
+        ids = reference.encode(TEXT)
+        assert loaded.decode(ids, skip_special_tokens=True) == reference.decode(
+            ids, skip_special_tokens=True
+        )
+        assert loaded.get_vocab() == reference.get_vocab()
+        assert loaded.apply_chat_template(messages, tokenize=False) == (
+            reference.apply_chat_template(messages, tokenize=False)
+        )
+        assert not loaded.__dict__.get("_merges") and not loaded.__dict__.get("_vocab")
+        assert len(pickle.dumps(loaded)) < len(pickle.dumps(reference))

@@ -58,7 +58,7 @@ def _load(model_dir: Path) -> Any:
 
 # transformers 5's BPE tokenizer classes (Llama, Qwen2, Gemma...) keep the vocabulary and merges
 # they built the Rust tokenizer from as Python objects, read only by their __init__: for
-# Gemma 3's 262k tokens and 515k merges 0.14 GB in each of the server's processes, and 0.5 s
+# Gemma 3's 262k tokens and 515k merges 0.14 GB in each of the server's processes, and 0.2-0.5 s
 # of unpickling the snapshot.
 CONSTRUCTION_COPIES = ("_vocab", "_merges")
 SNAPSHOT_FORMAT = 2  # in the snapshot's name: 2 is without the copies

@@ -26,6 +26,7 @@ from minivllm.layers.sampler import (
     gather_logprobs,
     sample_from,
 )
+from minivllm.layers.top_rows import argmax_rows
 from minivllm.logprobs import Logprob
 
 
@@ -161,7 +162,7 @@ def _host_reads(
     `probs` each draft's probability and each row's recovered token (sampled from the row's
     distribution without its draft), in one copy."""
     num_rows = logits.shape[0]
-    parts = [logits.argmax(dim=-1), u_accept.to(logits.device)]  # [R], [R]
+    parts = [argmax_rows(logits), u_accept.to(logits.device)]  # [R], [R]
     if probs is not None:
         draft_rows = torch.tensor(
             [start + j for start, d in zip(starts, drafts) for j in range(len(d))],

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from minivllm.layers.sampling_candidates import CDF_BLOCK, candidates, invert_cdf, sample_among
+from minivllm.layers.top_rows import argmax_rows, topk_rows
 from minivllm.logprobs import Logprob, logprob_entry
 from minivllm.sampling_params import SamplingParams
 
@@ -90,7 +91,7 @@ def tokens_and_logprobs(
     own = logprobs.gather(-1, token_ids.unsqueeze(-1))  # [N, 1]
     ranks = (logprobs >= own).sum(dim=-1, keepdim=True)  # [N, 1]
     width = max(max(num_top, default=0), 1)
-    top_values, top_ids = logprobs.topk(width, dim=-1)  # [N, K]
+    top_values, top_ids = topk_rows(logprobs, width)  # [N, K]
     parts = [token_ids.unsqueeze(-1), own, ranks, top_ids, top_values]
     rows = torch.cat([t.to(torch.float64) for t in parts], dim=-1).tolist()  # [N, 3 + 2K]
     tokens = [int(row[0]) for row in rows]
@@ -262,7 +263,7 @@ class Sampler:
         logits = self.process(logits, batch)
 
         if batch.all_greedy:
-            tokens = logits.argmax(dim=-1)  # [N]
+            tokens = argmax_rows(logits)  # [N]
         else:
             tokens = self._sample(logits, batch)
 
@@ -352,7 +353,7 @@ class Sampler:
             sampled = sample_from(probs, self.uniforms(batch))  # [N]
         if not bool(greedy.any()):
             return sampled
-        return torch.where(greedy, logits.argmax(dim=-1), sampled)
+        return torch.where(greedy, argmax_rows(logits), sampled)
 
     def probabilities(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         """The distribution a row samples from: processed logits through temperature, top-k,

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from minivllm.layers.top_rows import topk_rows
 from minivllm.sampling_params import SamplingParams
 
 # Candidates a row samples among: enough for a nucleus of 0.95 at temperature 1 on the models
@@ -52,7 +53,7 @@ def _within(
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """`candidates` among each row's `m` largest logits."""
     vocab = scaled.shape[-1]
-    values, ids = scaled.topk(m, dim=-1)  # [N, m], largest first
+    values, ids = topk_rows(scaled, m)  # [N, m], largest first
     device = scaled.device
     sampling = torch.tensor([not p.greedy for p in params], device=device)
     top_k = torch.tensor(

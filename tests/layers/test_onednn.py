@@ -71,6 +71,7 @@ def test_a_q8_0_heads_top_logits_are_refined_to_fp32() -> None:
 
     from minivllm.layers.quantization.head import REFINED_LOGITS
     from minivllm.layers.quantization.kernels.block_weight import BlockSegment
+    from minivllm.layers.top_rows import topk_rows
 
     torch.manual_seed(2)
     q8_0 = GGMLQuantizationType.Q8_0
@@ -88,7 +89,10 @@ def test_a_q8_0_heads_top_logits_are_refined_to_fp32() -> None:
     head.set_method(exact_head)
     refined = head(hidden)
 
-    top = rounded.topk(REFINED_LOGITS, dim=-1).indices
+    # the REFINED_LOGITS highest (bf16 logits tie often: which of the tied ones at the edge
+    # is the head's choice, and topk_rows gives torch's values)
+    values, top = topk_rows(rounded, REFINED_LOGITS)
+    assert torch.equal(values, rounded.topk(REFINED_LOGITS, dim=-1).values)
     torch.testing.assert_close(refined.gather(1, top), reference.gather(1, top))
     rest = torch.ones_like(refined, dtype=torch.bool).scatter_(1, top, False)
     assert torch.equal(refined[rest], rounded[rest])

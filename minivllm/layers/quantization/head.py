@@ -28,6 +28,7 @@ from minivllm.distributed import parallel_state
 from minivllm.layers.quantization.kernels.block_weight import BlockSegment, BlockWeight, Kernel
 from minivllm.layers.quantization.kernels.onednn import OneDnnWeight, onednn_prepack_supported
 from minivllm.layers.quantization.rows import RowTable, pick
+from minivllm.layers.top_rows import topk_rows
 
 
 class Head(Protocol):
@@ -185,7 +186,7 @@ def refine_top_logits(
     (docs/benchmarks.md, "Quality against HF fp32"). The true top token is among the highest
     rounded ones, so the greedy choice and the top logprobs become the fp32 ones, at the cost
     of a top-k and `N * 16` dot products."""
-    top = logits.topk(min(REFINED_LOGITS, logits.shape[-1]), dim=-1).indices  # [N, k]
+    top = topk_rows(logits, min(REFINED_LOGITS, logits.shape[-1]))[1]  # [N, k]
     rows = exact_rows.lookup(top.flatten(), hidden.shape[-1], torch.float32)  # [N * k, in]
     exact = torch.einsum("nki,ni->nk", rows.view(*top.shape, -1), hidden.float())  # [N, k]
     return logits.scatter_(-1, top, exact)

@@ -118,17 +118,26 @@ def fetch(model: str, cache: Path) -> Path:
     return join(download(model, cache), cache / model, MODELS[model][2])
 
 
-def rss_mib(pid: int) -> float:
-    """A process's resident memory (VmRSS) in MiB, its children's included (the server's
-    engine runs in a process of its own), from /proc."""
-    total = 0.0
+def vm_rss_mib(pid: int) -> float:
+    """One process's resident memory (VmRSS) in MiB, from /proc."""
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
-            total = int(line.split()[1]) / 1024
+            return int(line.split()[1]) / 1024
+    raise RuntimeError(f"no VmRSS for process {pid}")
+
+
+def process_tree(pid: int) -> list[int]:
+    """The process and its descendants (the server's engine runs in a process of its own)."""
+    pids = [pid]
     for task in Path(f"/proc/{pid}/task").iterdir():
         for child in (task / "children").read_text().split():
-            total += rss_mib(int(child))
-    return total
+            pids += process_tree(int(child))
+    return pids
+
+
+def rss_mib(pid: int) -> float:
+    """A process's resident memory in MiB, its descendants' included."""
+    return sum(vm_rss_mib(p) for p in process_tree(pid))
 
 
 def startup(gguf: Path, starts: int = 2) -> dict[str, object]:

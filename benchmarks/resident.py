@@ -14,25 +14,10 @@ import sys
 from pathlib import Path
 
 import httpx
+from real_models import process_tree, vm_rss_mib  # beside this script
 
 from minivllm.bench.peer import find_llama_server, peer_commands, running
 from minivllm.distributed.parallel_state import free_loopback_port
-
-
-def rss_mib(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    raise RuntimeError(f"no VmRSS for process {pid}")
-
-
-def tree(pid: int) -> list[int]:
-    """The process and its descendants."""
-    pids = [pid]
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        for child in (task / "children").read_text().split():
-            pids += tree(int(child))
-    return pids
 
 
 def measure(command: list[str], url: str) -> list[float]:
@@ -41,7 +26,7 @@ def measure(command: list[str], url: str) -> list[float]:
         model = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
         body = {"model": model, "prompt": "def fibonacci(n):", "max_tokens": 32}
         httpx.post(f"{url}/v1/completions", json=body, timeout=300).raise_for_status()
-        return [rss_mib(pid) for pid in tree(process.pid)]
+        return [vm_rss_mib(pid) for pid in process_tree(process.pid)]
 
 
 def main() -> int:

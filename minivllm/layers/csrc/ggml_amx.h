@@ -43,27 +43,32 @@ inline __m512 pair_fp16(const uint8_t* a, const uint8_t* b) {
   return _mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(lo), hi, 1));
 }
 
-// Q4_K's float work of one block, in the VNNI kernel's order: the block's scale and the min
-// term, sum_j m_j * (group j's exact sum), times dmin.
+// Q4_K's float work of one block for `rows` rows, in the VNNI kernel's order: the block's
+// scale times its integer (c: the H sums of rows 0-15, their L sums, then rows 16-31's), and
+// the min term, sum_j m_j * (group j's exact sum), times dmin. Row by row, with the block's
+// values in registers and the accumulators in memory: 32 rows' accumulators, sums and mins
+// at once would not fit the 32 vector registers.
 inline void q4k_epilogue(const uint8_t* ba, const uint8_t* bb, int64_t blk, int64_t blocks,
                          const QuantizedRows& xq, int64_t r0, int rows, int64_t k,
-                         const __m512i* isum, __m512* acc) {
+                         const int32_t (*c)[256], float* acc) {
   const int64_t row_groups = k / kGroup;
   const __m512 d = pair_fp16(ba + 1152, bb + 1152);
   const __m512 dmin = pair_fp16(ba + 1168, bb + 1168);
-  __m512 mins[16];
-  for (int r = 0; r < rows; ++r) mins[r] = _mm512_setzero_ps();
+  __m512 m[8];
   for (int j = 0; j < 8; ++j) {
-    const __m512 m = _mm512_cvtepi32_ps(pair_u8(ba + 1088 + 8 * j, bb + 1088 + 8 * j));
-    for (int r = 0; r < rows; ++r) {
-      const float s = xq.sums[(r0 + r) * row_groups + blk * 8 + j];
-      mins[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(s), mins[r]);
-    }
+    m[j] = _mm512_cvtepi32_ps(pair_u8(ba + 1088 + 8 * j, bb + 1088 + 8 * j));
   }
   for (int r = 0; r < rows; ++r) {
+    const int32_t* h = c[2 * (r / 16)] + 16 * (r % 16);
+    const __m512i isum = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(h), 3),
+                                          _mm512_load_si512(h + 256));
+    const float* s = xq.sums.data() + (r0 + r) * row_groups + blk * 8;
+    __m512 mins = _mm512_setzero_ps();
+    for (int j = 0; j < 8; ++j) mins = _mm512_fmadd_ps(m[j], _mm512_set1_ps(s[j]), mins);
     const __m512 scale = _mm512_mul_ps(d, _mm512_set1_ps(xq.steps[(r0 + r) * blocks + blk]));
-    acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r]), scale, acc[r]);
-    acc[r] = _mm512_fnmadd_ps(mins[r], dmin, acc[r]);
+    __m512 a = _mm512_load_ps(acc + 16 * r);
+    a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), scale, a);
+    _mm512_store_ps(acc + 16 * r, _mm512_fnmadd_ps(mins, dmin, a));
   }
 }
 
@@ -116,10 +121,10 @@ inline void configure_q4k_tiles(int rows0, int rows1) {
   _tile_loadconfig(&cfg);
 }
 
-// One block's H and L sums of up to 32 rows (x: the block's first activation row, k apart;
-// w: its split codes), to c[0..1] (rows 0-15) and c[2..3] (rows 16-31).
-inline void q4k_block(const int8_t* x, int64_t k, const uint8_t* w, bool second,
-                      int32_t (*c)[256]) {
+// One block's H and L products of up to 32 rows issued to the tiles (x: the block's first
+// activation row, k apart; w: its split codes): rows 0-15 into C tiles 0 (H) and 1 (L), rows
+// 16-31 into 5 and 6. The sums stay in the tiles until q4k_store.
+inline void q4k_block(const int8_t* x, int64_t k, const uint8_t* w, bool second) {
   _tile_zero(0);
   _tile_zero(1);
   if (second) {
@@ -138,6 +143,10 @@ inline void q4k_block(const int8_t* x, int64_t k, const uint8_t* w, bool second,
       _tile_dpbsud(6, 7, 4);
     }
   }
+}
+
+// The sums of q4k_block to c[0..1] (rows 0-15) and c[2..3] (rows 16-31).
+inline void q4k_store(bool second, int32_t (*c)[256]) {
   _tile_stored(0, c[0], 64);
   _tile_stored(1, c[1], 64);
   if (second) {
@@ -147,15 +156,16 @@ inline void q4k_block(const int8_t* x, int64_t k, const uint8_t* w, bool second,
 }
 
 // Output columns of x8 tiles a and b (16) for rows [r0, r0 + rows), rows <= 32, their codes
-// split into w as the first rows go (r0 == 0), block by block.
+// split into w as the first rows go (r0 == 0), block by block. A block's float work waits
+// for its products; so each block's products are issued before the previous block's float
+// work, which runs while the tiles compute (two buffers of sums, one block apart).
 inline void dot_pair_q4k(const uint8_t* a, const uint8_t* b, uint8_t* w, int64_t blocks,
                          const QuantizedRows& xq, int64_t r0, int rows, int64_t k, float* y,
                          int64_t ldy) {
-  alignas(64) int32_t c[4][256];
-  __m512i isum[16];
-  __m512 acc[32];
-  const int rows0 = std::min(rows, 16), rows1 = rows - rows0;
-  for (int r = 0; r < rows; ++r) acc[r] = _mm512_setzero_ps();
+  alignas(64) int32_t c[2][4][256];
+  alignas(64) float acc[32 * 16];
+  const bool second = rows > 16;
+  for (int r = 0; r < rows; ++r) _mm512_store_ps(acc + 16 * r, _mm512_setzero_ps());
   const int8_t* x = xq.codes.data() + r0 * k;
   // The first rows split the codes as they go, two blocks ahead: a tile load of bytes still
   // in the store buffer waits for them to reach the cache
@@ -164,24 +174,22 @@ inline void dot_pair_q4k(const uint8_t* a, const uint8_t* b, uint8_t* w, int64_t
     split_q4k_block(a, b, blk, w);
   }
   for (int64_t blk = 0; blk < blocks; ++blk) {
-    if (r0 == 0 && blk + kAhead < blocks) split_q4k_block(a, b, blk + kAhead, w);
-    q4k_block(x + blk * 256, k, w + blk * 8192, rows1 > 0, c);
-    for (int half = 0; half < (rows1 > 0 ? 2 : 1); ++half) {
-      const int n = half ? rows1 : rows0;
-      for (int r = 0; r < n; ++r) {
-        isum[r] = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(c[2 * half] + 16 * r), 3),
-                                   _mm512_load_si512(c[2 * half + 1] + 16 * r));
-      }
-      q4k_epilogue(a + blk * kQ4KX8Bytes, b + blk * kQ4KX8Bytes, blk, blocks, xq, r0 + 16 * half,
-                   n, k, isum, acc + 16 * half);
+    q4k_block(x + blk * 256, k, w + blk * 8192, second);
+    if (blk > 0) {
+      q4k_epilogue(a + (blk - 1) * kQ4KX8Bytes, b + (blk - 1) * kQ4KX8Bytes, blk - 1, blocks,
+                   xq, r0, rows, k, c[(blk - 1) & 1], acc);
     }
+    if (r0 == 0 && blk + kAhead < blocks) split_q4k_block(a, b, blk + kAhead, w);
+    q4k_store(second, c[blk & 1]);
   }
-  for (int r = 0; r < rows; ++r) _mm512_storeu_ps(y + r * ldy, acc[r]);
+  q4k_epilogue(a + (blocks - 1) * kQ4KX8Bytes, b + (blocks - 1) * kQ4KX8Bytes, blocks - 1,
+               blocks, xq, r0, rows, k, c[(blocks - 1) & 1], acc);
+  for (int r = 0; r < rows; ++r) _mm512_storeu_ps(y + r * ldy, _mm512_load_ps(acc + 16 * r));
 }
 
 // The calling thread's buffer for a pair of tiles' split codes (32 bytes an input).
 inline uint8_t* q4k_codes_buffer(int64_t k) {
-  thread_local std::vector<uint8_t> buffer;
+  thread_local LineVector<uint8_t> buffer;
   if (static_cast<int64_t>(buffer.size()) < 32 * k) buffer.resize(32 * k);
   return buffer.data();
 }

@@ -388,3 +388,30 @@ def test_fake_ops_match_real_ones() -> None:
     torch.library.opcheck(
         ops.ggml_dequant_matmul.default, (x, raw, int(T.Q6_K), 3), test_utils=checks
     )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_fused_dequant_matmul_writes_each_segment_in_its_columns(dtype: torch.dtype) -> None:
+    """A prefill's fused layer (Q4_K tiles, Q6_K tiles, plain Q8_0 rows side by side), its
+    weights dequantized a few rows at a time, equals each segment's own matmul, each in its
+    columns, and the dequantized weights' product; a wrong column count is a clear error."""
+    k = 512
+    kinds = [(T.Q4_K, 24, True), (T.Q6_K, 16, True), (T.Q8_0, 12, False)]
+    blocks, qtypes = [], []
+    for seed, (qtype, n, x8) in enumerate(kinds):
+        raw = torch.from_numpy(random_blocks(qtype, n, k, seed=seed))
+        blocks.append(repack_q4x8(raw, qtype) if x8 else raw)
+        qtypes.append(int(qtype) + (X8_FLAG if x8 else 0))
+    x = torch.randn(70, k).to(dtype)
+    ops = torch.ops.minivllm
+    fused = ops.ggml_dequant_matmul_kinds(x, blocks, torch.tensor(qtypes), 52, 5)
+    parts = [ops.ggml_dequant_matmul(x, b, q, 5) for b, q in zip(blocks, qtypes)]
+    assert fused.dtype == dtype and torch.equal(fused, torch.cat(parts, dim=1))
+    dense = torch.cat(
+        [ops.ggml_dequantize(b, q, k, torch.float32, 0) for b, q in zip(blocks, qtypes)]
+    )
+    torch.testing.assert_close(
+        fused.float(), x.float() @ dense.to(dtype).float().T, rtol=2e-2, atol=5e-2
+    )
+    with pytest.raises(RuntimeError, match="give 52 output columns, not 50"):
+        ops.ggml_dequant_matmul_kinds(x, blocks, torch.tensor(qtypes), 50, 5)

@@ -250,6 +250,24 @@ def test_amx_gives_the_vnni_kernels_results_bit_for_bit() -> None:
         assert torch.equal(ops.ggml_matmul_segments(x, tiles, kinds, 0), vnni), m  # auto: AMX
 
 
+@pytest.mark.skipif("avx512_vnni" not in ISAS, reason="no AVX-512 VNNI here")
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K], ids=lambda t: t.name)
+def test_vnni_gives_the_avx2_kernels_results_bit_for_bit(qtype: T) -> None:
+    """The K kinds' tiles on AVX-512 VNNI (Q6_K two tiles at a time on 512-bit vectors, an odd
+    last one alone) compute AVX2's integers and float work: equal results at every row count
+    the tile loop splits differently (1..8 rows at once, 64-row chunks)."""
+    k = 512
+    tiles = repack_q4x8(torch.from_numpy(random_blocks(qtype, 40, k, seed=4)), qtype)
+    kind = [int(qtype) + X8_FLAG]
+    torch.manual_seed(2)
+    for m in (1, 2, 5, 8, 9, 16, 33, 70):
+        x = torch.randn(m, k) * torch.rand(m, k).pow(8).mul(60).add(1)
+        ops = torch.ops.minivllm
+        avx2 = ops.ggml_matmul_segments(x, [tiles], kind, ISAS.index("avx2") + 1)
+        vnni = ops.ggml_matmul_segments(x, [tiles], kind, ISAS.index("avx512_vnni") + 1)
+        assert torch.equal(vnni, avx2), m
+
+
 def test_x8_bad_input_is_a_clear_error() -> None:
     raw = torch.from_numpy(random_blocks(T.Q4_0, 12, 64))
     with pytest.raises(ValueError, match="multiple of 8|8k"):

@@ -112,7 +112,9 @@ void dot_tile_q4x8(const uint8_t* tile, int64_t groups, const QuantizedRows& xq,
 // ggml_blocks.cpp, GCC compiled the AVX2 tile loops slower at several activation rows
 // (`benchmarks/ggml_kernels.py --rows 16`); out of line, as when an if-chain called them,
 // they run as before.
-template <int MaxRows = 4, typename Tile>
+// With Span 2, tile(t, ...) takes tiles t and t + 1 (16 columns), and [begin, end) must hold
+// an even number of tiles.
+template <int MaxRows = 4, int Span = 1, typename Tile>
 [[gnu::noinline]] void for_each_x8_tile(int64_t rows, int64_t begin, int64_t end, Tile tile) {
   for (int64_t c0 = 0; c0 < rows; c0 += 64) {
     const int64_t c1 = std::min(rows, c0 + 64);
@@ -120,7 +122,7 @@ template <int MaxRows = 4, typename Tile>
       const int64_t t1 = std::min(end / 8, t0 + 4);
       for (int64_t r0 = c0; r0 < c1;) {
         const int64_t step = MaxRows == 8 && c1 - r0 >= 8 ? 8 : std::min<int64_t>(4, c1 - r0);
-        for (int64_t t = t0; t < t1; ++t) {
+        for (int64_t t = t0; t < t1; t += Span) {
           switch (step) {
             case 8:
               if constexpr (MaxRows == 8) tile(t, r0, std::integral_constant<int, 8>{});

@@ -94,10 +94,83 @@ void dot_tile_q6kx8(const uint8_t* tile, int64_t blocks, const QuantizedRows& xq
   for (int r = 0; r < Rows; ++r) _mm256_storeu_ps(y + r * ldy, acc[r]);
 }
 
-// Output columns [begin, end) (multiples of 8) of every row of xq.
+#ifdef MINIVLLM_GGML_VNNI
+// Two tiles' 8 bytes (at a, at b) as 16 int32 lanes, sign-extended: their 8 columns' scales.
+inline __m512i pair_scales(const uint8_t* a, const uint8_t* b) {
+  return _mm512_cvtepi8_epi32(_mm_set_epi64x(*reinterpret_cast<const int64_t*>(b),
+                                             *reinterpret_cast<const int64_t*>(a)));
+}
+
+// dot_tile_q6kx8 for tiles a and b at once (output columns n0 .. n0 + 16): each 512-bit
+// `vpdpbusd` takes both tiles' 32 bytes, so a broadcast activation meets 16 columns, not 8.
+// Lane for lane the same integers and float work as two calls of dot_tile_q6kx8: the same
+// results. With 16 and more activation rows (a batch of decodes, two codes each) the
+// products, not the weights' bytes, bound the step; this halves their instructions.
+template <int Rows>
+void dot_pair_q6kx8(const uint8_t* a, const uint8_t* b, int64_t blocks, const QuantizedRows& xq,
+                    int64_t row0, int64_t k, float* y, int64_t ldy) {
+  const uint8_t* codes = xq.ucodes.data() + row0 * k;
+  const float* steps = xq.steps.data() + row0 * blocks;
+  __m512 acc[Rows];
+  for (int r = 0; r < Rows; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t blk = 0; blk < blocks; ++blk) {
+    const uint8_t* ba = a + blk * kQ6KX8Bytes;
+    const uint8_t* bb = b + blk * kQ6KX8Bytes;
+    __m512i isum[Rows];
+    for (int r = 0; r < Rows; ++r) isum[r] = _mm512_setzero_si512();
+    for (int g = 0; g < 16; ++g) {
+      for (const uint8_t* t : {ba, bb}) {
+        _mm_prefetch(reinterpret_cast<const char*>(t + 4 * kQ6KX8Bytes + 140 * g), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(t + 4 * kQ6KX8Bytes + 140 * g + 64),
+                     _MM_HINT_T0);
+      }
+      __m512i dot[Rows];
+#pragma GCC unroll 4
+      for (int u = 0; u < 4; ++u) {
+        const __m512i w = _mm512_inserti64x4(_mm512_castsi256_si512(load32(ba + 32 * (4 * g + u))),
+                                             load32(bb + 32 * (4 * g + u)), 1);
+#pragma GCC unroll 8
+        for (int r = 0; r < Rows; ++r) {
+          int32_t x4;
+          std::memcpy(&x4, codes + r * k + blk * 256 + 4 * (4 * g + u), 4);
+          dot[r] = _mm512_dpbusd_epi32(u == 0 ? _mm512_setzero_si512() : dot[r],
+                                       _mm512_set1_epi32(x4), w);
+          asm("" : "+v"(dot[r]));
+        }
+      }
+      const __m512i scale = pair_scales(ba + 2048 + 8 * g, bb + 2048 + 8 * g);
+      for (int r = 0; r < Rows; ++r) {
+        isum[r] = _mm512_add_epi32(isum[r], _mm512_mullo_epi32(dot[r], scale));
+      }
+    }
+    const __m512 d = _mm512_cvtph_ps(_mm256_inserti128_si256(
+        _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(ba + 2176))),
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(bb + 2176)), 1));
+    const __m512i offset =
+        _mm512_inserti64x4(_mm512_castsi256_si512(load32(ba + 2192)), load32(bb + 2192), 1);
+    for (int r = 0; r < Rows; ++r) {
+      const __m512 scale = _mm512_mul_ps(d, _mm512_set1_ps(steps[r * blocks + blk]));
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(isum[r], offset)), scale, acc[r]);
+    }
+  }
+  for (int r = 0; r < Rows; ++r) _mm512_storeu_ps(y + r * ldy, acc[r]);
+}
+#endif
+
+// Output columns [begin, end) (multiples of 8) of every row of xq: with VNNI, tiles two at a
+// time on 512-bit vectors, an odd last tile alone.
 inline void matmul_columns_q6kx8(const uint8_t* tiles, int64_t tile_bytes,
                                  const QuantizedRows& xq, int64_t rows, int64_t k, float* y,
                                  int64_t ldy, int64_t begin, int64_t end) {
+#ifdef MINIVLLM_GGML_VNNI
+  const int64_t pairs_end = begin + (end - begin) / 16 * 16;
+  for_each_x8_tile<kKTileRows, 2>(rows, begin, pairs_end, [&](int64_t t, int64_t r0, auto tile_rows) {
+    dot_pair_q6kx8<decltype(tile_rows)::value>(tiles + t * tile_bytes, tiles + (t + 1) * tile_bytes,
+                                               k / 256, xq, r0, k, y + r0 * ldy + 8 * t, ldy);
+  });
+  begin = pairs_end;
+  if (begin == end) return;
+#endif
   for_each_x8_tile<kKTileRows>(rows, begin, end, [&](int64_t t, int64_t r0, auto tile_rows) {
     dot_tile_q6kx8<decltype(tile_rows)::value>(tiles + t * tile_bytes, k / 256, xq, r0, k,
                                                y + r0 * ldy + 8 * t, ldy);

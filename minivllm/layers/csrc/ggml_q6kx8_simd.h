@@ -157,13 +157,18 @@ void dot_pair_q6kx8(const uint8_t* a, const uint8_t* b, int64_t blocks, const Qu
 }
 #endif
 
-// Output columns [begin, end) (multiples of 8) of every row of xq: with VNNI, tiles two at a
-// time on 512-bit vectors, an odd last tile alone.
+// Output columns [begin, end) (multiples of 8) of every row of xq: with VNNI, at up to 4 and
+// from 32 rows tiles two at a time on 512-bit vectors (an odd last tile alone). Between, the
+// pairs lost: one thread, 2048 -> 8192 (`benchmarks/ggml_kernels.py --threads 1`), single
+// tiles / pairs at 4 rows 1960 / 1740 us, 8 rows 1790 / 2280, 16 rows 2860 / 2950, 32 rows
+// 5080 / 4420 (a pass of 8 rows streaming the weights from memory runs slower in pairs; the
+// passes after it, from cache, faster).
 inline void matmul_columns_q6kx8(const uint8_t* tiles, int64_t tile_bytes,
                                  const QuantizedRows& xq, int64_t rows, int64_t k, float* y,
                                  int64_t ldy, int64_t begin, int64_t end) {
 #ifdef MINIVLLM_GGML_VNNI
-  const int64_t pairs_end = begin + (end - begin) / 16 * 16;
+  const bool pairs = rows <= 4 || rows >= 32;
+  const int64_t pairs_end = pairs ? begin + (end - begin) / 16 * 16 : begin;
   for_each_x8_tile<kKTileRows, 2>(rows, begin, pairs_end, [&](int64_t t, int64_t r0, auto tile_rows) {
     dot_pair_q6kx8<decltype(tile_rows)::value>(tiles + t * tile_bytes, tiles + (t + 1) * tile_bytes,
                                                k / 256, xq, r0, k, y + r0 * ldy + 8 * t, ldy);

@@ -232,10 +232,10 @@ def test_k_x8_layout_computes_the_stored_blocks_integers(qtype: T, isa: str) -> 
 
 @pytest.mark.skipif("amx" not in ISAS, reason="no AMX here (or torch runs its AVX2 kernels)")
 def test_amx_gives_the_vnni_kernels_results_bit_for_bit() -> None:
-    """Q4_K's x8 tiles on AMX (from 32 rows: two codes of 16 decodes) compute the VNNI
+    """Q4_K's x8 tiles on AMX (from 14 rows: two codes of 7 decodes) compute the VNNI
     kernel's integers and float work: equal results, every row count around the thresholds
-    (fewer than 32 rows, 32 a pass, a second pass of 1..32), odd tiles at a range's end,
-    fused segments of both K kinds, activations with outliers."""
+    (fewer than 14 rows, 14-16 on half the tiles, 32 a pass, a second pass of 1..32), odd
+    tiles at a range's end, fused segments of both K kinds, activations with outliers."""
     k = 768
     q4 = torch.from_numpy(random_blocks(T.Q4_K, 40, k, seed=3))  # 5 tiles: a lone last one
     q6 = torch.from_numpy(random_blocks(T.Q6_K, 16, k, seed=4))
@@ -243,7 +243,7 @@ def test_amx_gives_the_vnni_kernels_results_bit_for_bit() -> None:
     kinds = [int(T.Q4_K) + X8_FLAG, int(T.Q6_K) + X8_FLAG]
     ops = torch.ops.minivllm
     torch.manual_seed(1)
-    for m in (1, 16, 31, 32, 33, 48, 64, 70):
+    for m in (1, 13, 14, 15, 16, 17, 31, 32, 33, 48, 64, 70):
         x = torch.randn(m, k) * torch.rand(m, k).pow(8).mul(60).add(1)
         vnni = ops.ggml_matmul_segments(x, tiles, kinds, ISAS.index("avx512_vnni") + 1)
         assert torch.equal(ops.ggml_matmul_segments(x, tiles, kinds, ISAS.index("amx") + 1), vnni)

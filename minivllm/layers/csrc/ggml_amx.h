@@ -16,13 +16,15 @@
 // and a batch's size never changes an answer.
 //
 // Below kAmxRows rows the fixed work (the split: 2 bytes written per weight and step) costs
-// more than the products save, and the VNNI kernel runs (benchmarks/gguf_step_rows.py).
+// more than the products save, and the VNNI kernel runs: `benchmarks/gguf_step_rows.py FILE
+// --two-codes` on the Xeon, the coder's step, VNNI / AMX from 10 integer rows 100 / 103 ms,
+// 12 rows 111 / 110, 14 rows 128 / 118, 16 rows 135 / 122, 24 rows 188 / 159.
 // The operating system lends the tile registers on request (Linux: arch_prctl), once per
 // process; each call loads its tile configuration (oneDNN's AMX kernels, on the same threads,
 // load theirs) and leaves it loaded: releasing the tiles costs a trap to the kernel at the
 // next use, about 0.1 ms.
 
-constexpr int64_t kAmxRows = 32;
+constexpr int64_t kAmxRows = 14;
 
 // LDTILECFG's 64 bytes: palette 1, each tile's rows and bytes a row.
 struct TileConfig {

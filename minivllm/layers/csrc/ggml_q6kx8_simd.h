@@ -104,8 +104,8 @@ inline __m512i pair_scales(const uint8_t* a, const uint8_t* b) {
 // dot_tile_q6kx8 for tiles a and b at once (output columns n0 .. n0 + 16): each 512-bit
 // `vpdpbusd` takes both tiles' 32 bytes, so a broadcast activation meets 16 columns, not 8.
 // Lane for lane the same integers and float work as two calls of dot_tile_q6kx8: the same
-// results. With 16 and more activation rows (a batch of decodes, two codes each) the
-// products, not the weights' bytes, bound the step; this halves their instructions.
+// results. Where the products, not the weights' bytes, bound the step (a batch of decodes,
+// two codes each), this halves their broadcasts, scale multiplies and float work.
 template <int Rows>
 void dot_pair_q6kx8(const uint8_t* a, const uint8_t* b, int64_t blocks, const QuantizedRows& xq,
                     int64_t row0, int64_t k, float* y, int64_t ldy) {
@@ -127,8 +127,9 @@ void dot_pair_q6kx8(const uint8_t* a, const uint8_t* b, int64_t blocks, const Qu
       __m512i dot[Rows];
 #pragma GCC unroll 4
       for (int u = 0; u < 4; ++u) {
-        const __m512i w = _mm512_inserti64x4(_mm512_castsi256_si512(load32(ba + 32 * (4 * g + u))),
-                                             load32(bb + 32 * (4 * g + u)), 1);
+        const int64_t v = 32 * (4 * g + u);
+        const __m512i w =
+            _mm512_inserti64x4(_mm512_castsi256_si512(load32(ba + v)), load32(bb + v), 1);
 #pragma GCC unroll 8
         for (int r = 0; r < Rows; ++r) {
           int32_t x4;
@@ -150,7 +151,8 @@ void dot_pair_q6kx8(const uint8_t* a, const uint8_t* b, int64_t blocks, const Qu
         _mm512_inserti64x4(_mm512_castsi256_si512(load32(ba + 2192)), load32(bb + 2192), 1);
     for (int r = 0; r < Rows; ++r) {
       const __m512 scale = _mm512_mul_ps(d, _mm512_set1_ps(steps[r * blocks + blk]));
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(isum[r], offset)), scale, acc[r]);
+      const __m512i centred = _mm512_sub_epi32(isum[r], offset);
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(centred), scale, acc[r]);
     }
   }
   for (int r = 0; r < Rows; ++r) _mm512_storeu_ps(y + r * ldy, acc[r]);
@@ -169,10 +171,12 @@ inline void matmul_columns_q6kx8(const uint8_t* tiles, int64_t tile_bytes,
 #ifdef MINIVLLM_GGML_VNNI
   const bool pairs = rows <= 4 || rows >= 32;
   const int64_t pairs_end = pairs ? begin + (end - begin) / 16 * 16 : begin;
-  for_each_x8_tile<kKTileRows, 2>(rows, begin, pairs_end, [&](int64_t t, int64_t r0, auto tile_rows) {
-    dot_pair_q6kx8<decltype(tile_rows)::value>(tiles + t * tile_bytes, tiles + (t + 1) * tile_bytes,
-                                               k / 256, xq, r0, k, y + r0 * ldy + 8 * t, ldy);
-  });
+  const auto pair = [&](int64_t t, int64_t r0, auto tile_rows) {
+    const uint8_t* a = tiles + t * tile_bytes;
+    dot_pair_q6kx8<decltype(tile_rows)::value>(a, a + tile_bytes, k / 256, xq, r0, k,
+                                               y + r0 * ldy + 8 * t, ldy);
+  };
+  for_each_x8_tile<kKTileRows, 2>(rows, begin, pairs_end, pair);
   begin = pairs_end;
   if (begin == end) return;
 #endif

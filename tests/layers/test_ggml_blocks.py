@@ -232,13 +232,14 @@ def test_k_x8_layout_computes_the_stored_blocks_integers(qtype: T, isa: str) -> 
 
 @pytest.mark.skipif("amx" not in ISAS, reason="no AMX here (or torch runs its AVX2 kernels)")
 def test_amx_gives_the_vnni_kernels_results_bit_for_bit() -> None:
-    """Q4_K's x8 tiles on AMX (from 14 rows: two codes of 7 decodes) compute the VNNI
-    kernel's integers and float work: equal results, every row count around the thresholds
-    (fewer than 14 rows, 14-16 on half the tiles, 32 a pass, a second pass of 1..32), odd
-    tiles at a range's end, fused segments of both K kinds, activations with outliers."""
+    """Q4_K's and Q6_K's x8 tiles on AMX (from 14 rows: two codes of 7 decodes) compute the
+    VNNI kernels' integers and float work: equal results, every row count around the
+    thresholds (fewer than 14 rows, 14-16 on half the tiles, 32 a pass, a second pass of
+    1..32), odd tiles at a range's end, fused segments of both K kinds, activations with
+    outliers, Q6_K's random scales reaching -128 and its codes 0 and 63."""
     k = 768
     q4 = torch.from_numpy(random_blocks(T.Q4_K, 40, k, seed=3))  # 5 tiles: a lone last one
-    q6 = torch.from_numpy(random_blocks(T.Q6_K, 16, k, seed=4))
+    q6 = torch.from_numpy(random_blocks(T.Q6_K, 24, k, seed=4))  # 3 tiles
     tiles = [repack_q4x8(q4, T.Q4_K), repack_q4x8(q6, T.Q6_K)]
     kinds = [int(T.Q4_K) + X8_FLAG, int(T.Q6_K) + X8_FLAG]
     ops = torch.ops.minivllm

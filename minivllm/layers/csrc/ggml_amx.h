@@ -25,6 +25,7 @@
 // next use, about 0.1 ms.
 
 constexpr int64_t kAmxRows = 14;
+constexpr int64_t kAmxRowsQ6K = 14;  // Q6_K's (below)
 
 // LDTILECFG's 64 bytes: palette 1, each tile's rows and bytes a row.
 struct TileConfig {
@@ -125,7 +126,9 @@ inline void configure_q4k_tiles(int rows0, int rows1) {
 
 // One block's H and L products of up to 32 rows issued to the tiles (x: the block's first
 // activation row, k apart; w: its split codes): rows 0-15 into C tiles 0 (H) and 1 (L), rows
-// 16-31 into 5 and 6. The sums stay in the tiles until q4k_store.
+// 16-31 into 5 and 6. The sums stay in the tiles until q4k_store. Q4_K's H codes are unsigned
+// (`tdpbsud`); Q6_K's (SignedHigh) signed (`tdpbssd`); the L codes are unsigned in both.
+template <bool SignedHigh = false>
 inline void q4k_block(const int8_t* x, int64_t k, const uint8_t* w, bool second) {
   _tile_zero(0);
   _tile_zero(1);
@@ -137,11 +140,19 @@ inline void q4k_block(const int8_t* x, int64_t k, const uint8_t* w, bool second)
     _tile_loadd(3, w + 1024 * i, 64);
     _tile_loadd(4, w + 4096 + 1024 * i, 64);
     _tile_loadd(2, x + 64 * i, k);
-    _tile_dpbsud(0, 2, 3);
+    if constexpr (SignedHigh) {
+      _tile_dpbssd(0, 2, 3);
+    } else {
+      _tile_dpbsud(0, 2, 3);
+    }
     _tile_dpbsud(1, 2, 4);
     if (second) {
       _tile_loadd(7, x + 16 * k + 64 * i, k);
-      _tile_dpbsud(5, 7, 3);
+      if constexpr (SignedHigh) {
+        _tile_dpbssd(5, 7, 3);
+      } else {
+        _tile_dpbsud(5, 7, 3);
+      }
       _tile_dpbsud(6, 7, 4);
     }
   }
@@ -217,5 +228,110 @@ inline void matmul_columns_q4kx8(const uint8_t* tiles, int64_t tile_bytes, const
   }
   if (pairs_end < t1) {
     vnni::matmul_columns_q4kx8(tiles, tile_bytes, xq, rows, k, y, ldy, 8 * pairs_end, end);
+  }
+}
+
+// Q6_K on the same tiles. Its x8 tiles hold centred codes (q - 32, a signed byte) and a signed
+// 8-bit scale per group of 16 inputs and column; a weight's integer w = sc (q - 32) needs 13
+// bits, so it is split into bytes: w = 256 hi + lo, lo unsigned (w & 255), hi signed (w >> 8,
+// -16..16). A block's integer is then 256 (x . hi) + (x . lo) over its 256 inputs: the VNNI
+// kernel's integer (which takes x + 128 and subtracts the offset that adds), so the results
+// are its own bit for bit. A B tile row is an x8 vector of each tile (8 columns' 4 inputs),
+// side by side: 16 columns.
+inline void split_q6k_block(const uint8_t* a, const uint8_t* b, int64_t blk, uint8_t* out) {
+  const uint8_t* ba = a + blk * kQ6KX8Bytes;
+  const uint8_t* bb = b + blk * kQ6KX8Bytes;
+  for (int line = 0; line < kQ6KX8Bytes; line += 64) {
+    _mm_prefetch(reinterpret_cast<const char*>(ba + 4 * kQ6KX8Bytes + line), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(bb + 4 * kQ6KX8Bytes + line), _MM_HINT_T0);
+  }
+  // A vector of both tiles' codes (a's 32 bytes, then b's) is multiplied as its even and its
+  // odd bytes, each sign-extended in place to 16 bits: no byte shuffles, which share one port.
+  // 16-bit lane l holds bytes 2 l, 2 l + 1, of column l / 2 (a's 8, then b's): its scale.
+  const __m512i pairs = _mm512_set_epi16(15, 15, 14, 14, 13, 13, 12, 12, 11, 11, 10, 10, 9, 9, 8,
+                                         8, 7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+  const __m512i low = _mm512_set1_epi16(0x00FF), high = _mm512_set1_epi16(-256);
+  for (int g = 0; g < 16; ++g) {
+    const __m128i s8 = _mm_set_epi64x(*reinterpret_cast<const int64_t*>(bb + 2048 + 8 * g),
+                                      *reinterpret_cast<const int64_t*>(ba + 2048 + 8 * g));
+    const __m512i sc =
+        _mm512_permutexvar_epi16(pairs, _mm512_castsi256_si512(_mm256_cvtepi8_epi16(s8)));
+    for (int u = 0; u < 4; ++u) {
+      const int v = 4 * g + u;  // inputs 4 v .. 4 v + 3: row v % 16 of chunk v / 16's B tiles
+      const __m512i c = _mm512_inserti64x4(_mm512_castsi256_si512(load32(ba + 32 * v)),
+                                           load32(bb + 32 * v), 1);
+      const __m512i even = _mm512_mullo_epi16(_mm512_srai_epi16(_mm512_slli_epi16(c, 8), 8), sc);
+      const __m512i odd = _mm512_mullo_epi16(_mm512_srai_epi16(c, 8), sc);
+      uint8_t* o = out + blk * 8192 + 1024 * (v / 16) + 64 * (v % 16);
+      _mm512_storeu_si512(o, _mm512_or_si512(_mm512_srli_epi16(even, 8),
+                                             _mm512_and_si512(odd, high)));  // high bytes
+      _mm512_storeu_si512(o + 4096, _mm512_or_si512(_mm512_and_si512(even, low),
+                                                    _mm512_slli_epi16(odd, 8)));  // low bytes
+    }
+  }
+}
+
+// Q6_K's float work of one block: the VNNI kernel's, scale d times the row's step.
+inline void q6k_epilogue(const uint8_t* ba, const uint8_t* bb, int64_t blk, int64_t blocks,
+                         const QuantizedRows& xq, int64_t r0, int rows,
+                         const int32_t (*c)[256], float* acc) {
+  const __m512 d = pair_fp16(ba + 2176, bb + 2176);
+  for (int r = 0; r < rows; ++r) {
+    const int32_t* h = c[2 * (r / 16)] + 16 * (r % 16);
+    const __m512i isum = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(h), 8),
+                                          _mm512_load_si512(h + 256));
+    const __m512 scale = _mm512_mul_ps(d, _mm512_set1_ps(xq.steps[(r0 + r) * blocks + blk]));
+    __m512 a = _mm512_load_ps(acc + 16 * r);
+    _mm512_store_ps(acc + 16 * r, _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), scale, a));
+  }
+}
+
+// dot_pair_q4k for Q6_K's tiles.
+inline void dot_pair_q6k(const uint8_t* a, const uint8_t* b, uint8_t* w, int64_t blocks,
+                         const QuantizedRows& xq, int64_t r0, int rows, int64_t k, float* y,
+                         int64_t ldy) {
+  alignas(64) int32_t c[2][4][256];
+  alignas(64) float acc[32 * 16];
+  const bool second = rows > 16;
+  for (int r = 0; r < rows; ++r) _mm512_store_ps(acc + 16 * r, _mm512_setzero_ps());
+  const int8_t* x = xq.codes.data() + r0 * k;
+  constexpr int64_t kAhead = 2;
+  for (int64_t blk = 0; r0 == 0 && blk < std::min(kAhead, blocks); ++blk) {
+    split_q6k_block(a, b, blk, w);
+  }
+  for (int64_t blk = 0; blk < blocks; ++blk) {
+    q4k_block<true>(x + blk * 256, k, w + blk * 8192, second);
+    if (blk > 0) {
+      q6k_epilogue(a + (blk - 1) * kQ6KX8Bytes, b + (blk - 1) * kQ6KX8Bytes, blk - 1, blocks, xq,
+                   r0, rows, c[(blk - 1) & 1], acc);
+    }
+    if (r0 == 0 && blk + kAhead < blocks) split_q6k_block(a, b, blk + kAhead, w);
+    q4k_store(second, c[blk & 1]);
+  }
+  q6k_epilogue(a + (blocks - 1) * kQ6KX8Bytes, b + (blocks - 1) * kQ6KX8Bytes, blocks - 1,
+               blocks, xq, r0, rows, c[(blocks - 1) & 1], acc);
+  for (int r = 0; r < rows; ++r) _mm512_storeu_ps(y + r * ldy, _mm512_load_ps(acc + 16 * r));
+}
+
+// matmul_columns_q4kx8 for Q6_K's x8 tiles: pairs on AMX from kAmxRowsQ6K rows, the rest on
+// the VNNI kernel.
+inline void matmul_columns_q6kx8(const uint8_t* tiles, int64_t tile_bytes, const QuantizedRows& xq,
+                                 int64_t rows, int64_t k, float* y, int64_t ldy, int64_t begin,
+                                 int64_t end) {
+  const int64_t t0 = begin / 8, t1 = end / 8;
+  const int64_t pairs_end = rows < kAmxRowsQ6K ? t0 : t0 + (t1 - t0) / 2 * 2;
+  uint8_t* codes = pairs_end > t0 ? q4k_codes_buffer(k) : nullptr;
+  int configured = 0;
+  for (int64_t t = t0; t < pairs_end; t += 2) {
+    const uint8_t* a = tiles + t * tile_bytes;
+    for (int64_t r0 = 0; r0 < rows; r0 += 32) {
+      const int m = static_cast<int>(std::min<int64_t>(32, rows - r0));
+      if (m != configured) configure_q4k_tiles(std::min(m, 16), m - std::min(m, 16));
+      configured = m;
+      dot_pair_q6k(a, a + tile_bytes, codes, k / 256, xq, r0, m, k, y + r0 * ldy + 8 * t, ldy);
+    }
+  }
+  if (pairs_end < t1) {
+    vnni::matmul_columns_q6kx8(tiles, tile_bytes, xq, rows, k, y, ldy, 8 * pairs_end, end);
   }
 }

@@ -458,7 +458,7 @@ constexpr ColumnTraits kColumnTraits[4][2] = {
     {{{matmul_columns_scalar, avx2::matmul_columns_k, avx2::matmul_columns_k,
        avx2::matmul_columns_k}},
      {{matmul_columns_kx8_scalar, one_kind<avx2::matmul_columns_q6kx8>,
-       one_kind<vnni::matmul_columns_q6kx8>, one_kind<vnni::matmul_columns_q6kx8>}}},
+       one_kind<vnni::matmul_columns_q6kx8>, one_kind<amx::matmul_columns_q6kx8>}}},
     {{{matmul_columns_scalar, avx2::matmul_columns, vnni::matmul_columns, vnni::matmul_columns}},
      {{matmul_columns_q8x8_scalar, avx2::matmul_columns_q8x8, vnni::matmul_columns_q8x8,
        vnni::matmul_columns_q8x8}}},

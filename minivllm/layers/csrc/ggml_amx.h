@@ -75,6 +75,12 @@ inline void q4k_epilogue(const uint8_t* ba, const uint8_t* bb, int64_t blk, int6
   }
 }
 
+// Line `line` of the block 4 blocks past ba and past bb (blocks of `bytes`) into L1.
+inline void prefetch_ahead(const uint8_t* ba, const uint8_t* bb, int line, int bytes) {
+  _mm_prefetch(reinterpret_cast<const char*>(ba + 4 * bytes + 64 * line), _MM_HINT_T0);
+  _mm_prefetch(reinterpret_cast<const char*>(bb + 4 * bytes + 64 * line), _MM_HINT_T0);
+}
+
 // Q4_K with its group scales inside the codes, so that a block's 8 groups sum in the tiles:
 // sc = 8 sh + sl (sh, sl <= 7), and a block's integer sum_j sc_j dot_j is
 // 8 (x . sh q) + (x . sl q), where each code times a digit, at most 15 * 7 = 105, is a byte.
@@ -87,11 +93,8 @@ inline void split_q4k_block(const uint8_t* a, const uint8_t* b, int64_t blk, uin
   const uint8_t* ba = a + blk * kQ4KX8Bytes;
   const uint8_t* bb = b + blk * kQ4KX8Bytes;
   // 4 blocks ahead (past a's last block: b's first, past b's: the next pair's), as the
-  // VNNI kernel: one step streams every weight from memory once
-  for (int line = 0; line < kQ4KX8Bytes; line += 64) {
-    _mm_prefetch(reinterpret_cast<const char*>(ba + 4 * kQ4KX8Bytes + line), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(bb + 4 * kQ4KX8Bytes + line), _MM_HINT_T0);
-  }
+  // VNNI kernel: one step streams every weight from memory once. A line an iteration below:
+  // all 19 lines at once stalled the loop on full fill buffers (a fifth of its samples).
   __m512i sh[8], sl[8];
   for (int j = 0; j < 8; ++j) {  // column c's digits on 16-bit lanes 2 c and 2 c + 1
     __m512i sc = pair_u8(ba + 1024 + 8 * j, bb + 1024 + 8 * j);
@@ -102,6 +105,7 @@ inline void split_q4k_block(const uint8_t* a, const uint8_t* b, int64_t blk, uin
   for (int i = 0; i < 4; ++i) {
     uint8_t* o = out + blk * 8192 + 1024 * i;
     for (int u = 0; u < 8; ++u) {
+      if (64 * (8 * i + u) < kQ4KX8Bytes) prefetch_ahead(ba, bb, 8 * i + u, kQ4KX8Bytes);
       const __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(load32(ba + 256 * i + 32 * u)),
                                            load32(bb + 256 * i + 32 * u), 1);
       const __m512i lo = _mm512_and_si512(v, nibble);
@@ -241,10 +245,6 @@ inline void matmul_columns_q4kx8(const uint8_t* tiles, int64_t tile_bytes, const
 inline void split_q6k_block(const uint8_t* a, const uint8_t* b, int64_t blk, uint8_t* out) {
   const uint8_t* ba = a + blk * kQ6KX8Bytes;
   const uint8_t* bb = b + blk * kQ6KX8Bytes;
-  for (int line = 0; line < kQ6KX8Bytes; line += 64) {
-    _mm_prefetch(reinterpret_cast<const char*>(ba + 4 * kQ6KX8Bytes + line), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(bb + 4 * kQ6KX8Bytes + line), _MM_HINT_T0);
-  }
   // A vector of both tiles' codes (a's 32 bytes, then b's) is multiplied as its even and its
   // odd bytes, each sign-extended in place to 16 bits: no byte shuffles, which share one port.
   // 16-bit lane l holds bytes 2 l, 2 l + 1, of column l / 2 (a's 8, then b's): its scale.
@@ -252,6 +252,10 @@ inline void split_q6k_block(const uint8_t* a, const uint8_t* b, int64_t blk, uin
                                          8, 7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
   const __m512i low = _mm512_set1_epi16(0x00FF), high = _mm512_set1_epi16(-256);
   for (int g = 0; g < 16; ++g) {
+    // the block's 35 lines 4 blocks ahead: 2 a group, the last 3 with the first groups
+    prefetch_ahead(ba, bb, 2 * g, kQ6KX8Bytes);
+    prefetch_ahead(ba, bb, 2 * g + 1, kQ6KX8Bytes);
+    if (g < 3) prefetch_ahead(ba, bb, 32 + g, kQ6KX8Bytes);
     const __m128i s8 = _mm_set_epi64x(*reinterpret_cast<const int64_t*>(bb + 2048 + 8 * g),
                                       *reinterpret_cast<const int64_t*>(ba + 2048 + 8 * g));
     const __m512i sc =

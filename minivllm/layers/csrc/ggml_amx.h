@@ -1,5 +1,6 @@
-// Q4_K's x8 tiles multiplied on AMX's int8 tiles: included by ggml_blocks.cpp in namespace
-// amx, after the vnni kernels (whose integers these are, and which take what AMX does not).
+// Q4_K's and Q6_K's x8 tiles multiplied on AMX's int8 tiles (Q6_K's way: near the end):
+// included by ggml_blocks.cpp in namespace amx, after the vnni kernels (whose integers these
+// are, and which take what AMX does not).
 //
 // Why: with many activation rows (16 decodes, each with two int8 codes: 32 rows; a
 // speculative step's drafts) the VNNI kernel spends its time in `vpdpbusd`, 32 products an
@@ -25,7 +26,7 @@
 // next use, about 0.1 ms.
 
 constexpr int64_t kAmxRows = 14;
-constexpr int64_t kAmxRowsQ6K = 14;  // Q6_K's (below)
+constexpr int64_t kAmxRowsQ6K = 14;  // Q6_K (below): at 14 rows its AMX step 119-121 vs 121-123 ms
 
 // LDTILECFG's 64 bytes: palette 1, each tile's rows and bytes a row.
 struct TileConfig {

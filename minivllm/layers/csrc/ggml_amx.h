@@ -237,7 +237,7 @@ inline void matmul_columns_q4kx8(const uint8_t* tiles, int64_t tile_bytes, const
 }
 
 // Q6_K on the same tiles. Its x8 tiles hold centred codes (q - 32, a signed byte) and a signed
-// 8-bit scale per group of 16 inputs and column; a weight's integer w = sc (q - 32) needs 13
+// 8-bit scale per group of 16 inputs and column; a weight's integer w = sc (q - 32) needs 14
 // bits, so it is split into bytes: w = 256 hi + lo, lo unsigned (w & 255), hi signed (w >> 8,
 // -16..16). A block's integer is then 256 (x . hi) + (x . lo) over its 256 inputs: the VNNI
 // kernel's integer (which takes x + 128 and subtracts the offset that adds), so the results

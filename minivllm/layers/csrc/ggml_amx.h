@@ -19,14 +19,14 @@
 // Below kAmxRows rows the fixed work (the split: 2 bytes written per weight and step) costs
 // more than the products save, and the VNNI kernel runs: `benchmarks/gguf_step_rows.py FILE
 // --two-codes` on the Xeon, the coder's step, VNNI / AMX from 10 integer rows 100 / 103 ms,
-// 12 rows 111 / 110, 14 rows 128 / 118, 16 rows 135 / 122, 24 rows 188 / 159.
+// 12 rows 111 / 110, 14 rows 128 / 118, 16 rows 135 / 122, 24 rows 188 / 159; with Q6_K on
+// AMX too (below), at 14 rows 121-123 -> 119-121 ms.
 // The operating system lends the tile registers on request (Linux: arch_prctl), once per
 // process; each call loads its tile configuration (oneDNN's AMX kernels, on the same threads,
 // load theirs) and leaves it loaded: releasing the tiles costs a trap to the kernel at the
 // next use, about 0.1 ms.
 
 constexpr int64_t kAmxRows = 14;
-constexpr int64_t kAmxRowsQ6K = 14;  // Q6_K (below): at 14 rows its AMX step 119-121 vs 121-123 ms
 
 // LDTILECFG's 64 bytes: palette 1, each tile's rows and bytes a row.
 struct TileConfig {
@@ -119,9 +119,9 @@ inline void split_q4k_block(const uint8_t* a, const uint8_t* b, int64_t blk, uin
   }
 }
 
-// Q4_K's tiles: rows 0-15 of a pass on C tiles 0 (H) and 1 (L) with A tile 2; rows 16-31 on
+// A pair's tiles (both kinds): rows 0-15 of a pass on C tiles 0 (H) and 1 (L) with A tile 2; rows 16-31 on
 // C tiles 5 and 6 with A tile 7; the chunk's H and L codes in B tiles 3 and 4, read by both.
-inline void configure_q4k_tiles(int rows0, int rows1) {
+inline void configure_pair_tiles(int rows0, int rows1) {
   TileConfig cfg;
   for (int t : {0, 1, 2}) cfg.rows[t] = static_cast<uint8_t>(rows0), cfg.colsb[t] = 64;
   for (int t : {5, 6, 7}) cfg.rows[t] = static_cast<uint8_t>(rows1), cfg.colsb[t] = rows1 ? 64 : 0;
@@ -131,10 +131,10 @@ inline void configure_q4k_tiles(int rows0, int rows1) {
 
 // One block's H and L products of up to 32 rows issued to the tiles (x: the block's first
 // activation row, k apart; w: its split codes): rows 0-15 into C tiles 0 (H) and 1 (L), rows
-// 16-31 into 5 and 6. The sums stay in the tiles until q4k_store. Q4_K's H codes are unsigned
-// (`tdpbsud`); Q6_K's (SignedHigh) signed (`tdpbssd`); the L codes are unsigned in both.
-template <bool SignedHigh = false>
-inline void q4k_block(const int8_t* x, int64_t k, const uint8_t* w, bool second) {
+// 16-31 into 5 and 6. The sums stay in the tiles until store_pair_sums. Q4_K's H codes are
+// unsigned (`tdpbsud`); Q6_K's (SignedHigh) signed (`tdpbssd`); the L codes unsigned in both.
+template <bool SignedHigh>
+inline void pair_products(const int8_t* x, int64_t k, const uint8_t* w, bool second) {
   _tile_zero(0);
   _tile_zero(1);
   if (second) {
@@ -163,8 +163,8 @@ inline void q4k_block(const int8_t* x, int64_t k, const uint8_t* w, bool second)
   }
 }
 
-// The sums of q4k_block to c[0..1] (rows 0-15) and c[2..3] (rows 16-31).
-inline void q4k_store(bool second, int32_t (*c)[256]) {
+// The sums of pair_products to c[0..1] (rows 0-15) and c[2..3] (rows 16-31).
+inline void store_pair_sums(bool second, int32_t (*c)[256]) {
   _tile_stored(0, c[0], 64);
   _tile_stored(1, c[1], 64);
   if (second) {
@@ -173,67 +173,11 @@ inline void q4k_store(bool second, int32_t (*c)[256]) {
   }
 }
 
-// Output columns of x8 tiles a and b (16) for rows [r0, r0 + rows), rows <= 32, their codes
-// split into w as the first rows go (r0 == 0), block by block. A block's float work waits
-// for its products; so each block's products are issued before the previous block's float
-// work, which runs while the tiles compute (two buffers of sums, one block apart).
-inline void dot_pair_q4k(const uint8_t* a, const uint8_t* b, uint8_t* w, int64_t blocks,
-                         const QuantizedRows& xq, int64_t r0, int rows, int64_t k, float* y,
-                         int64_t ldy) {
-  alignas(64) int32_t c[2][4][256];
-  alignas(64) float acc[32 * 16];
-  const bool second = rows > 16;
-  for (int r = 0; r < rows; ++r) _mm512_store_ps(acc + 16 * r, _mm512_setzero_ps());
-  const int8_t* x = xq.codes.data() + r0 * k;
-  // The first rows split the codes as they go, two blocks ahead: a tile load of bytes still
-  // in the store buffer waits for them to reach the cache
-  constexpr int64_t kAhead = 2;
-  for (int64_t blk = 0; r0 == 0 && blk < std::min(kAhead, blocks); ++blk) {
-    split_q4k_block(a, b, blk, w);
-  }
-  for (int64_t blk = 0; blk < blocks; ++blk) {
-    q4k_block(x + blk * 256, k, w + blk * 8192, second);
-    if (blk > 0) {
-      q4k_epilogue(a + (blk - 1) * kQ4KX8Bytes, b + (blk - 1) * kQ4KX8Bytes, blk - 1, blocks,
-                   xq, r0, rows, k, c[(blk - 1) & 1], acc);
-    }
-    if (r0 == 0 && blk + kAhead < blocks) split_q4k_block(a, b, blk + kAhead, w);
-    q4k_store(second, c[blk & 1]);
-  }
-  q4k_epilogue(a + (blocks - 1) * kQ4KX8Bytes, b + (blocks - 1) * kQ4KX8Bytes, blocks - 1,
-               blocks, xq, r0, rows, k, c[(blocks - 1) & 1], acc);
-  for (int r = 0; r < rows; ++r) _mm512_storeu_ps(y + r * ldy, _mm512_load_ps(acc + 16 * r));
-}
-
 // The calling thread's buffer for a pair of tiles' split codes (32 bytes an input).
-inline uint8_t* q4k_codes_buffer(int64_t k) {
+inline uint8_t* split_codes_buffer(int64_t k) {
   thread_local LineVector<uint8_t> buffer;
   if (static_cast<int64_t>(buffer.size()) < 32 * k) buffer.resize(32 * k);
   return buffer.data();
-}
-
-// Output columns [begin, end) (multiples of 8) of every row of xq for Q4_K's x8 tiles: pairs
-// of tiles on AMX, 32 rows at a time; a range's last odd tile, and steps of fewer than
-// kAmxRows rows, on the VNNI kernel.
-inline void matmul_columns_q4kx8(const uint8_t* tiles, int64_t tile_bytes, const QuantizedRows& xq,
-                                 int64_t rows, int64_t k, float* y, int64_t ldy, int64_t begin,
-                                 int64_t end) {
-  const int64_t t0 = begin / 8, t1 = end / 8;
-  const int64_t pairs_end = rows < kAmxRows ? t0 : t0 + (t1 - t0) / 2 * 2;
-  uint8_t* codes = pairs_end > t0 ? q4k_codes_buffer(k) : nullptr;
-  int configured = 0;
-  for (int64_t t = t0; t < pairs_end; t += 2) {
-    const uint8_t* a = tiles + t * tile_bytes;
-    for (int64_t r0 = 0; r0 < rows; r0 += 32) {
-      const int m = static_cast<int>(std::min<int64_t>(32, rows - r0));
-      if (m != configured) configure_q4k_tiles(std::min(m, 16), m - std::min(m, 16));
-      configured = m;
-      dot_pair_q4k(a, a + tile_bytes, codes, k / 256, xq, r0, m, k, y + r0 * ldy + 8 * t, ldy);
-    }
-  }
-  if (pairs_end < t1) {
-    vnni::matmul_columns_q4kx8(tiles, tile_bytes, xq, rows, k, y, ldy, 8 * pairs_end, end);
-  }
 }
 
 // Q6_K on the same tiles. Its x8 tiles hold centred codes (q - 32, a signed byte) and a signed
@@ -278,7 +222,7 @@ inline void split_q6k_block(const uint8_t* a, const uint8_t* b, int64_t blk, uin
 
 // Q6_K's float work of one block: the VNNI kernel's, scale d times the row's step.
 inline void q6k_epilogue(const uint8_t* ba, const uint8_t* bb, int64_t blk, int64_t blocks,
-                         const QuantizedRows& xq, int64_t r0, int rows,
+                         const QuantizedRows& xq, int64_t r0, int rows, int64_t /*k*/,
                          const int32_t (*c)[256], float* acc) {
   const __m512 d = pair_fp16(ba + 2176, bb + 2176);
   for (int r = 0; r < rows; ++r) {
@@ -291,52 +235,75 @@ inline void q6k_epilogue(const uint8_t* ba, const uint8_t* bb, int64_t blk, int6
   }
 }
 
-// dot_pair_q4k for Q6_K's tiles.
-inline void dot_pair_q6k(const uint8_t* a, const uint8_t* b, uint8_t* w, int64_t blocks,
-                         const QuantizedRows& xq, int64_t r0, int rows, int64_t k, float* y,
-                         int64_t ldy) {
+// Each kind's pieces, for dot_pair and matmul_columns_pairs: its x8 block's bytes, whether its
+// high plane is signed, its split, its float work and its VNNI kernel (the rows AMX leaves).
+struct Q4KPairs {
+  static constexpr int64_t kBytes = kQ4KX8Bytes;
+  static constexpr bool kSignedHigh = false;
+  static constexpr auto split = split_q4k_block;
+  static constexpr auto epilogue = q4k_epilogue;
+  static constexpr auto on_vnni = vnni::matmul_columns_q4kx8;
+};
+struct Q6KPairs {
+  static constexpr int64_t kBytes = kQ6KX8Bytes;
+  static constexpr bool kSignedHigh = true;
+  static constexpr auto split = split_q6k_block;
+  static constexpr auto epilogue = q6k_epilogue;
+  static constexpr auto on_vnni = vnni::matmul_columns_q6kx8;
+};
+
+// Output columns of x8 tiles a and b (16) for rows [r0, r0 + rows), rows <= 32, their codes
+// split into w as the first rows go (r0 == 0), block by block. A block's float work waits
+// for its products; so each block's products are issued before the previous block's float
+// work, which runs while the tiles compute (two buffers of sums, one block apart).
+template <class Kind>
+inline void dot_pair(const uint8_t* a, const uint8_t* b, uint8_t* w, int64_t blocks,
+                     const QuantizedRows& xq, int64_t r0, int rows, int64_t k, float* y,
+                     int64_t ldy) {
   alignas(64) int32_t c[2][4][256];
   alignas(64) float acc[32 * 16];
   const bool second = rows > 16;
   for (int r = 0; r < rows; ++r) _mm512_store_ps(acc + 16 * r, _mm512_setzero_ps());
   const int8_t* x = xq.codes.data() + r0 * k;
+  // The first rows split the codes as they go, two blocks ahead: a tile load of bytes still
+  // in the store buffer waits for them to reach the cache
   constexpr int64_t kAhead = 2;
   for (int64_t blk = 0; r0 == 0 && blk < std::min(kAhead, blocks); ++blk) {
-    split_q6k_block(a, b, blk, w);
+    Kind::split(a, b, blk, w);
   }
+  const auto float_work = [&](int64_t blk) {
+    Kind::epilogue(a + blk * Kind::kBytes, b + blk * Kind::kBytes, blk, blocks, xq, r0, rows, k,
+                   c[blk & 1], acc);
+  };
   for (int64_t blk = 0; blk < blocks; ++blk) {
-    q4k_block<true>(x + blk * 256, k, w + blk * 8192, second);
-    if (blk > 0) {
-      q6k_epilogue(a + (blk - 1) * kQ6KX8Bytes, b + (blk - 1) * kQ6KX8Bytes, blk - 1, blocks, xq,
-                   r0, rows, c[(blk - 1) & 1], acc);
-    }
-    if (r0 == 0 && blk + kAhead < blocks) split_q6k_block(a, b, blk + kAhead, w);
-    q4k_store(second, c[blk & 1]);
+    pair_products<Kind::kSignedHigh>(x + blk * 256, k, w + blk * 8192, second);
+    if (blk > 0) float_work(blk - 1);
+    if (r0 == 0 && blk + kAhead < blocks) Kind::split(a, b, blk + kAhead, w);
+    store_pair_sums(second, c[blk & 1]);
   }
-  q6k_epilogue(a + (blocks - 1) * kQ6KX8Bytes, b + (blocks - 1) * kQ6KX8Bytes, blocks - 1,
-               blocks, xq, r0, rows, c[(blocks - 1) & 1], acc);
+  float_work(blocks - 1);
   for (int r = 0; r < rows; ++r) _mm512_storeu_ps(y + r * ldy, _mm512_load_ps(acc + 16 * r));
 }
 
-// matmul_columns_q4kx8 for Q6_K's x8 tiles: pairs on AMX from kAmxRowsQ6K rows, the rest on
-// the VNNI kernel.
-inline void matmul_columns_q6kx8(const uint8_t* tiles, int64_t tile_bytes, const QuantizedRows& xq,
-                                 int64_t rows, int64_t k, float* y, int64_t ldy, int64_t begin,
-                                 int64_t end) {
+// Output columns [begin, end) (multiples of 8) of every row of xq for a kind's x8 tiles: pairs
+// of tiles on AMX, 32 rows at a time; a range's last odd tile, and steps of fewer than
+// kAmxRows rows, on the kind's VNNI kernel.
+template <class Kind>
+inline void matmul_columns_pairs(const uint8_t* tiles, int64_t tile_bytes,
+                                 const QuantizedRows& xq, int64_t rows, int64_t k, float* y,
+                                 int64_t ldy, int64_t begin, int64_t end) {
   const int64_t t0 = begin / 8, t1 = end / 8;
-  const int64_t pairs_end = rows < kAmxRowsQ6K ? t0 : t0 + (t1 - t0) / 2 * 2;
-  uint8_t* codes = pairs_end > t0 ? q4k_codes_buffer(k) : nullptr;
+  const int64_t pairs_end = rows < kAmxRows ? t0 : t0 + (t1 - t0) / 2 * 2;
+  uint8_t* codes = pairs_end > t0 ? split_codes_buffer(k) : nullptr;
   int configured = 0;
   for (int64_t t = t0; t < pairs_end; t += 2) {
     const uint8_t* a = tiles + t * tile_bytes;
     for (int64_t r0 = 0; r0 < rows; r0 += 32) {
       const int m = static_cast<int>(std::min<int64_t>(32, rows - r0));
-      if (m != configured) configure_q4k_tiles(std::min(m, 16), m - std::min(m, 16));
+      if (m != configured) configure_pair_tiles(std::min(m, 16), m - std::min(m, 16));
       configured = m;
-      dot_pair_q6k(a, a + tile_bytes, codes, k / 256, xq, r0, m, k, y + r0 * ldy + 8 * t, ldy);
+      dot_pair<Kind>(a, a + tile_bytes, codes, k / 256, xq, r0, m, k, y + r0 * ldy + 8 * t, ldy);
     }
   }
-  if (pairs_end < t1) {
-    vnni::matmul_columns_q6kx8(tiles, tile_bytes, xq, rows, k, y, ldy, 8 * pairs_end, end);
-  }
+  if (pairs_end < t1) Kind::on_vnni(tiles, tile_bytes, xq, rows, k, y, ldy, 8 * pairs_end, end);
 }

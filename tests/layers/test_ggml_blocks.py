@@ -232,23 +232,31 @@ def test_k_x8_layout_computes_the_stored_blocks_integers(qtype: T, isa: str) -> 
 
 @pytest.mark.skipif("amx" not in ISAS, reason="no AMX here (or torch runs its AVX2 kernels)")
 def test_amx_gives_the_vnni_kernels_results_bit_for_bit() -> None:
-    """Q4_K's and Q6_K's x8 tiles on AMX (from 14 rows: two codes of 7 decodes) compute the
-    VNNI kernels' integers and float work: equal results, every row count around the
-    thresholds (fewer than 14 rows, 14-16 on half the tiles, 32 a pass, a second pass of
-    1..32), odd tiles at a range's end, fused segments of both K kinds, activations with
-    outliers, Q6_K's random scales reaching -128 and its codes 0 and 63."""
+    """Q4_K's and Q6_K's x8 tiles on AMX (from 14 rows: two codes of 7 decodes), and Q8_0's and
+    Q5_0's (from 4 rows, 16 a pass), compute the VNNI kernels' integers and float work: equal
+    results, every row count around the thresholds (fewer than 14 rows, 14-16 on half the
+    tiles, 32 a pass, a second pass of 1..32), odd tiles at a range's end, fused segments of
+    all four kinds, activations with outliers, Q6_K's random scales reaching -128 and its
+    codes 0 and 63, Q8_0's codes -128..127."""
     k = 768
-    q4 = torch.from_numpy(random_blocks(T.Q4_K, 40, k, seed=3))  # 5 tiles: a lone last one
-    q6 = torch.from_numpy(random_blocks(T.Q6_K, 24, k, seed=4))  # 3 tiles
-    tiles = [repack_q4x8(q4, T.Q4_K), repack_q4x8(q6, T.Q6_K)]
-    kinds = [int(T.Q4_K) + X8_FLAG, int(T.Q6_K) + X8_FLAG]
+    blocks = {  # 5 tiles (a lone last one), 3, 3, 4
+        T.Q4_K: random_blocks(T.Q4_K, 40, k, seed=3),
+        T.Q6_K: random_blocks(T.Q6_K, 24, k, seed=4),
+        T.Q8_0: random_blocks(T.Q8_0, 24, k, seed=5),
+        T.Q5_0: random_blocks(T.Q5_0, 32, k, seed=6),
+    }
+    tiles = [repack_q4x8(torch.from_numpy(b), qtype) for qtype, b in blocks.items()]
+    kinds = [int(qtype) + X8_FLAG for qtype in blocks]
     ops = torch.ops.minivllm
     torch.manual_seed(1)
-    for m in (1, 13, 14, 15, 16, 17, 31, 32, 33, 48, 64, 70):
+    for m in (1, 3, 4, 5, 13, 14, 15, 16, 17, 31, 32, 33, 48, 64, 70):
         x = torch.randn(m, k) * torch.rand(m, k).pow(8).mul(60).add(1)
         vnni = ops.ggml_matmul_segments(x, tiles, kinds, ISAS.index("avx512_vnni") + 1)
         assert torch.equal(ops.ggml_matmul_segments(x, tiles, kinds, ISAS.index("amx") + 1), vnni)
         assert torch.equal(ops.ggml_matmul_segments(x, tiles, kinds, 0), vnni), m  # auto: AMX
+        for one, kind in zip(tiles[2:], kinds[2:]):  # each alone: the odd tile, every pass
+            vnni = ops.ggml_matmul_segments(x, [one], [kind], ISAS.index("avx512_vnni") + 1)
+            assert torch.equal(ops.ggml_matmul_segments(x, [one], [kind], 0), vnni), (m, kind)
 
 
 @pytest.mark.skipif("avx512_vnni" not in ISAS, reason="no AVX-512 VNNI here")

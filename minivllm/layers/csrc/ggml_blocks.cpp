@@ -191,7 +191,8 @@ using LineVector = std::vector<T, LineAllocator<T>>;
 // activations keep about 15 bits (one rounding to 8 bits a group moves a small model's top-1
 // token too often against fp32); `fine_sums` are the groups' sums of 254 q + f (Q4_0's offset).
 // `ucodes` (block 256, for the Q6_K x8 kernel, filled by `fill_ucodes`) are the codes plus 128,
-// as unsigned bytes.
+// as unsigned bytes. `high`, `low` (with fine codes, for the AMX q8x8 kernel, filled by
+// `fill_bytes`): each 254 q + f as two signed bytes, 256 high + low.
 struct QuantizedRows {
   int64_t block;
   LineVector<int8_t> codes;
@@ -201,6 +202,7 @@ struct QuantizedRows {
   LineVector<int8_t> fine;
   LineVector<int32_t> fine_sums;
   LineVector<uint8_t> ucodes;
+  LineVector<int8_t> high, low;
 
   QuantizedRows(int64_t rows, int64_t k, int64_t block_, bool with_fine = false)
       : block(block_), codes(rows * k), steps(rows * k / block_), sums(rows * k / kGroup),
@@ -210,6 +212,16 @@ struct QuantizedRows {
   void fill_ucodes() {
     ucodes.resize(codes.size());
     for (size_t i = 0; i < codes.size(); ++i) ucodes[i] = static_cast<uint8_t>(codes[i] ^ 0x80);
+  }
+
+  void fill_bytes() {
+    high.resize(fine.size());
+    low.resize(fine.size());
+    for (size_t i = 0; i < fine.size(); ++i) {
+      const int v = 254 * codes[i] + fine[i];  // |v| < 2^15: high is v rounded to 256s
+      low[i] = static_cast<int8_t>(v);
+      high[i] = static_cast<int8_t>((v - low[i]) >> 8);
+    }
   }
 };
 
@@ -382,6 +394,7 @@ Geometry check_blocks(const at::Tensor& blocks, int64_t qtype, int64_t k, const 
 namespace amx {
 using namespace vnni;  // the VNNI kernels' tiles, loads and layouts (and what AMX leaves them)
 #include "ggml_amx.h"
+#include "ggml_amx_q8.h"
 }  // namespace amx
 #pragma GCC pop_options
 
@@ -461,7 +474,7 @@ constexpr ColumnTraits kColumnTraits[4][2] = {
        one_kind<vnni::matmul_columns_q6kx8>, one_kind<amx::matmul_columns_pairs<amx::Q6KPairs>>}}},
     {{{matmul_columns_scalar, avx2::matmul_columns, vnni::matmul_columns, vnni::matmul_columns}},
      {{matmul_columns_q8x8_scalar, avx2::matmul_columns_q8x8, vnni::matmul_columns_q8x8,
-       vnni::matmul_columns_q8x8}}},
+       amx::matmul_columns_q8x8}}},
 };
 
 Family family(int qtype) {
@@ -498,7 +511,7 @@ at::Tensor ggml_matmul_segments(const at::Tensor& x, at::TensorList blocks,
   const int64_t rows = x.size(0), k = x.size(1);
   std::vector<Segment> segments;
   int64_t n_out = 0, widest = 1;
-  bool any32 = false, any256 = false, any_x8 = false, any_q6x8 = false;
+  bool any32 = false, any256 = false, any_x8 = false, any_q6x8 = false, any_q8x8 = false;
   for (size_t i = 0; i < blocks.size(); ++i) {
     const bool x8 = qtypes[i] >= kX8;
     const int qt = static_cast<int>(x8 ? qtypes[i] - kX8 : qtypes[i]);
@@ -514,6 +527,7 @@ at::Tensor ggml_matmul_segments(const at::Tensor& x, at::TensorList blocks,
     (is_k_kind(qt) ? any256 : any32) = true;
     any_x8 = any_x8 || (x8 && !is_k_kind(qt));  // the 32-input kinds' x8 kernels read fine codes
     any_q6x8 = any_q6x8 || (x8 && qt == kQ6_K);  // the Q6_K one unsigned codes
+    any_q8x8 = any_q8x8 || (x8 && q8x8_kind(qt));  // on AMX, each 254 q + f as two bytes
   }
   const Isa isa = resolve(isa_arg);
   const at::Tensor xf = x.to(at::kFloat).contiguous();
@@ -523,6 +537,7 @@ at::Tensor ggml_matmul_segments(const at::Tensor& x, at::TensorList blocks,
   quantize_activations(xf.data_ptr<float>(), rows, k, isa, any32 ? &x32 : nullptr,
                        any256 ? &x256 : nullptr);
   if (any_q6x8 && isa != kScalar) x256.fill_ucodes();
+  if (any_q8x8 && isa == kAmx && rows >= amx::kAmxQ8Rows) x32.fill_bytes();
   float* yp = y.data_ptr<float>();
   // enough weight rows a task that it streams tens of kilobytes
   // (a multiple of 8, so that an x8 tile is rarely split between two tasks' ranges)

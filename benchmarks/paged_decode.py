@@ -1,9 +1,10 @@
 """Our paged decode attention kernel (`minivllm::paged_decode`) alone: one layer's decode step
 of `--seqs` sequences at `--context` tokens, over 30 distinct caches (one per layer of the
-default model, so that the keys and values stream from memory as in a step), SmolLM2's heads.
+default model, so that the keys and values stream from memory as in a step), SmolLM2's heads
+(`--shape gemma3`: Gemma-3-270M's 4 query heads on one KV head of 256, 18 layers).
 
     .venv/bin/python benchmarks/paged_decode.py [--threads 1] [--seqs 16] [--context 200]
-        [--kv-dtype float32|bfloat16]
+        [--kv-dtype float32|bfloat16] [--shape smollm2|gemma3]
 
 Prints the best of 10 passes over the 30 caches, in us per layer.
 """
@@ -17,7 +18,8 @@ import torch
 
 from minivllm.layers.cpu_kernels import cpu_kernels_available
 
-HEADS, KV_HEADS, HEAD_DIM, BLOCK, LAYERS = 9, 3, 64, 16, 30
+BLOCK = 16
+SHAPES = {"smollm2": (9, 3, 64, 30), "gemma3": (4, 1, 256, 18)}  # heads, KV heads, dim, layers
 
 
 def main() -> None:
@@ -26,7 +28,9 @@ def main() -> None:
     parser.add_argument("--seqs", type=int, default=16)
     parser.add_argument("--context", type=int, default=200)
     parser.add_argument("--kv-dtype", choices=["float32", "bfloat16"], default="float32")
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="smollm2")
     args = parser.parse_args()
+    heads, kv_heads, head_dim, layers = SHAPES[args.shape]
     if not cpu_kernels_available():
         raise SystemExit("the kernels are not built here (see the log)")
     torch.set_num_threads(args.threads)
@@ -35,19 +39,19 @@ def main() -> None:
     kv_dtype = getattr(torch, args.kv_dtype)
     caches = [
         (
-            torch.randn(num_blocks, BLOCK, KV_HEADS, HEAD_DIM, dtype=kv_dtype),
-            torch.randn(num_blocks, BLOCK, KV_HEADS, HEAD_DIM, dtype=kv_dtype),
+            torch.randn(num_blocks, BLOCK, kv_heads, head_dim, dtype=kv_dtype),
+            torch.randn(num_blocks, BLOCK, kv_heads, head_dim, dtype=kv_dtype),
         )
-        for _ in range(LAYERS)
+        for _ in range(layers)
     ]
     tables = torch.randperm(num_blocks)[: args.seqs * blocks_per_seq].view(args.seqs, -1)
     seq_lens = torch.full((args.seqs,), args.context, dtype=torch.long)
-    q = torch.randn(args.seqs, HEADS, HEAD_DIM)
+    q = torch.randn(args.seqs, heads, head_dim)
 
     def one_pass() -> None:
         for k_cache, v_cache in caches:
             torch.ops.minivllm.paged_decode(
-                q, k_cache, v_cache, tables, seq_lens, HEAD_DIM**-0.5, 0, 0.0
+                q, k_cache, v_cache, tables, seq_lens, head_dim**-0.5, 0, 0.0
             )
 
     one_pass()
@@ -55,9 +59,9 @@ def main() -> None:
     for _ in range(10):
         start = time.perf_counter()
         one_pass()
-        best = min(best, (time.perf_counter() - start) / LAYERS)
+        best = min(best, (time.perf_counter() - start) / layers)
     print(
-        f"paged_decode, {args.seqs} sequences x {args.context} tokens, {args.kv_dtype} "
+        f"paged_decode, {args.shape}, {args.seqs} sequences x {args.context} tokens, {args.kv_dtype} "
         f"cache, {args.threads} thread(s): {best * 1e6:.0f} us per layer"
     )
 

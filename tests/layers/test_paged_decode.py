@@ -40,7 +40,8 @@ def _step(tables, context, kv_heads, dim, block, seed, dtype=torch.float32):
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("window, softcap", [(None, None), (5, None), (None, 3.0), (7, 2.0)])
 @pytest.mark.parametrize(
-    "heads, kv_heads, dim, block", [(6, 2, 8, 4), (9, 3, 64, 16), (4, 4, 16, 1), (4, 2, 136, 4)]
+    "heads, kv_heads, dim, block",
+    [(6, 2, 8, 4), (9, 3, 64, 16), (4, 4, 16, 1), (4, 2, 136, 4), (4, 1, 256, 16), (12, 2, 24, 4)],
 )
 def test_matches_the_gather_and_sdpa_path(
     kv_dtype, threads, window, softcap, heads, kv_heads, dim, block

@@ -70,16 +70,25 @@ inline __m256 sum8x8(const __m256* a) {
   return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
 }
 
-// scores[0..8) = <q, rows[j]> for 8 rows at once: eight independent chains, one reduction.
-template <typename T>
-inline void dot8(const float* q, const T* const* rows, int64_t d, float* scores) {
+// s[h * Keys + u] = <q[h], rows[u]> for H query heads (q: H rows, d apart) and Keys rows at
+// once, H * Keys <= 8: each row's values widened once for all the heads (the heads of a group
+// share their key rows), H * Keys independent chains, one reduction.
+template <int H, int Keys, typename T>
+inline void dot_heads(const float* q, const T* const* rows, int64_t d, float* s) {
+  static_assert(H * Keys <= 8);
   __m256 acc[8];
   for (int u = 0; u < 8; ++u) acc[u] = _mm256_setzero_ps();
   for (int64_t i = 0; i < d; i += 8) {
-    const __m256 qi = _mm256_loadu_ps(q + i);
-    for (int u = 0; u < 8; ++u) acc[u] = _mm256_fmadd_ps(qi, load8(rows[u] + i), acc[u]);
+    __m256 k[Keys];
+    for (int u = 0; u < Keys; ++u) k[u] = load8(rows[u] + i);
+    for (int h = 0; h < H; ++h) {
+      const __m256 qi = _mm256_loadu_ps(q + h * d + i);
+      for (int u = 0; u < Keys; ++u) acc[h * Keys + u] = _mm256_fmadd_ps(qi, k[u], acc[h * Keys + u]);
+    }
   }
-  _mm256_storeu_ps(scores, sum8x8(acc));
+  alignas(32) float sums[8];
+  _mm256_store_ps(sums, sum8x8(acc));
+  for (int u = 0; u < H * Keys; ++u) s[u] = sums[u];
 }
 
 // e^x for 8 floats (x <= 0 here: scores minus their row's maximum): x = n ln2 + r with
@@ -132,28 +141,68 @@ inline void softmax(float* row, int64_t n) {
   for (; j < n; ++j) row[j] *= inverse;
 }
 
-// out[0..W * 8) = sum_j p[j] * rows[j][0..W * 8): W sums in registers, W chains of FMAs.
-template <int W, typename T>
-inline void weighted_sum_columns(const float* p, const T* const* rows, int64_t n, int64_t c,
-                                 float* out) {
-  __m256 acc[W];
-  for (int u = 0; u < W; ++u) acc[u] = _mm256_setzero_ps();
-  for (int64_t j = 0; j < n; ++j) {
-    const __m256 pj = _mm256_set1_ps(p[j]);
-    const T* row = rows[j] + c;
-    for (int u = 0; u < W; ++u) acc[u] = _mm256_fmadd_ps(pj, load8(row + 8 * u), acc[u]);
+// out[h][0..d) = sum_j p[h][j] * rows[j][0..d) for H heads (p: H rows, n apart; out: H rows,
+// d apart), 16 columns at a time: each row's values widened once for all the heads, 2 H
+// chains of FMAs (H <= 4: with the two rows and the weights, within AVX2's 16 registers).
+template <int H, typename T>
+inline void weighted_sum_heads(const float* p, const T* const* rows, int64_t n, float* out,
+                               int64_t d) {
+  int64_t c = 0;
+  for (; c + 16 <= d; c += 16) {
+    __m256 acc[H][2];
+    for (int h = 0; h < H; ++h) acc[h][0] = acc[h][1] = _mm256_setzero_ps();
+    for (int64_t j = 0; j < n; ++j) {
+      const __m256 v0 = load8(rows[j] + c), v1 = load8(rows[j] + c + 8);
+      for (int h = 0; h < H; ++h) {
+        const __m256 pj = _mm256_broadcast_ss(p + h * n + j);
+        acc[h][0] = _mm256_fmadd_ps(pj, v0, acc[h][0]);
+        acc[h][1] = _mm256_fmadd_ps(pj, v1, acc[h][1]);
+      }
+    }
+    for (int h = 0; h < H; ++h) {
+      _mm256_storeu_ps(out + h * d + c, acc[h][0]);
+      _mm256_storeu_ps(out + h * d + c + 8, acc[h][1]);
+    }
   }
-  for (int u = 0; u < W; ++u) _mm256_storeu_ps(out + c + 8 * u, acc[u]);
+  for (; c < d; c += 8) {  // d a multiple of 8, not of 16
+    __m256 acc[H];
+    for (int h = 0; h < H; ++h) acc[h] = _mm256_setzero_ps();
+    for (int64_t j = 0; j < n; ++j) {
+      const __m256 v = load8(rows[j] + c);
+      for (int h = 0; h < H; ++h) {
+        acc[h] = _mm256_fmadd_ps(_mm256_broadcast_ss(p + h * n + j), v, acc[h]);
+      }
+    }
+    for (int h = 0; h < H; ++h) _mm256_storeu_ps(out + h * d + c, acc[h]);
+  }
 }
 
-// out[0..d) = sum_j p[j] * rows[j][0..d): 64 columns at a time (eight chains of FMAs keep
-// both FMA units busy), then 8.
-template <typename T>
-inline void weighted_sum(const float* p, const T* const* rows, int64_t n, float* out,
-                         int64_t d) {
-  int64_t c = 0;
-  for (; c + 64 <= d; c += 64) weighted_sum_columns<8>(p, rows, n, c, out);
-  for (; c < d; c += 8) weighted_sum_columns<1>(p, rows, n, c, out);
+// Heads [h0, h0 + H) of a group: their scores (scores: [group, n]) over the keys, Keys at a
+// time, the rows kAhead positions on asked of memory meanwhile (the first head block only);
+// then, after the caller's softmax, their weighted sums.
+template <int H, typename T>
+void score_heads(const float* qs, const T* const* keys, const T* const* values, int64_t n,
+                 int64_t d, int64_t h0, bool prefetch, float* scores) {
+  constexpr int Keys = 8 / H;
+  // a block's rows of one KV head are strided and blocks are scattered: the hardware's
+  // prefetchers alone left this loop waiting on memory
+  constexpr int64_t kAhead = 16;
+  const int64_t lines = (d * static_cast<int64_t>(sizeof(T)) + 63) / 64;
+  for (int64_t j = 0; j < n; j += Keys) {
+    for (int64_t a = j + kAhead; prefetch && a < std::min(j + kAhead + Keys, n); ++a) {
+      for (int64_t l = 0; l < lines; ++l) {
+        _mm_prefetch(reinterpret_cast<const char*>(keys[a]) + 64 * l, _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(values[a]) + 64 * l, _MM_HINT_T0);
+      }
+    }
+    const T* chunk[Keys];  // the last few positions padded with the last one
+    for (int u = 0; u < Keys; ++u) chunk[u] = keys[std::min<int64_t>(j + u, n - 1)];
+    float s[8];
+    dot_heads<H, Keys>(qs + h0 * d, chunk, d, s);
+    for (int h = 0; h < H; ++h) {
+      for (int u = 0; u < Keys && j + u < n; ++u) scores[(h0 + h) * n + j + u] = s[h * Keys + u];
+    }
+  }
 }
 
 // One sequence and one KV head: its `group` query heads (qs, os: [group, d]) over positions
@@ -195,50 +244,36 @@ void attend_one_kv_head(const float* qs, const T* kp, const T* vp, const int64_t
     pos += rows;
   }
   scores.resize(group * n);  // [group, n]
-  // Scores, 8 positions at a time for every head of the group (their key rows stay in L1);
-  // the rows 16 positions ahead, keys and values, are asked of memory meanwhile (a block's
-  // rows of one KV head are strided and blocks are scattered: the hardware's prefetchers
-  // alone left this loop waiting on memory).
-  const int64_t lines = (d * static_cast<int64_t>(sizeof(T)) + 63) / 64;
-  constexpr int64_t kAhead = 16;
-  int64_t j = 0;
-  for (; j < n; j += 8) {
-    for (int64_t a = j + kAhead; a < std::min(j + kAhead + 8, n); ++a) {
-      for (int64_t l = 0; l < lines; ++l) {
-        _mm_prefetch(reinterpret_cast<const char*>(keys[a]) + 64 * l, _MM_HINT_T0);
-        _mm_prefetch(reinterpret_cast<const char*>(values[a]) + 64 * l, _MM_HINT_T0);
-      }
-    }
-    // the last few positions: their rows, padded with the last one to 8
-    const T* const* chunk = keys.data() + j;
-    const T* tail[8];
-    if (j + 8 > n) {
-      for (int64_t u = 0; u < 8; ++u) tail[u] = keys[std::min(j + u, n - 1)];
-      chunk = tail;
-    }
-    for (int64_t h = 0; h < group; ++h) {
-      float* row = scores.data() + h * n;
-      if (j + 8 <= n) {
-        dot8(qs + h * d, chunk, d, row + j);
-      } else {
-        float padded[8];
-        dot8(qs + h * d, chunk, d, padded);
-        std::copy(padded, padded + (n - j), row + j);
-      }
+  // Scores of up to 4 heads at a time (each key row widened once for them; their rows stay
+  // in L1 / L2 for the next block of heads)
+  for (int64_t h0 = 0; h0 < group; h0 += 4) {
+    switch (std::min<int64_t>(4, group - h0)) {
+      case 4: score_heads<4>(qs, keys.data(), values.data(), n, d, h0, h0 == 0, scores.data()); break;
+      case 3: score_heads<3>(qs, keys.data(), values.data(), n, d, h0, h0 == 0, scores.data()); break;
+      case 2: score_heads<2>(qs, keys.data(), values.data(), n, d, h0, h0 == 0, scores.data()); break;
+      default: score_heads<1>(qs, keys.data(), values.data(), n, d, h0, h0 == 0, scores.data());
     }
   }
   for (int64_t h = 0; h < group; ++h) {
     float* row = scores.data() + h * n;
-    for (j = 0; j < n; ++j) {
+    for (int64_t j = 0; j < n; ++j) {
       float score = scale * row[j] * (rs.ks != nullptr ? rs.k[j] : 1.0f);
       if (cap > 0.0f) score = cap * std::tanh(score / cap);
       row[j] = score;
     }
     softmax(row, n);
     if (rs.vs != nullptr) {
-      for (j = 0; j < n; ++j) row[j] *= rs.v[j];
+      for (int64_t j = 0; j < n; ++j) row[j] *= rs.v[j];
     }
-    weighted_sum(row, values.data(), n, os + h * d, d);
+  }
+  for (int64_t h0 = 0; h0 < group; h0 += 4) {
+    const float* p = scores.data() + h0 * n;
+    switch (std::min<int64_t>(4, group - h0)) {
+      case 4: weighted_sum_heads<4>(p, values.data(), n, os + h0 * d, d); break;
+      case 3: weighted_sum_heads<3>(p, values.data(), n, os + h0 * d, d); break;
+      case 2: weighted_sum_heads<2>(p, values.data(), n, os + h0 * d, d); break;
+      default: weighted_sum_heads<1>(p, values.data(), n, os + h0 * d, d);
+    }
   }
 }
 

@@ -1,10 +1,10 @@
 """Our paged decode attention kernel (`minivllm::paged_decode`) alone: one layer's decode step
-of `--seqs` sequences at `--context` tokens, over 30 distinct caches (one per layer of the
+of `--seqs` sequences at `--context` tokens, over distinct caches (one per layer of the
 default model, so that the keys and values stream from memory as in a step), SmolLM2's heads
-(`--shape gemma3`: Gemma-3-270M's 4 query heads on one KV head of 256, 18 layers).
+(`--shape`: Gemma-3-270M's, Llama-3.2-1B's, Qwen2.5-1.5B's).
 
     .venv/bin/python benchmarks/paged_decode.py [--threads 1] [--seqs 16] [--context 200]
-        [--kv-dtype float32|bfloat16] [--shape smollm2|gemma3]
+        [--kv-dtype float32|bfloat16] [--shape smollm2|gemma3|llama1b|qwen1.5b]
 
 Prints the best of 10 passes over the 30 caches, in us per layer.
 """
@@ -19,7 +19,12 @@ import torch
 from minivllm.layers.cpu_kernels import cpu_kernels_available
 
 BLOCK = 16
-SHAPES = {"smollm2": (9, 3, 64, 30), "gemma3": (4, 1, 256, 18)}  # heads, KV heads, dim, layers
+SHAPES = {  # heads, KV heads, dim, layers
+    "smollm2": (9, 3, 64, 30),
+    "gemma3": (4, 1, 256, 18),
+    "llama1b": (32, 8, 64, 16),
+    "qwen1.5b": (12, 2, 128, 28),
+}
 
 
 def main() -> None:

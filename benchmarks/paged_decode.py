@@ -1,12 +1,12 @@
 """Our paged decode attention kernel (`minivllm::paged_decode`) alone: one layer's decode step
 of `--seqs` sequences at `--context` tokens, over distinct caches (one per layer of the
-default model, so that the keys and values stream from memory as in a step), SmolLM2's heads
+model, so that the keys and values stream from memory as in a step), SmolLM2's heads
 (`--shape`: Gemma-3-270M's, Llama-3.2-1B's, Qwen2.5-1.5B's).
 
     .venv/bin/python benchmarks/paged_decode.py [--threads 1] [--seqs 16] [--context 200]
         [--kv-dtype float32|bfloat16] [--shape smollm2|gemma3|llama1b|qwen1.5b]
 
-Prints the best of 10 passes over the 30 caches, in us per layer.
+Prints the best of 10 passes over the caches, in us per layer.
 """
 
 from __future__ import annotations

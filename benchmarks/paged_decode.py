@@ -66,8 +66,8 @@ def main() -> None:
         one_pass()
         best = min(best, (time.perf_counter() - start) / layers)
     print(
-        f"paged_decode, {args.shape}, {args.seqs} sequences x {args.context} tokens, {args.kv_dtype} "
-        f"cache, {args.threads} thread(s): {best * 1e6:.0f} us per layer"
+        f"paged_decode, {args.shape}, {args.seqs} sequences x {args.context} tokens, "
+        f"{args.kv_dtype} cache, {args.threads} thread(s): {best * 1e6:.0f} us per layer"
     )
 
 

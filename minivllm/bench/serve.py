@@ -160,7 +160,13 @@ def cmd_serve_bench(args: argparse.Namespace, options: dict[str, Any]) -> dict[s
     import httpx
 
     url = args.url.rstrip("/")
-    model = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
+    try:
+        model = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
+    except httpx.HTTPError as error:
+        raise SystemExit(
+            f"minivllm bench serve: no server answers at {url} ({error}); start one "
+            "(`minivllm serve MODEL`) or pass --compare llama.cpp to have both started here"
+        ) from None
     # A text workload is tokenized with the `--model` given here (default: the default
     # model), which must be the one the server runs.
     tokenizer = bench_tokenizer(options.get("model")) if args.workload != "random" else None

@@ -72,3 +72,16 @@ def test_the_llama_cpp_comparison_starts_each_server_as_asked(tmp_path: Path):
     assert "--spec-type" not in plain["llama.cpp"]
     drafts = peer_commands(gguf, server, {}, (1, 2), llama_spec_type="ngram-simple")
     assert drafts["llama.cpp"][-2:] == ["--spec-type", "ngram-simple"]
+
+
+def test_the_serve_benchmark_without_a_server_says_so(tmp_path: Path):
+    """Pointed at a port where nothing listens, `bench serve` ends with one line naming the
+    address and the two ways on, not an HTTP client's traceback."""
+    import socket
+
+    with socket.socket() as probe:  # a free port, then closed: nothing listens there
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+    with pytest.raises(SystemExit, match=f"no server answers at {url}.*--compare llama.cpp"):
+        main(["bench", "serve", "--url", url, "--output", str(tmp_path / "serve.json")])

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import platform
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -332,18 +333,29 @@ def test_an_older_torch_steps_aside_with_one_log_line(monkeypatch, caplog) -> No
     assert caplog.text.count("compiled decode step is off") == 1
 
 
-def test_inductor_cache_is_per_cpu_kind_unless_the_user_chose_one(monkeypatch, tmp_path):
+def test_inductor_cache_is_per_cpu_kind_and_row_table_unless_the_user_chose_one(
+    monkeypatch, tmp_path
+):
+    """Graphs traced under other kernels or other row-table thresholds are never read back:
+    the cache is one folder per CPU capability and row table; a user's own folder wins."""
+    from dataclasses import replace
+
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
+    from minivllm.engine import compiled_decode
     from minivllm.engine.compiled_decode import inductor_cache_dir
 
     monkeypatch.setenv("MINIVLLM_CACHE", str(tmp_path / "cache"))
     capability = torch.backends.cpu.get_cpu_capability()
-    ours = str(tmp_path / "cache" / "inductor" / capability)
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
-    assert inductor_cache_dir() == ours
+    ours = inductor_cache_dir()
+    assert Path(ours).parent == tmp_path / "cache" / "inductor"
+    assert Path(ours).name.startswith(f"{capability}-")
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", default_cache_dir())  # torch's, not a choice
     assert inductor_cache_dir() == ours
+    moved = replace(compiled_decode.kernel_rows(), ggml_q8x8=5)
+    monkeypatch.setattr(compiled_decode, "kernel_rows", lambda: moved)
+    assert inductor_cache_dir() != ours
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
     assert inductor_cache_dir() == str(tmp_path / "mine")
 

@@ -90,12 +90,9 @@ _AVX512 = KernelRows(
 KERNEL_ROWS = {
     "AVX512": _AVX512,
     # AMX: from 128 rows a K-quant or x8 weight dequantized to bf16 a tile at a time and
-    # multiplied on AMX tiles beats the integer kernels; below, they win (docs/ggml-kernels.md).
-    # Q8_0/Q5_0 tiles keep 32: their AMX kernel wins to 127 rows (2048 -> 8192 at 128 rows
-    # 13.8 vs 14.1 ms), but the compiled step then took Gemma 3's steps of 33+ tokens, whose
-    # layers recompiled inside requests (served c=16 with drafts: ITL p99 8.4 s, 127 tok/s
-    # against 213 at 32)
-    "AVX512_AMX": replace(_AVX512, ggml_int_dot_k=127, ggml_q4x8=127),
+    # multiplied on AMX tiles beats the integer kernels; below, they win (docs/ggml-kernels.md;
+    # Q8_0/Q5_0 tiles on AMX's int8 tiles: 2048 -> 8192 at 128 rows 13.8 vs 14.1 ms)
+    "AVX512_AMX": replace(_AVX512, ggml_int_dot_k=127, ggml_q4x8=127, ggml_q8x8=127),
     # AVX-512 with BF16 but no AMX (Zen 4): bf16 matmuls fast enough to take the prefills of
     # two-code weights from 48 rows
     "AVX512_BF16": replace(_AVX512, ggml_two_codes=48),

@@ -9,7 +9,9 @@ rows). Prints the best of `--rounds` in wall and CPU milliseconds per M and kern
 M's cost against the first M of the first kernel. Kernels: the integer one on an instruction
 set (`avx2`, `avx512_vnni`, `amx`; `--two-codes`: two 8-bit codes an activation, as a bf16
 model's K kinds take them, so 2M integer rows) and `dequant` (the weight dequantized to bf16 a
-tile at a time, torch's matmul: a prefill's path).
+tile at a time, torch's matmul: a prefill's path; tiles of the engine's `DEQUANT_TILE_BYTES`,
+or N MB with `dequant@N`). `--no-head`: the layers alone (a prefill runs the head on its last
+rows only).
 
     .venv/bin/python benchmarks/gguf_step_rows.py FILE.gguf --rows 1 4 16 --isa avx512_vnni amx
 """
@@ -22,6 +24,7 @@ import time
 import torch
 
 from minivllm.layers.quantization.kernels.ggml_blocks import (
+    DEQUANT_TILE_BYTES,
     ISAS,
     X8_FLAG,
     X8_KINDS,
@@ -59,8 +62,10 @@ def _as_loaded(tensor, stored: bool) -> tuple[torch.Tensor, int, int]:
 def run(kernel: str, x: torch.Tensor, blocks: list, kinds: list, two_codes: bool) -> None:
     ops, kind_tensor = torch.ops.minivllm, torch.tensor(kinds)
     columns = sum(b.shape[0] * (8 if k >= X8_FLAG else 1) for b, k in zip(blocks, kinds))
-    if kernel == "dequant":
-        ops.ggml_dequant_matmul_kinds(x.bfloat16(), blocks, kind_tensor, columns, 64)
+    if kernel.startswith("dequant"):  # tiles of DEQUANT_TILE_BYTES, or of "dequant@MB"
+        tile_bytes = int(kernel.split("@")[1]) << 20 if "@" in kernel else DEQUANT_TILE_BYTES
+        tile_rows = max(16, tile_bytes // (x.shape[1] * 2))  # bf16 rows, as BlockWeight
+        ops.ggml_dequant_matmul_kinds(x.bfloat16(), blocks, kind_tensor, columns, tile_rows)
     else:
         rows = torch.cat([x, x]) if two_codes else x
         ops.ggml_matmul_segments(rows, blocks, kinds, ISAS[kernel])
@@ -72,12 +77,13 @@ def main() -> None:
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 5, 16])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument(
-        "--isa", nargs="+", default=["auto"], help=f"of {available_isas()}, dequant"
+        "--isa", nargs="+", default=["auto"], help=f"of {available_isas()}, dequant, dequant@MB"
     )
     parser.add_argument("--two-codes", action="store_true", help="2M integer rows")
     parser.add_argument("--stored", action="store_true", help="ggml's rows, not x8 tiles")
+    parser.add_argument("--no-head", action="store_true", help="the layers without the head")
     args = parser.parse_args()
-    layers = step_layers(args.model, args.stored)
+    layers = step_layers(args.model, args.stored)[: -1 if args.no_head else None]
     base = None
     for m in args.rows:
         for isa in args.isa:

@@ -112,15 +112,17 @@ inline void dot_q8_pair(const uint8_t* a, const uint8_t* b, uint8_t* w, int64_t 
 #pragma GCC unroll 16
     for (int r = 0; r < 16; ++r) {
       if (r < rows) {  // 254 q + f = 256 high + low: the VNNI kernel's integer
-        const __m512i exact = _mm512_add_epi32(
-            _mm512_slli_epi32(_mm512_load_si512(s[0] + 16 * r), 8), _mm512_load_si512(s[1] + 16 * r));
+        const __m512i high = _mm512_slli_epi32(_mm512_load_si512(s[0] + 16 * r), 8);
+        const __m512i exact = _mm512_add_epi32(high, _mm512_load_si512(s[1] + 16 * r));
         const __m512 scale = _mm512_mul_ps(d, _mm512_set1_ps(steps[r * groups + g]));
         acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(exact), scale, acc[r]);
       }
     }
   };
   constexpr int64_t kAhead = 2;
-  for (int64_t g = 0; r0 == 0 && g < std::min(kAhead, groups); ++g) interleave_q8_group(a, b, g, groups, w);
+  for (int64_t g = 0; r0 == 0 && g < std::min(kAhead, groups); ++g) {
+    interleave_q8_group(a, b, g, groups, w);
+  }
   for (int64_t g = 0; g < groups; ++g) {
     if (g & 1) {
       q8_group_products<1>(x + g * kGroup, f + g * kGroup, k, w + g * 512);

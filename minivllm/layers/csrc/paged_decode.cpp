@@ -83,7 +83,9 @@ inline void dot_heads(const float* q, const T* const* rows, int64_t d, float* s)
     for (int u = 0; u < Keys; ++u) k[u] = load8(rows[u] + i);
     for (int h = 0; h < H; ++h) {
       const __m256 qi = _mm256_loadu_ps(q + h * d + i);
-      for (int u = 0; u < Keys; ++u) acc[h * Keys + u] = _mm256_fmadd_ps(qi, k[u], acc[h * Keys + u]);
+      for (int u = 0; u < Keys; ++u) {
+        acc[h * Keys + u] = _mm256_fmadd_ps(qi, k[u], acc[h * Keys + u]);
+      }
     }
   }
   alignas(32) float sums[8];
@@ -246,12 +248,15 @@ void attend_one_kv_head(const float* qs, const T* kp, const T* vp, const int64_t
   scores.resize(group * n);  // [group, n]
   // Scores of up to 4 heads at a time (each key row widened once for them; their rows stay
   // in L1 / L2 for the next block of heads)
+  const T* const* k = keys.data();
+  const T* const* v = values.data();
+  float* s = scores.data();
   for (int64_t h0 = 0; h0 < group; h0 += 4) {
     switch (std::min<int64_t>(4, group - h0)) {
-      case 4: score_heads<4>(qs, keys.data(), values.data(), n, d, h0, h0 == 0, scores.data()); break;
-      case 3: score_heads<3>(qs, keys.data(), values.data(), n, d, h0, h0 == 0, scores.data()); break;
-      case 2: score_heads<2>(qs, keys.data(), values.data(), n, d, h0, h0 == 0, scores.data()); break;
-      default: score_heads<1>(qs, keys.data(), values.data(), n, d, h0, h0 == 0, scores.data());
+      case 4: score_heads<4>(qs, k, v, n, d, h0, h0 == 0, s); break;
+      case 3: score_heads<3>(qs, k, v, n, d, h0, h0 == 0, s); break;
+      case 2: score_heads<2>(qs, k, v, n, d, h0, h0 == 0, s); break;
+      default: score_heads<1>(qs, k, v, n, d, h0, h0 == 0, s);
     }
   }
   for (int64_t h = 0; h < group; ++h) {
@@ -269,10 +274,10 @@ void attend_one_kv_head(const float* qs, const T* kp, const T* vp, const int64_t
   for (int64_t h0 = 0; h0 < group; h0 += 4) {
     const float* p = scores.data() + h0 * n;
     switch (std::min<int64_t>(4, group - h0)) {
-      case 4: weighted_sum_heads<4>(p, values.data(), n, os + h0 * d, d); break;
-      case 3: weighted_sum_heads<3>(p, values.data(), n, os + h0 * d, d); break;
-      case 2: weighted_sum_heads<2>(p, values.data(), n, os + h0 * d, d); break;
-      default: weighted_sum_heads<1>(p, values.data(), n, os + h0 * d, d);
+      case 4: weighted_sum_heads<4>(p, v, n, os + h0 * d, d); break;
+      case 3: weighted_sum_heads<3>(p, v, n, os + h0 * d, d); break;
+      case 2: weighted_sum_heads<2>(p, v, n, os + h0 * d, d); break;
+      default: weighted_sum_heads<1>(p, v, n, os + h0 * d, d);
     }
   }
 }

@@ -285,6 +285,31 @@ inline void dot_pair(const uint8_t* a, const uint8_t* b, uint8_t* w, int64_t blo
   for (int r = 0; r < rows; ++r) _mm512_storeu_ps(y + r * ldy, _mm512_load_ps(acc + 16 * r));
 }
 
+// The pairs of x8 tiles with columns in [begin, end) (multiples of 8) on AMX, `pass` rows at a
+// time: configure(m) loads the tiles' shapes for a pass of m rows (once per change of m),
+// pair(a, b, buffer, r0, m, t) computes tiles a = t and b = t + 1 for rows [r0, r0 + m), its
+// buffer the calling thread's (split_codes_buffer). A range's last odd tile, and steps of
+// fewer than min_rows rows, are left to rest(first column): the kind's VNNI kernel.
+template <class Configure, class Pair, class Rest>
+inline void for_each_tile_pair(const uint8_t* tiles, int64_t tile_bytes, int64_t rows, int64_t k,
+                               int64_t begin, int64_t end, int64_t min_rows, int pass,
+                               Configure configure, Pair pair, Rest rest) {
+  const int64_t t0 = begin / 8, t1 = end / 8;
+  const int64_t pairs_end = rows < min_rows ? t0 : t0 + (t1 - t0) / 2 * 2;
+  uint8_t* buffer = pairs_end > t0 ? split_codes_buffer(k) : nullptr;
+  int configured = 0;
+  for (int64_t t = t0; t < pairs_end; t += 2) {
+    const uint8_t* a = tiles + t * tile_bytes;
+    for (int64_t r0 = 0; r0 < rows; r0 += pass) {
+      const int m = static_cast<int>(std::min<int64_t>(pass, rows - r0));
+      if (m != configured) configure(m);
+      configured = m;
+      pair(a, a + tile_bytes, buffer, r0, m, t);
+    }
+  }
+  if (pairs_end < t1) rest(8 * pairs_end);
+}
+
 // Output columns [begin, end) (multiples of 8) of every row of xq for a kind's x8 tiles: pairs
 // of tiles on AMX, 32 rows at a time; a range's last odd tile, and steps of fewer than
 // kAmxRows rows, on the kind's VNNI kernel.
@@ -292,18 +317,11 @@ template <class Kind>
 inline void matmul_columns_pairs(const uint8_t* tiles, int64_t tile_bytes,
                                  const QuantizedRows& xq, int64_t rows, int64_t k, float* y,
                                  int64_t ldy, int64_t begin, int64_t end) {
-  const int64_t t0 = begin / 8, t1 = end / 8;
-  const int64_t pairs_end = rows < kAmxRows ? t0 : t0 + (t1 - t0) / 2 * 2;
-  uint8_t* codes = pairs_end > t0 ? split_codes_buffer(k) : nullptr;
-  int configured = 0;
-  for (int64_t t = t0; t < pairs_end; t += 2) {
-    const uint8_t* a = tiles + t * tile_bytes;
-    for (int64_t r0 = 0; r0 < rows; r0 += 32) {
-      const int m = static_cast<int>(std::min<int64_t>(32, rows - r0));
-      if (m != configured) configure_pair_tiles(std::min(m, 16), m - std::min(m, 16));
-      configured = m;
-      dot_pair<Kind>(a, a + tile_bytes, codes, k / 256, xq, r0, m, k, y + r0 * ldy + 8 * t, ldy);
-    }
-  }
-  if (pairs_end < t1) Kind::on_vnni(tiles, tile_bytes, xq, rows, k, y, ldy, 8 * pairs_end, end);
+  for_each_tile_pair(
+      tiles, tile_bytes, rows, k, begin, end, kAmxRows, 32,
+      [](int m) { configure_pair_tiles(std::min(m, 16), m - std::min(m, 16)); },
+      [&](const uint8_t* a, const uint8_t* b, uint8_t* codes, int64_t r0, int m, int64_t t) {
+        dot_pair<Kind>(a, b, codes, k / 256, xq, r0, m, k, y + r0 * ldy + 8 * t, ldy);
+      },
+      [&](int64_t first) { Kind::on_vnni(tiles, tile_bytes, xq, rows, k, y, ldy, first, end); });
 }

@@ -150,20 +150,12 @@ inline void dot_q8_pair(const uint8_t* a, const uint8_t* b, uint8_t* w, int64_t 
 inline void matmul_columns_q8x8(int qtype, const uint8_t* tiles, int64_t tile_bytes,
                                 const QuantizedRows& xq, int64_t rows, int64_t k, float* y,
                                 int64_t ldy, int64_t begin, int64_t end) {
-  const int64_t t0 = begin / 8, t1 = end / 8;
-  const int64_t pairs_end = rows < kAmxQ8Rows ? t0 : t0 + (t1 - t0) / 2 * 2;
-  uint8_t* weights = pairs_end > t0 ? split_codes_buffer(k) : nullptr;  // 16 bytes an input
-  int configured = 0;
-  for (int64_t t = t0; t < pairs_end; t += 2) {
-    const uint8_t* a = tiles + t * tile_bytes;
-    for (int64_t r0 = 0; r0 < rows; r0 += 16) {
-      const int m = static_cast<int>(std::min<int64_t>(16, rows - r0));
-      if (m != configured) configure_q8_tiles(m);
-      configured = m;
-      dot_q8_pair(a, a + tile_bytes, weights, k / kGroup, xq, r0, m, k, y + r0 * ldy + 8 * t, ldy);
-    }
-  }
-  if (pairs_end < t1) {
-    vnni::matmul_columns_q8x8(qtype, tiles, tile_bytes, xq, rows, k, y, ldy, 8 * pairs_end, end);
-  }
+  for_each_tile_pair(
+      tiles, tile_bytes, rows, k, begin, end, kAmxQ8Rows, 16, configure_q8_tiles,
+      [&](const uint8_t* a, const uint8_t* b, uint8_t* weights, int64_t r0, int m, int64_t t) {
+        dot_q8_pair(a, b, weights, k / kGroup, xq, r0, m, k, y + r0 * ldy + 8 * t, ldy);
+      },
+      [&](int64_t first) {
+        vnni::matmul_columns_q8x8(qtype, tiles, tile_bytes, xq, rows, k, y, ldy, first, end);
+      });
 }

@@ -143,45 +143,41 @@ inline void softmax(float* row, int64_t n) {
   for (; j < n; ++j) row[j] *= inverse;
 }
 
-// out[h][0..d) = sum_j p[h][j] * rows[j][0..d) for H heads (p: H rows, n apart; out: H rows,
-// d apart), 16 columns at a time: each row's values widened once for all the heads, 2 H
-// chains of FMAs (H <= 4: with the two rows and the weights, within AVX2's 16 registers).
+// out[h][c..c + 8 W) = sum_j p[h][j] * rows[j][c..c + 8 W) for H heads (p: H rows, n apart;
+// out: H rows, d apart): each row's values widened once for all the heads, H W chains of FMAs.
+template <int H, int W, typename T>
+inline void weighted_sum_columns(const float* p, const T* const* rows, int64_t n, int64_t c,
+                                 int64_t d, float* out) {
+  __m256 acc[H][W];
+  for (int h = 0; h < H; ++h) {
+    for (int u = 0; u < W; ++u) acc[h][u] = _mm256_setzero_ps();
+  }
+  for (int64_t j = 0; j < n; ++j) {
+    __m256 v[W];
+    for (int u = 0; u < W; ++u) v[u] = load8(rows[j] + c + 8 * u);
+    for (int h = 0; h < H; ++h) {
+      const __m256 pj = _mm256_broadcast_ss(p + h * n + j);
+      for (int u = 0; u < W; ++u) acc[h][u] = _mm256_fmadd_ps(pj, v[u], acc[h][u]);
+    }
+  }
+  for (int h = 0; h < H; ++h) {
+    for (int u = 0; u < W; ++u) _mm256_storeu_ps(out + h * d + c + 8 * u, acc[h][u]);
+  }
+}
+
+// out[h][0..d) for H <= 4 heads: 16 columns at a time (with the two rows and the weights,
+// within AVX2's 16 registers), then 8 where d is no multiple of 16.
 template <int H, typename T>
 inline void weighted_sum_heads(const float* p, const T* const* rows, int64_t n, float* out,
                                int64_t d) {
   int64_t c = 0;
-  for (; c + 16 <= d; c += 16) {
-    __m256 acc[H][2];
-    for (int h = 0; h < H; ++h) acc[h][0] = acc[h][1] = _mm256_setzero_ps();
-    for (int64_t j = 0; j < n; ++j) {
-      const __m256 v0 = load8(rows[j] + c), v1 = load8(rows[j] + c + 8);
-      for (int h = 0; h < H; ++h) {
-        const __m256 pj = _mm256_broadcast_ss(p + h * n + j);
-        acc[h][0] = _mm256_fmadd_ps(pj, v0, acc[h][0]);
-        acc[h][1] = _mm256_fmadd_ps(pj, v1, acc[h][1]);
-      }
-    }
-    for (int h = 0; h < H; ++h) {
-      _mm256_storeu_ps(out + h * d + c, acc[h][0]);
-      _mm256_storeu_ps(out + h * d + c + 8, acc[h][1]);
-    }
-  }
-  for (; c < d; c += 8) {  // d a multiple of 8, not of 16
-    __m256 acc[H];
-    for (int h = 0; h < H; ++h) acc[h] = _mm256_setzero_ps();
-    for (int64_t j = 0; j < n; ++j) {
-      const __m256 v = load8(rows[j] + c);
-      for (int h = 0; h < H; ++h) {
-        acc[h] = _mm256_fmadd_ps(_mm256_broadcast_ss(p + h * n + j), v, acc[h]);
-      }
-    }
-    for (int h = 0; h < H; ++h) _mm256_storeu_ps(out + h * d + c, acc[h]);
-  }
+  for (; c + 16 <= d; c += 16) weighted_sum_columns<H, 2>(p, rows, n, c, d, out);
+  for (; c < d; c += 8) weighted_sum_columns<H, 1>(p, rows, n, c, d, out);
 }
 
 // Heads [h0, h0 + H) of a group: their scores (scores: [group, n]) over the keys, Keys at a
-// time, the rows kAhead positions on asked of memory meanwhile (the first head block only);
-// then, after the caller's softmax, their weighted sums.
+// time, the key and value rows kAhead positions on asked of memory meanwhile (`prefetch`:
+// the first block of heads only; the others find the rows in the caches).
 template <int H, typename T>
 void score_heads(const float* qs, const T* const* keys, const T* const* values, int64_t n,
                  int64_t d, int64_t h0, bool prefetch, float* scores) {

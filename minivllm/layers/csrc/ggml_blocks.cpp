@@ -636,31 +636,42 @@ at::Tensor& dequant_scratch() {
   return scratch;
 }
 
-// x @ W.T for prefill-sized steps: W dequantized `tile_rows` rows at a time into one scratch
-// buffer (per thread, reused by every layer and call, grown when needed), each tile multiplied
-// by torch's matmul. No dense copy of W outlives the call.
-at::Tensor ggml_dequant_matmul(const at::Tensor& x, const at::Tensor& blocks, int64_t qtype,
-                               int64_t tile_rows) {
-  TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
-              "ggml_dequant_matmul: x must be [M, K] float32 or bfloat16");
-  TORCH_CHECK(tile_rows > 0, "ggml_dequant_matmul: tile_rows must be positive");
-  const int64_t k = x.size(1), n_out = check_any(blocks, qtype, k, "ggml_dequant_matmul");
-  const bool bf16 = x.scalar_type() == at::kBFloat16;
-  const at::Tensor xc = x.contiguous();
-  at::Tensor y = at::empty({x.size(0), n_out}, x.options());
+// x @ W.T for prefill-sized steps, into `y` ([M, n_out], a column slice of the layer's
+// output): W dequantized `tile_rows` rows at a time into one scratch buffer (per thread,
+// reused by every layer and call, grown when needed), each tile multiplied by torch's matmul
+// straight into its columns of y: no temporary product, no copy.
+void dequant_matmul_into(const at::Tensor& xc, const at::Tensor& blocks, int64_t qtype,
+                         int64_t tile_rows, at::Tensor y) {
+  const int64_t k = xc.size(1), n_out = y.size(1);
+  const bool bf16 = xc.scalar_type() == at::kBFloat16;
   const int64_t tile = std::min(tile_rows, std::max<int64_t>(n_out, 1));
   at::Tensor& scratch = dequant_scratch();
-  if (!scratch.defined() || scratch.scalar_type() != x.scalar_type() ||
+  if (!scratch.defined() || scratch.scalar_type() != xc.scalar_type() ||
       scratch.numel() < tile * k) {
-    scratch = at::empty({tile * k}, x.options());
+    scratch = at::empty({tile * k}, xc.options());
   }
   for (int64_t n0 = 0; n0 < n_out; n0 += tile) {
     const int64_t n = std::min(tile, n_out - n0);
     dequantize_into(blocks, static_cast<int>(qtype), k, n0, n0 + n, scratch.data_ptr(), bf16,
                     kAvx2);
     const at::Tensor w = scratch.narrow(0, 0, n * k).view({n, k});  // [n, K]
-    y.narrow(1, n0, n).copy_(at::mm(xc, w.t()));  // [M, n]
+    at::Tensor part = y.narrow(1, n0, n);                              // [M, n]
+    at::mm_out(part, xc, w.t());
   }
+}
+
+void check_dequant_x(const at::Tensor& x, int64_t tile_rows) {
+  TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+              "ggml_dequant_matmul: x must be [M, K] float32 or bfloat16");
+  TORCH_CHECK(tile_rows > 0, "ggml_dequant_matmul: tile_rows must be positive");
+}
+
+at::Tensor ggml_dequant_matmul(const at::Tensor& x, const at::Tensor& blocks, int64_t qtype,
+                               int64_t tile_rows) {
+  check_dequant_x(x, tile_rows);
+  const int64_t n_out = check_any(blocks, qtype, x.size(1), "ggml_dequant_matmul");
+  at::Tensor y = at::empty({x.size(0), n_out}, x.options());
+  dequant_matmul_into(x.contiguous(), blocks, qtype, tile_rows, y);
   return y;
 }
 
@@ -671,23 +682,26 @@ at::Tensor ggml_dequant_matmul(const at::Tensor& x, const at::Tensor& blocks, in
 at::Tensor ggml_dequant_matmul_kinds(const at::Tensor& x, at::TensorList blocks,
                                      const at::Tensor& qtypes, int64_t columns,
                                      int64_t tile_rows) {
+  check_dequant_x(x, tile_rows);
   TORCH_CHECK(qtypes.dim() == 1 && qtypes.scalar_type() == at::kLong && qtypes.is_cpu() &&
                   qtypes.numel() == static_cast<int64_t>(blocks.size()) && !blocks.empty(),
               "ggml_dequant_matmul: qtypes must be a 1-D int64 CPU tensor, one per blocks tensor");
   const at::Tensor kinds = qtypes.contiguous();
   const int64_t* kind = kinds.data_ptr<int64_t>();
+  std::vector<int64_t> widths;
   int64_t total = 0;
   for (size_t i = 0; i < blocks.size(); ++i) {
-    total += check_any(blocks[i], kind[i], x.size(-1), "ggml_dequant_matmul");
+    widths.push_back(check_any(blocks[i], kind[i], x.size(-1), "ggml_dequant_matmul"));
+    total += widths.back();
   }
   TORCH_CHECK(total == columns, "ggml_dequant_matmul: the blocks give ", total,
               " output columns, not ", columns);
-  if (blocks.size() == 1) return ggml_dequant_matmul(x, blocks[0], kind[0], tile_rows);
+  const at::Tensor xc = x.contiguous();
   at::Tensor y = at::empty({x.size(0), columns}, x.options());
-  for (int64_t i = 0, at_column = 0; i < static_cast<int64_t>(blocks.size()); ++i) {
-    const at::Tensor part = ggml_dequant_matmul(x, blocks[i], kind[i], tile_rows);
-    y.narrow(1, at_column, part.size(1)).copy_(part);
-    at_column += part.size(1);
+  int64_t at_column = 0;
+  for (size_t i = 0; i < blocks.size(); ++i) {
+    dequant_matmul_into(xc, blocks[i], kind[i], tile_rows, y.narrow(1, at_column, widths[i]));
+    at_column += widths[i];
   }
   return y;
 }

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from minivllm import heap
 from minivllm.layers.activation import get_gated_activation, soft_cap
 from minivllm.layers.attention import Attention, AttentionMetadata
 from minivllm.layers.attention.kv_quant import KVCache
@@ -34,7 +35,6 @@ from minivllm.layers.rotary import apply_rotary, get_rope
 CosSin = tuple[torch.Tensor, torch.Tensor]
 # The most bytes of gate_up activations the MLP computes in one piece on the CPU: below glibc's
 # 32 MB ceiling for reusing freed heap memory, so a long prefill's slices reuse it.
-MLP_CHUNK_BYTES = 16 << 20
 
 
 def head_dim_of(config: Any) -> int:
@@ -75,13 +75,14 @@ class LlamaMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]
         width = self.gate_up_proj.output_size * x.element_size()  # gate_up's bytes a row
-        if x.device.type != "cpu" or rows * width <= MLP_CHUNK_BYTES:
+        budget = heap.block_budget()
+        if x.device.type != "cpu" or rows * width <= budget:
             return self.down_proj(self.act_fn(self.gate_up_proj(x)))
         # A long prefill's rows a slice at a time: each row's output is the same (a row's
-        # matmul does not depend on the others), and no [T, 2 * intermediate] activation is
-        # allocated whole: glibc gives blocks over 32 MB fresh pages from the OS every time
-        # (mmap), and their page faults cost (docs/performance.md, "Long prefills").
-        step = max(1, MLP_CHUNK_BYTES // width)
+        # matmul does not depend on the others), and no [T, 2 * intermediate] activation
+        # larger than the heap serves again is allocated (minivllm/heap.py; docs/performance.md,
+        # "Long prefills"). Slices cost: a stored-block weight is dequantized again for each.
+        step = max(1, budget // width)
         return torch.cat([self.down_proj(self.act_fn(self.gate_up_proj(p))) for p in x.split(step)])
 
 

@@ -1,5 +1,6 @@
 """A long prefill's rows go through the MLP a slice at a time on the CPU (so that no
-`[T, 2 * intermediate]` activation is allocated whole): the same output as one piece."""
+`[T, 2 * intermediate]` activation is larger than the heap's budget, minivllm/heap.py): the
+same output as one piece."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from types import SimpleNamespace
 
 import torch
 
-from minivllm.models import llama
+from minivllm import heap
 from minivllm.models.llama import LlamaMLP
 
 
@@ -23,7 +24,7 @@ def test_a_long_prefill_runs_the_mlp_in_slices_with_the_same_output(monkeypatch)
     up = mlp.gate_up_proj.forward
     monkeypatch.setattr(mlp.gate_up_proj, "forward", lambda t: calls.append(len(t)) or up(t))
     # 2 * 96 outputs of 4 bytes a row: 16 rows' worth a slice
-    monkeypatch.setattr(llama, "MLP_CHUNK_BYTES", 16 * 2 * 96 * 4)
+    monkeypatch.setattr(heap, "_block_budget", 16 * 2 * 96 * 4)
     sliced = mlp(x)
     assert calls == [16, 16, 16, 2]
     torch.testing.assert_close(sliced, whole, rtol=1e-6, atol=1e-6)

@@ -26,9 +26,12 @@ from collections.abc import Callable
 # mallopt's parameters (malloc.h)
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
 # Blocks up to this size come from the heap once held; the freed heap kept at its top is as large
-HELD_BLOCK_BYTES = 256 << 20
-# The largest block a step should allocate for its temporaries: half the held size, or, where
-# malloc's defaults rule, half its largest dynamic mmap threshold
+# (only what steps used: their peak)
+HELD_BLOCK_BYTES = 512 << 20
+# The largest block a step should allocate for a temporary such as the MLP's gate_up output: a
+# quarter of the held size (an fp32 stored-block step makes blocks twice that: its second
+# activation codes are rows of their own), or, where malloc's defaults rule, half its largest
+# dynamic mmap threshold
 _GLIBC_BLOCK_BYTES = 16 << 20
 _block_budget = _GLIBC_BLOCK_BYTES
 
@@ -75,7 +78,7 @@ def hold_large_blocks() -> bool:
         mallopt(M_MMAP_THRESHOLD, HELD_BLOCK_BYTES) and mallopt(M_TRIM_THRESHOLD, HELD_BLOCK_BYTES)
     ):
         return False
-    _block_budget = HELD_BLOCK_BYTES // 2
+    _block_budget = HELD_BLOCK_BYTES // 4
     return True
 
 

@@ -52,7 +52,8 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         choices=WORKLOADS,
         default="random",
         help="serve: random token ids, or chat requests through the model's template whose "
-        "answers reuse their prompts (grounded) or do not (chat)",
+        "answers reuse their prompts (grounded), do not (chat), or are a 1k-token Python file "
+        "again with a method renamed (edit: --compare llama.cpp runs it at c=1, 400 tokens)",
     )
     parser.add_argument("--output", type=Path, default=None, help="write the JSON here")
     parser.add_argument("--chart", type=Path, default=None, help="draw a PNG chart here")

@@ -22,13 +22,29 @@ from typing import Any
 
 from minivllm.bench.common import machine
 from minivllm.bench.serve import SERVE_VOCAB_SIZE, acceptance, read_spec_counters, run_level
-from minivllm.bench.text_workloads import text_prompts
+from minivllm.bench.text_workloads import EDIT_OUTPUT_TOKENS, text_prompts
 from minivllm.bench.workloads import Workload
 from minivllm.config import SPECULATION_OFF, SpeculativeConfig, cli_flag
 
 # (name, concurrency, requests, prompt lengths): the levels of docs/benchmarks.md's table
 LEVELS = [("c=1", 1, 4, (64, 64)), ("c=16", 16, 16, (32, 256))]
 OUTPUT_TOKENS = 128
+# The edit workload (a 1k-token file, 400 tokens of it again): one stream, llama-server's slots
+# long enough to hold it
+EDIT_LEVELS = LEVELS[:1]
+EDIT_SLOT_TOKENS = 2048
+
+
+def workload_levels(workload: str) -> list[tuple[str, int, int, tuple[int, int]]]:
+    """The levels a workload runs (the `edit` workload: c=1 only)."""
+    return EDIT_LEVELS if workload == "edit" else LEVELS
+
+
+def output_tokens(workload: str) -> int:
+    """Tokens each request of `workload` asks for."""
+    return EDIT_OUTPUT_TOKENS if workload == "edit" else OUTPUT_TOKENS
+
+
 LLAMA_SERVER_CACHE = Path("~/.cache/minivllm/llama.cpp").expanduser()
 
 
@@ -86,7 +102,7 @@ def level_prompts(workload: str, tokenizer: Any, seed: int) -> list[list[int]]:
     """Each level's prompts: random ids of the level's lengths, or `workload`'s chat requests
     through the model's chat template (text_workloads.py)."""
     prompts = []
-    for _, concurrency, count, lengths in LEVELS:
+    for _, concurrency, count, lengths in workload_levels(workload):
         if workload == "random":
             ids, _ = Workload(count, lengths, (1, 1), seed + concurrency).make(SERVE_VOCAB_SIZE)
         else:
@@ -95,17 +111,21 @@ def level_prompts(workload: str, tokenizer: Any, seed: int) -> list[list[int]]:
     return prompts
 
 
-def load_levels(url: str, prompts: list[list[list[int]]]) -> list[dict[str, Any]]:
-    """Run every level of LEVELS, with its prompts, against the server at `url`; a level on a
-    server that speculates also carries the drafts' acceptance."""
+def load_levels(
+    url: str, prompts: list[list[list[int]]], workload: str = "random"
+) -> list[dict[str, Any]]:
+    """Run every level of `workload`'s levels, with its prompts, against the server at `url`; a
+    level on a server that speculates also carries the drafts' acceptance."""
     import httpx
 
     model = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
     results = []
-    for (name, concurrency, _, _), level_prompts in zip(LEVELS, prompts, strict=True):
+    levels = workload_levels(workload)
+    for (name, concurrency, _, _), level_prompts in zip(levels, prompts, strict=True):
         asyncio.run(run_level(url, model, level_prompts[:1], 4, 1))  # warm-up: one short request
         before = read_spec_counters(url)
-        level = asyncio.run(run_level(url, model, level_prompts, OUTPUT_TOKENS, concurrency))
+        tokens = output_tokens(workload)
+        level = asyncio.run(run_level(url, model, level_prompts, tokens, concurrency))
         spec = acceptance(before, read_spec_counters(url))
         if spec is not None:
             level["spec_decode"] = spec
@@ -119,10 +139,12 @@ def peer_commands(
     options: dict[str, Any],
     ports: tuple[int, int],
     llama_spec_type: str | None = None,
+    workload: str = "random",
 ) -> dict[str, list[str]]:
-    """How each server is started: ours with the engine options given, llama.cpp's with
-    16 slots of 512 tokens, one thread per core and its `--spec-type` if given
-    (`ngram-simple`: its prompt lookup, off by default)."""
+    """How each server is started: ours with the engine options given, llama.cpp's with a
+    slot per stream of the widest level (512 tokens each; the edit workload's, 2048), one
+    thread per core and its `--spec-type` if given (`ngram-simple`: its prompt lookup, off by
+    default)."""
     ours = [sys.executable, "-m", "minivllm.cli", "serve", str(gguf), "--port", str(ports[0])]
     for key, value in options.items():
         if key == "model" or value is None:
@@ -131,7 +153,8 @@ def peer_commands(
             ours.append(cli_flag(key, negated=not value))
         else:
             ours += [cli_flag(key), str(value)]
-    slots = max(concurrency for _, concurrency, _, _ in LEVELS)
+    slots = max(concurrency for _, concurrency, _, _ in workload_levels(workload))
+    slot_tokens = EDIT_SLOT_TOKENS if workload == "edit" else 512
     threads = str(os.cpu_count() or 1)
     theirs = [
         str(llama_server),
@@ -142,7 +165,7 @@ def peer_commands(
         "-np",
         str(slots),
         "-c",
-        str(512 * slots),
+        str(slot_tokens * slots),
         "-t",
         threads,
         "-tb",
@@ -189,12 +212,14 @@ def cmd_compare_llama_cpp(args: argparse.Namespace, options: dict[str, Any]) -> 
     for name in [*configs, "llama.cpp"]:
         port = free_loopback_port()
         ours = configs.get(name, options)
-        pair = peer_commands(gguf, llama_server, ours, (port, port), args.llama_spec_type)
+        pair = peer_commands(
+            gguf, llama_server, ours, (port, port), args.llama_spec_type, args.workload
+        )
         commands[name] = pair["llama.cpp" if name == "llama.cpp" else "minivllm"]
         print(f"{name}: {' '.join(commands[name])}", flush=True)
         ready = "/health" if name == "llama.cpp" else "/v1/models"
         with running(commands[name], f"http://127.0.0.1:{port}", ready):
-            runs[name] = load_levels(f"http://127.0.0.1:{port}", prompts)
+            runs[name] = load_levels(f"http://127.0.0.1:{port}", prompts, args.workload)
     rows = []
     for i, theirs in enumerate(runs["llama.cpp"]):
         print(f"{theirs['name']:>5}: llama.cpp {_describe(theirs)}", flush=True)

@@ -6,6 +6,9 @@ prompts, tokenized through the model's own chat template.
   the requests prompt lookup was made for.
 - `chat`: open questions with no document, so the answer shares little with the prompt:
   where speculation must cost next to nothing.
+- `edit`: a Python file of about 900 tokens and "rename this method, reply with the whole
+  file": a long answer that is the prompt's file again, one name changed (the peer
+  comparison reads `EDIT_OUTPUT_TOKENS` of it).
 
 The same seed gives the same requests, so every server in a comparison sees the same prompts.
 """
@@ -72,17 +75,155 @@ QUESTIONS = [
     "What should I pack for a week-long trip to the mountains?",
 ]
 
-WORKLOADS = ("random", "grounded", "chat")
+# A module written for this workload: plain, typical code whose methods the edit renames
+EDIT_FILE = '''\
+"""A small library loan tracker: members borrow books, return them and pay late fees."""
+
+from __future__ import annotations
+
+import datetime as dt
+from dataclasses import dataclass, field
+
+LOAN_DAYS = 21
+DAILY_FEE = 0.25
+MAX_LOANS = 5
+
+
+@dataclass
+class Book:
+    isbn: str
+    title: str
+    author: str
+    copies: int = 1
+
+
+@dataclass
+class Loan:
+    isbn: str
+    member_id: int
+    borrowed: dt.date
+    returned: dt.date | None = None
+
+    def due_date(self) -> dt.date:
+        return self.borrowed + dt.timedelta(days=LOAN_DAYS)
+
+    def days_late(self, today: dt.date) -> int:
+        end = self.returned or today
+        return max(0, (end - self.due_date()).days)
+
+
+@dataclass
+class Member:
+    member_id: int
+    name: str
+    loans: list[Loan] = field(default_factory=list)
+    fees_paid: float = 0.0
+
+    def open_loans(self) -> list[Loan]:
+        return [loan for loan in self.loans if loan.returned is None]
+
+
+class Library:
+    def __init__(self) -> None:
+        self.books: dict[str, Book] = {}
+        self.members: dict[int, Member] = {}
+
+    def add_book(self, book: Book) -> None:
+        if book.isbn in self.books:
+            self.books[book.isbn].copies += book.copies
+        else:
+            self.books[book.isbn] = book
+
+    def add_member(self, member_id: int, name: str) -> Member:
+        if member_id in self.members:
+            raise ValueError(f"member {member_id} already exists")
+        member = Member(member_id, name)
+        self.members[member_id] = member
+        return member
+
+    def available_copies(self, isbn: str) -> int:
+        book = self.books[isbn]
+        on_loan = sum(
+            1
+            for member in self.members.values()
+            for loan in member.open_loans()
+            if loan.isbn == isbn
+        )
+        return book.copies - on_loan
+
+    def borrow(self, member_id: int, isbn: str, today: dt.date) -> Loan:
+        member = self.members[member_id]
+        if len(member.open_loans()) >= MAX_LOANS:
+            raise ValueError(f"{member.name} already has {MAX_LOANS} books")
+        if self.outstanding_fees(member_id, today) > 0:
+            raise ValueError(f"{member.name} must pay their fees first")
+        if self.available_copies(isbn) <= 0:
+            raise ValueError(f"no copy of {self.books[isbn].title} is free")
+        loan = Loan(isbn, member_id, today)
+        member.loans.append(loan)
+        return loan
+
+    def give_back(self, member_id: int, isbn: str, today: dt.date) -> Loan:
+        member = self.members[member_id]
+        for loan in member.open_loans():
+            if loan.isbn == isbn:
+                loan.returned = today
+                return loan
+        raise ValueError(f"{member.name} has not borrowed {isbn}")
+
+    def outstanding_fees(self, member_id: int, today: dt.date) -> float:
+        member = self.members[member_id]
+        owed = sum(loan.days_late(today) * DAILY_FEE for loan in member.loans)
+        return round(owed - member.fees_paid, 2)
+
+    def pay(self, member_id: int, amount: float) -> float:
+        if amount <= 0:
+            raise ValueError("a payment must be positive")
+        member = self.members[member_id]
+        member.fees_paid += amount
+        return member.fees_paid
+
+    def overdue_report(self, today: dt.date) -> list[str]:
+        lines = []
+        for member in sorted(self.members.values(), key=lambda m: m.name):
+            for loan in member.open_loans():
+                late = loan.days_late(today)
+                if late:
+                    title = self.books[loan.isbn].title
+                    lines.append(f"{member.name}: {title}, {late} days late")
+        return lines
+'''
+
+# (method, new name) pairs of EDIT_FILE an edit asks for
+EDIT_RENAMES = [
+    ("available_copies", "copies_on_shelf"),
+    ("outstanding_fees", "fees_owed"),
+    ("give_back", "return_book"),
+    ("open_loans", "current_loans"),
+    ("days_late", "late_days"),
+]
+EDIT_TASK = (
+    "Rename the method `{old}` to `{new}` in the following Python file, and update every "
+    "call to it. Reply with the whole updated file and nothing else.\n\n```python\n{doc}```"
+)
+# How much of the edited file the peer comparison reads per request (docs/real-models.md)
+EDIT_OUTPUT_TOKENS = 400
+
+WORKLOADS = ("random", "grounded", "chat", "edit")
 
 
 def text_requests(workload: str, count: int, seed: int) -> list[str]:
-    """`count` user messages of the `grounded` or `chat` workload, the same for the same seed."""
+    """`count` user messages of the `grounded`, `chat` or `edit` workload, the same for the same
+    seed."""
     rng = random.Random(seed)
     if workload == "grounded":
         return [rng.choice(GROUNDED_TASKS).format(doc=rng.choice(DOCUMENTS)) for _ in range(count)]
     if workload == "chat":
         return [rng.choice(QUESTIONS) for _ in range(count)]
-    raise ValueError(f"unknown text workload {workload!r}; known: grounded, chat")
+    if workload == "edit":
+        renames = [rng.choice(EDIT_RENAMES) for _ in range(count)]
+        return [EDIT_TASK.format(old=old, new=new, doc=EDIT_FILE) for old, new in renames]
+    raise ValueError(f"unknown text workload {workload!r}; known: grounded, chat, edit")
 
 
 def text_prompts(tokenizer: Any, workload: str, count: int, seed: int) -> list[list[int]]:

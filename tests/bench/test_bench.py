@@ -74,6 +74,24 @@ def test_the_llama_cpp_comparison_starts_each_server_as_asked(tmp_path: Path):
     assert drafts["llama.cpp"][-2:] == ["--spec-type", "ngram-simple"]
 
 
+def test_the_edit_workload_asks_for_a_rename_of_a_method_the_file_has(tmp_path: Path):
+    """Each edit request holds the whole file and names one of its methods; the comparison
+    runs it at one stream, 400 tokens a request, with llama-server's slots long enough for
+    the file and the answer."""
+    from minivllm.bench.peer import peer_commands, workload_levels
+    from minivllm.bench.text_workloads import EDIT_FILE, EDIT_RENAMES, text_requests
+
+    requests = text_requests("edit", 6, seed=3)
+    assert requests == text_requests("edit", 6, seed=3)
+    for request in requests:
+        assert EDIT_FILE in request
+        old, new = next((o, n) for o, n in EDIT_RENAMES if f"`{o}` to `{n}`" in request)
+        assert f"def {old}(" in EDIT_FILE and new not in EDIT_FILE
+    assert [level[1] for level in workload_levels("edit")] == [1]
+    command = peer_commands(tmp_path / "m.gguf", tmp_path / "s", {}, (1, 2), workload="edit")
+    assert command["llama.cpp"][command["llama.cpp"].index("-c") + 1] == "2048"
+
+
 def test_the_serve_benchmark_without_a_server_says_so(tmp_path: Path):
     """Pointed at a port where nothing listens, `bench serve` ends with one line naming the
     address and the two ways on, not an HTTP client's traceback."""

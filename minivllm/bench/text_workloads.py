@@ -221,7 +221,9 @@ def text_requests(workload: str, count: int, seed: int) -> list[str]:
     if workload == "chat":
         return [rng.choice(QUESTIONS) for _ in range(count)]
     if workload == "edit":
-        renames = [rng.choice(EDIT_RENAMES) for _ in range(count)]
+        # every rename once before any again: repeated prompts would time prefix caching
+        order = rng.sample(EDIT_RENAMES, len(EDIT_RENAMES))
+        renames = [order[i % len(order)] for i in range(count)]
         return [EDIT_TASK.format(old=old, new=new, doc=EDIT_FILE) for old, new in renames]
     raise ValueError(f"unknown text workload {workload!r}; known: grounded, chat, edit")
 

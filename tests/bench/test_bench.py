@@ -83,6 +83,7 @@ def test_the_edit_workload_asks_for_a_rename_of_a_method_the_file_has(tmp_path: 
 
     requests = text_requests("edit", 6, seed=3)
     assert requests == text_requests("edit", 6, seed=3)
+    assert len(set(requests[:5])) == 5  # no prompt again before every rename has come
     for request in requests:
         assert EDIT_FILE in request
         old, new = next((o, n) for o, n in EDIT_RENAMES if f"`{o}` to `{n}`" in request)

@@ -33,8 +33,6 @@ from minivllm.layers.norm import RMSNorm
 from minivllm.layers.rotary import apply_rotary, get_rope
 
 CosSin = tuple[torch.Tensor, torch.Tensor]
-# The most bytes of gate_up activations the MLP computes in one piece on the CPU: below glibc's
-# 32 MB ceiling for reusing freed heap memory, so a long prefill's slices reuse it.
 
 
 def head_dim_of(config: Any) -> int:

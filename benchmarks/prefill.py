@@ -3,7 +3,7 @@
 Prefills `--prompts` random prompts of `--min`..`--max` tokens (by default the serve
 benchmark's c=16 level: 16 prompts of 32-256 tokens) together, one token each, `--rounds`
 times after a warm-up, and prints each round's seconds, tokens a second and minor page faults.
-`--malloc-defaults` leaves glibc's malloc as it is (no `heap.hold_large_blocks`): its large
+`--malloc-defaults` leaves glibc's malloc as it is (no `memory.hold_step_blocks`): its large
 blocks fresh from the system each step, the MLP in 16 MB slices.
 
     .venv/bin/python benchmarks/prefill.py --model FILE.gguf [--malloc-defaults]
@@ -18,6 +18,7 @@ import time
 from minivllm import LLM, SamplingParams, heap
 from minivllm.bench.workloads import Workload
 from minivllm.config import SPECULATION_OFF
+from minivllm.engine import memory
 
 
 def main() -> None:
@@ -30,7 +31,7 @@ def main() -> None:
     parser.add_argument("--malloc-defaults", action="store_true")
     args = parser.parse_args()
     if args.malloc_defaults:  # before the engine holds them
-        heap.hold_large_blocks = lambda: False
+        memory.hold_step_blocks = lambda device: None
     llm = LLM(args.model, speculative_config=SPECULATION_OFF, enable_prefix_caching=False)
     prompts, _ = Workload(args.prompts, (args.min, args.max), (1, 1)).make(
         llm.llm_engine.model_runner.vocab_size

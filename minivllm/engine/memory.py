@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from minivllm.config import EngineConfig
+from minivllm.heap import hold_large_blocks
 from minivllm.paging import blocks_for
 
 logger = logging.getLogger(__name__)
@@ -132,6 +133,13 @@ def _collapse(regions: list[tuple[int, int]]) -> None:
         if end > begin:
             for advice in (MADV_HUGEPAGE, MADV_COLLAPSE):  # advice: a refusal changes nothing
                 madvise(begin, end - begin, advice)
+
+
+def hold_step_blocks(device: torch.device) -> None:
+    """On the CPU, each step's large temporaries from malloc's heap, not fresh pages each time
+    (minivllm/heap.py); before a decode step is compiled: the MLP's slices read the budget."""
+    if device.type == "cpu":
+        hold_large_blocks()
 
 
 def weight_bytes(model: torch.nn.Module, mapped: range = range(0)) -> tuple[int, int]:

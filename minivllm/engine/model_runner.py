@@ -17,7 +17,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from minivllm import heap
 from minivllm.config import EngineConfig
 from minivllm.distributed import parallel_state
 from minivllm.distributed.heads import shard_heads
@@ -209,8 +208,7 @@ class ModelRunner:
         self.graphs_on = use_cuda_graphs(config.eager, self.device, tp_size)
         self.kv_caches = self._allocate_kv_cache()
         self.sampler = Sampler(config.seed, self.device, config.eos_token_ids)
-        if self.device.type == "cpu":  # each step's large temporaries from the heap (heap.py)
-            heap.hold_large_blocks()
+        memory.hold_step_blocks(self.device)
         # one-sequence decode steps' torch threads (None: torch's; engine/runtime/cpu_share.py)
         self.small_step_threads: int | None = None
         self.compiled_decode = self._warm_up_compiled_decode(tp_size)

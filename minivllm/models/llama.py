@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from minivllm import heap
+from minivllm.heap import block_budget
 from minivllm.layers.activation import get_gated_activation, soft_cap
 from minivllm.layers.attention import Attention, AttentionMetadata
 from minivllm.layers.attention.kv_quant import KVCache
@@ -73,7 +73,7 @@ class LlamaMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]
         width = self.gate_up_proj.output_size * x.element_size()  # gate_up's bytes a row
-        budget = heap.block_budget()
+        budget = block_budget()
         if x.device.type != "cpu" or rows * width <= budget:
             return self.down_proj(self.act_fn(self.gate_up_proj(x)))
         # A long prefill's rows a slice at a time: each row's output is the same (a row's

@@ -195,7 +195,14 @@ def test_the_weights_the_load_wrote_are_collapsed_to_huge_pages_not_the_mapped_o
     with open(path, "r+b") as f:
         mapped = mmap.mmap(f.fileno(), 0)
     in_file = torch.frombuffer(mapped, dtype=torch.uint8)
-    written, other = (torch.ones(16 << 20, dtype=torch.uint8) for _ in range(2))
+    # each on a mapping of its own, as a load's large weights are: an engine created earlier in
+    # this process holds large blocks in malloc's heap (heap.hold_large_blocks), where two
+    # tensors would share one mapping and its huge-page count
+    private = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS  # not shared memory: THP's own rules
+    written, other = (
+        torch.frombuffer(mmap.mmap(-1, 16 << 20, flags=private), dtype=torch.uint8).fill_(1)
+        for _ in range(2)
+    )
     model = nn.Module()
     model.tiles = _Stored(written)
     model.lookup = in_file

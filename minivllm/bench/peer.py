@@ -18,7 +18,7 @@ import sys
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from minivllm.bench.common import machine
 from minivllm.bench.serve import SERVE_VOCAB_SIZE, acceptance, read_spec_counters, run_level
@@ -29,20 +29,26 @@ from minivllm.config import SPECULATION_OFF, SpeculativeConfig, cli_flag
 # (name, concurrency, requests, prompt lengths): the levels of docs/benchmarks.md's table
 LEVELS = [("c=1", 1, 4, (64, 64)), ("c=16", 16, 16, (32, 256))]
 OUTPUT_TOKENS = 128
+
+
+class LevelPlan(NamedTuple):
+    """What a workload's comparison runs: its levels, the tokens each request asks for, and
+    the tokens of each llama-server slot."""
+
+    levels: list[tuple[str, int, int, tuple[int, int]]]
+    output_tokens: int
+    slot_tokens: int
+
+
 # The edit workload (a 1k-token file, 400 tokens of it again): one stream, llama-server's slots
-# long enough to hold it
-EDIT_LEVELS = LEVELS[:1]
-EDIT_SLOT_TOKENS = 2048
+# long enough to hold it; every other workload the table's levels
+PLANS = {"edit": LevelPlan(LEVELS[:1], EDIT_OUTPUT_TOKENS, 2048)}
+DEFAULT_PLAN = LevelPlan(LEVELS, OUTPUT_TOKENS, 512)
 
 
-def workload_levels(workload: str) -> list[tuple[str, int, int, tuple[int, int]]]:
-    """The levels a workload runs (the `edit` workload: c=1 only)."""
-    return EDIT_LEVELS if workload == "edit" else LEVELS
-
-
-def output_tokens(workload: str) -> int:
-    """Tokens each request of `workload` asks for."""
-    return EDIT_OUTPUT_TOKENS if workload == "edit" else OUTPUT_TOKENS
+def level_plan(workload: str) -> LevelPlan:
+    """The levels, output length and llama-server slot size `workload` runs with."""
+    return PLANS.get(workload, DEFAULT_PLAN)
 
 
 LLAMA_SERVER_CACHE = Path("~/.cache/minivllm/llama.cpp").expanduser()
@@ -102,7 +108,7 @@ def level_prompts(workload: str, tokenizer: Any, seed: int) -> list[list[int]]:
     """Each level's prompts: random ids of the level's lengths, or `workload`'s chat requests
     through the model's chat template (text_workloads.py)."""
     prompts = []
-    for _, concurrency, count, lengths in workload_levels(workload):
+    for _, concurrency, count, lengths in level_plan(workload).levels:
         if workload == "random":
             ids, _ = Workload(count, lengths, (1, 1), seed + concurrency).make(SERVE_VOCAB_SIZE)
         else:
@@ -120,11 +126,11 @@ def load_levels(
 
     model = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
     results = []
-    levels = workload_levels(workload)
-    for (name, concurrency, _, _), level_prompts in zip(levels, prompts, strict=True):
+    plan = level_plan(workload)
+    for (name, concurrency, _, _), level_prompts in zip(plan.levels, prompts, strict=True):
         asyncio.run(run_level(url, model, level_prompts[:1], 4, 1))  # warm-up: one short request
         before = read_spec_counters(url)
-        tokens = output_tokens(workload)
+        tokens = plan.output_tokens
         level = asyncio.run(run_level(url, model, level_prompts, tokens, concurrency))
         spec = acceptance(before, read_spec_counters(url))
         if spec is not None:
@@ -153,8 +159,8 @@ def peer_commands(
             ours.append(cli_flag(key, negated=not value))
         else:
             ours += [cli_flag(key), str(value)]
-    slots = max(concurrency for _, concurrency, _, _ in workload_levels(workload))
-    slot_tokens = EDIT_SLOT_TOKENS if workload == "edit" else 512
+    plan = level_plan(workload)
+    slots = max(concurrency for _, concurrency, _, _ in plan.levels)
     threads = str(os.cpu_count() or 1)
     theirs = [
         str(llama_server),
@@ -165,7 +171,7 @@ def peer_commands(
         "-np",
         str(slots),
         "-c",
-        str(slot_tokens * slots),
+        str(plan.slot_tokens * slots),
         "-t",
         threads,
         "-tb",

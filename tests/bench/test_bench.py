@@ -78,7 +78,7 @@ def test_the_edit_workload_asks_for_a_rename_of_a_method_the_file_has(tmp_path: 
     """Each edit request holds the whole file and names one of its methods; the comparison
     runs it at one stream, 400 tokens a request, with llama-server's slots long enough for
     the file and the answer."""
-    from minivllm.bench.peer import peer_commands, workload_levels
+    from minivllm.bench.peer import level_plan, peer_commands
     from minivllm.bench.text_workloads import EDIT_FILE, EDIT_RENAMES, text_requests
 
     requests = text_requests("edit", 6, seed=3)
@@ -88,7 +88,7 @@ def test_the_edit_workload_asks_for_a_rename_of_a_method_the_file_has(tmp_path: 
         assert EDIT_FILE in request
         old, new = next((o, n) for o, n in EDIT_RENAMES if f"`{o}` to `{n}`" in request)
         assert f"def {old}(" in EDIT_FILE and new not in EDIT_FILE
-    assert [level[1] for level in workload_levels("edit")] == [1]
+    assert [level[1] for level in level_plan("edit").levels] == [1]
     command = peer_commands(tmp_path / "m.gguf", tmp_path / "s", {}, (1, 2), workload="edit")
     assert command["llama.cpp"][command["llama.cpp"].index("-c") + 1] == "2048"
 

@@ -11,12 +11,16 @@ import torch
 from gguf import GGMLQuantizationType as QT
 
 from minivllm.layers.cpu_kernels import cpu_kernels_available
+from minivllm.layers.embedding import ParallelLMHead
+from minivllm.layers.quantization.chooser import StoredFormat, choose_method
+from minivllm.layers.quantization.head import BlockHead
 from minivllm.layers.quantization.kernels.block_weight import (
     BlockSegment,
     BlockWeight,
     int8_residual,
 )
 from minivllm.layers.quantization.kernels.ggml_blocks import ggml_dequantize
+from minivllm.layers.quantization.policy import TOKEN_EXACT
 
 pytestmark = pytest.mark.skipif(
     not cpu_kernels_available(), reason="the block kernels need an x86 CPU with AVX2"
@@ -109,3 +113,22 @@ def test_mixed_kinds_keep_one_code_and_an_unknown_precision_is_refused() -> None
     assert mixed.activations == "int8"
     with pytest.raises(ValueError, match="activations must be one of"):
         BlockWeight([_segment(QT.Q8_0, 0)], COLS, "int4")
+
+
+@pytest.mark.parametrize("qtype", [QT.Q4_K, QT.Q6_K], ids=lambda q: q.name)
+def test_a_block_head_takes_one_code_and_its_top_logits_stay_fp32(qtype: QT) -> None:
+    """The LM head on K-kind blocks gets one code even where its blocks ask for two: its
+    highest logits are computed again in fp32 from the same rows, so the greedy token and
+    the top logits are the dequantized head's whatever the first pass rounded."""
+    segment = _segment(qtype, 3, rows=256)  # a 256-token vocabulary
+    head = ParallelLMHead(256, COLS)
+    stored = StoredFormat(blocks=(segment,), activations="int8x2")
+    method = choose_method(head, stored, TOKEN_EXACT)
+    assert isinstance(method, BlockHead) and method.weight.activations == "int8"
+    hidden = torch.randn(6, COLS, generator=torch.Generator().manual_seed(0))
+    exact = hidden @ ggml_dequantize(segment.blocks, qtype, COLS).float().T  # [6, 256]
+    logits = head(hidden)
+    top = exact.topk(4)
+    assert torch.equal(logits.topk(4).indices, top.indices)
+    torch.testing.assert_close(logits.gather(-1, top.indices), top.values, rtol=1e-5, atol=1e-4)
+    assert not torch.allclose(logits, exact, rtol=1e-5, atol=1e-4)  # the rest: one code's

@@ -113,7 +113,9 @@ def _head_method(
     head: ParallelLMHead, stored: StoredFormat, policy: WeightPolicy, caps: CpuCaps
 ) -> HeadMethod:
     if stored.blocks:
-        return BlockHead(BlockWeight(list(stored.blocks), head.embedding_dim, stored.activations))
+        # One code: BlockHead computes each row's top logits again in fp32 from the same
+        # rows, so a second code would only reorder the logits that refining replaces.
+        return BlockHead(BlockWeight(list(stored.blocks), head.embedding_dim, "int8"))
     dense = DenseHead(stored.exact_rows)
     if stored.int8_halves is None or policy.stored_kernel is None:
         return dense

@@ -114,7 +114,8 @@ def _head_method(
 ) -> HeadMethod:
     if stored.blocks:
         # One code: BlockHead computes each row's top logits again in fp32 from the same
-        # rows, so a second code would only reorder the logits that refining replaces.
+        # rows, so a second code would only sharpen the others, which decide no more than
+        # which rows are refined and a logprob's normalizer (docs/ggml-kernels.md).
         return BlockHead(BlockWeight(list(stored.blocks), head.embedding_dim, "int8"))
     dense = DenseHead(stored.exact_rows)
     if stored.int8_halves is None or policy.stored_kernel is None:

@@ -93,7 +93,8 @@ def stored_weight_kernel(device: torch.device, dtype: torch.dtype) -> str | None
 # Q6_K), 32 for Q5_0/Q5_1/Q8_0. A block holding one of the huge activations of a model such
 # as Gemma 3 gets a step that rounds its other inputs to 0; a second 8-bit code for the
 # residual brings them back, at the same weight reads (docs/ggml-kernels.md, "Activation
-# precision", measured on real files).
+# precision", measured on real files). The LM head takes one code whatever its blocks
+# (`chooser._head_method`: its top logits are refined in fp32).
 BLOCK_ACTIVATIONS = {256: "int8x2", 32: "int8x2"}
 
 

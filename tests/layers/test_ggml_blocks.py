@@ -20,9 +20,11 @@ from minivllm.layers.quantization.kernels.ggml_blocks import (
     block_geometry,
     dequant_matmul,
     dequant_scratch_bytes,
+    dequant_tile_bytes,
     ggml_dequantize,
     ggml_matmul,
     ggml_matmul_segments,
+    last_level_cache_bytes,
     repack_q4x8,
 )
 
@@ -356,6 +358,19 @@ def test_dequant_matmul_keeps_one_tile() -> None:
     kept = dequant_scratch_bytes()
     dequant_matmul(x, large, T.Q4_K, tile_rows=16)
     assert dequant_scratch_bytes() == kept == 16 * k * 4
+
+
+@pytest.mark.parametrize(
+    ("reported", "tile"),
+    [("491520K", 64 << 20), ("32768K", 8 << 20), ("8M", 4 << 20), ("", 4 << 20), (None, 4 << 20)],
+)
+def test_dequant_tile_follows_the_l3(tmp_path, reported: str | None, tile: int) -> None:
+    """The dequantization tile is a quarter of the L3 Linux reports, within 4-64 MiB; a CPU
+    that reports none (or an unreadable size) keeps the smallest."""
+    path = tmp_path / "size"
+    if reported is not None:
+        path.write_text(reported + "\n")
+    assert dequant_tile_bytes(last_level_cache_bytes(str(path))) == tile
 
 
 def test_bad_input_is_a_clear_error() -> None:

@@ -51,7 +51,8 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         "--workload",
         choices=WORKLOADS,
         default="random",
-        help="serve: random token ids, or chat requests through the model's template whose "
+        help="serve: random token ids (long: --compare llama.cpp's one stream after 2k and "
+        "8k-token prompts, 256 tokens), or chat requests through the model's template whose "
         "answers reuse their prompts (grounded), do not (chat), or are a 1k-token Python file "
         "again with a method renamed (edit: --compare llama.cpp runs it at c=1, 400 tokens)",
     )

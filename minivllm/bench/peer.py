@@ -2,8 +2,9 @@
 serve` and against llama.cpp's own server, on the same GGUF, one after the other.
 
 Each server is started here, waited for, loaded at c=1 (4 requests, 64-token prompts) and at
-c=16 (16 requests, prompts of 32-256 tokens), 128 output tokens each, `ignore_eos`, and
-stopped; then the two are printed side by side with their ratio. The llama.cpp server is the
+c=16 (16 requests, prompts of 32-256 tokens), 128 output tokens each, `ignore_eos` (other
+workloads: `PLANS`), and stopped; then the two are printed side by side with their ratios,
+of output tokens a second and of the time between tokens (ITL p50: the decode alone). The llama.cpp server is the
 one `benchmarks/build_llama_cpp.sh` builds (`--llama-server PATH` or `$LLAMA_SERVER` to use
 another), with as many slots as the widest level and one thread per core.
 """
@@ -22,7 +23,13 @@ from typing import Any, NamedTuple
 
 from minivllm.bench.common import machine
 from minivllm.bench.serve import SERVE_VOCAB_SIZE, acceptance, read_spec_counters, run_level
-from minivllm.bench.text_workloads import EDIT_OUTPUT_TOKENS, text_prompts
+from minivllm.bench.text_workloads import (
+    EDIT_OUTPUT_TOKENS,
+    LONG_CONTEXTS,
+    LONG_OUTPUT_TOKENS,
+    RANDOM_ID_WORKLOADS,
+    text_prompts,
+)
 from minivllm.bench.workloads import Workload
 from minivllm.config import SPECULATION_OFF, SpeculativeConfig, cli_flag
 
@@ -41,8 +48,17 @@ class LevelPlan(NamedTuple):
 
 
 # The edit workload (a 1k-token file, 400 tokens of it again): one stream, llama-server's slots
-# long enough to hold it; every other workload the table's levels
-PLANS = {"edit": LevelPlan(LEVELS[:1], EDIT_OUTPUT_TOKENS, 2048)}
+# long enough to hold it; the long one: one stream decoding after 2k and 8k-token prompts (two
+# requests each, their decode compared by ITL: a 128-token answer's rate is mostly its
+# prefill); every other workload the table's levels
+PLANS = {
+    "edit": LevelPlan(LEVELS[:1], EDIT_OUTPUT_TOKENS, 2048),
+    "long": LevelPlan(
+        [(f"c=1 {n // 1000}k", 1, 2, (n, n)) for n in LONG_CONTEXTS],
+        LONG_OUTPUT_TOKENS,
+        max(LONG_CONTEXTS) + LONG_OUTPUT_TOKENS + 256,
+    ),
+}
 DEFAULT_PLAN = LevelPlan(LEVELS, OUTPUT_TOKENS, 512)
 
 
@@ -108,9 +124,12 @@ def level_prompts(workload: str, tokenizer: Any, seed: int) -> list[list[int]]:
     """Each level's prompts: random ids of the level's lengths, or `workload`'s chat requests
     through the model's chat template (text_workloads.py)."""
     prompts = []
-    for _, concurrency, count, lengths in level_plan(workload).levels:
-        if workload == "random":
-            ids, _ = Workload(count, lengths, (1, 1), seed + concurrency).make(SERVE_VOCAB_SIZE)
+    for i, (_, concurrency, count, lengths) in enumerate(level_plan(workload).levels):
+        if workload in RANDOM_ID_WORKLOADS:
+            # the long levels share a concurrency: a seed each, or the 8k prompts would begin
+            # with the 2k ones, a prefix both servers would have cached
+            level_seed = seed + concurrency + (1000 * i if workload == "long" else 0)
+            ids, _ = Workload(count, lengths, (1, 1), level_seed).make(SERVE_VOCAB_SIZE)
         else:
             ids = text_prompts(tokenizer, workload, count, seed + concurrency)
         prompts.append(ids)
@@ -200,7 +219,7 @@ def cmd_compare_llama_cpp(args: argparse.Namespace, options: dict[str, Any]) -> 
     gguf = Path(options.get("model") or default_model_path()).expanduser()
     if gguf.suffix.lower() != ".gguf":
         raise SystemExit(f"--compare llama.cpp needs a .gguf model, got {gguf}")
-    tokenizer = build_tokenizer(gguf) if args.workload != "random" else None
+    tokenizer = build_tokenizer(gguf) if args.workload not in RANDOM_ID_WORKLOADS else None
     prompts = level_prompts(args.workload, tokenizer, args.seed)
     llama_server = find_llama_server(args.llama_server)
     # Unless told not to speculate (whose default on the CPU is to, where it pays), the same
@@ -234,7 +253,12 @@ def cmd_compare_llama_cpp(args: argparse.Namespace, options: dict[str, Any]) -> 
             ours = runs[name][i]
             row = {"level": ours["name"], "server": name}
             row["ratio"] = ours["tok_per_s"] / theirs["tok_per_s"]
-            text = f"{'':>5}  {name} {_describe(ours)} | {row['ratio']:.2f}x llama.cpp"
+            # the decode alone: a token's time between tokens, theirs over ours
+            row["itl_ratio"] = theirs["itl_p50_s"] / ours["itl_p50_s"]
+            text = (
+                f"{'':>5}  {name} {_describe(ours)} | {row['ratio']:.2f}x llama.cpp "
+                f"(ITL p50 {row['itl_ratio']:.2f}x)"
+            )
             if base is not None and name == "minivllm":
                 row["ratio_vs_no_speculation"] = ours["tok_per_s"] / base[i]["tok_per_s"]
                 text += f", {row['ratio_vs_no_speculation']:.2f}x no speculation"

@@ -159,6 +159,11 @@ async def run_level(
 def cmd_serve_bench(args: argparse.Namespace, options: dict[str, Any]) -> dict[str, Any]:
     import httpx
 
+    if args.workload == "long":
+        raise SystemExit(
+            "minivllm bench serve: --workload long is a --compare llama.cpp plan; against a "
+            "server of your own, set the prompts' lengths with --input-min / --input-max"
+        )
     url = args.url.rstrip("/")
     try:
         model = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]

@@ -209,7 +209,12 @@ EDIT_TASK = (
 # How much of the edited file the peer comparison reads per request (docs/real-models.md)
 EDIT_OUTPUT_TOKENS = 400
 
-WORKLOADS = ("random", "grounded", "chat", "edit")
+# "random" and "long" are random token ids (long: one stream over 2k and 8k-token prompts)
+WORKLOADS = ("random", "long", "grounded", "chat", "edit")
+RANDOM_ID_WORKLOADS = ("random", "long")
+# The prompt lengths of the long workload's levels, and the tokens each request decodes
+LONG_CONTEXTS = (2000, 8000)
+LONG_OUTPUT_TOKENS = 256
 
 
 def text_requests(workload: str, count: int, seed: int) -> list[str]:

@@ -93,6 +93,25 @@ def test_the_edit_workload_asks_for_a_rename_of_a_method_the_file_has(tmp_path: 
     assert command["llama.cpp"][command["llama.cpp"].index("-c") + 1] == "2048"
 
 
+def test_the_long_workload_decodes_after_long_random_prompts(tmp_path: Path):
+    """The long plan: one stream over prompts of 2k and 8k random ids (two each, each level its
+    own), llama-server's one slot long enough for the longest and its answer; without
+    --compare it says where its lengths go instead."""
+    from minivllm.bench.peer import level_plan, level_prompts, peer_commands
+
+    plan = level_plan("long")
+    assert [(level[1], level[2]) for level in plan.levels] == [(1, 2), (1, 2)]
+    prompts = level_prompts("long", None, seed=0)
+    assert [[len(p) for p in level] for level in prompts] == [[2000, 2000], [8000, 8000]]
+    assert prompts[1][0] != prompts[1][1] and prompts[1][0][:2000] != prompts[0][0]
+    command = peer_commands(tmp_path / "m.gguf", tmp_path / "s", {}, (1, 2), workload="long")
+    slot = int(command["llama.cpp"][command["llama.cpp"].index("-c") + 1])
+    assert command["llama.cpp"][command["llama.cpp"].index("-np") + 1] == "1"
+    assert slot >= 8000 + plan.output_tokens
+    with pytest.raises(SystemExit, match="--input-min / --input-max"):
+        main(["bench", "serve", "--workload", "long", "--url", "http://127.0.0.1:9"])
+
+
 def test_the_serve_benchmark_without_a_server_says_so(tmp_path: Path):
     """Pointed at a port where nothing listens, `bench serve` ends with one line naming the
     address and the two ways on, not an HTTP client's traceback."""

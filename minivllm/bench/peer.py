@@ -3,10 +3,10 @@ serve` and against llama.cpp's own server, on the same GGUF, one after the other
 
 Each server is started here, waited for, loaded at c=1 (4 requests, 64-token prompts) and at
 c=16 (16 requests, prompts of 32-256 tokens), 128 output tokens each, `ignore_eos` (other
-workloads: `PLANS`), and stopped; then the two are printed side by side with their ratios,
-of output tokens a second and of the time between tokens (ITL p50: the decode alone). The llama.cpp server is the
-one `benchmarks/build_llama_cpp.sh` builds (`--llama-server PATH` or `$LLAMA_SERVER` to use
-another), with as many slots as the widest level and one thread per core.
+workloads: `PLANS`), and stopped; then the two are printed side by side with their ratios, of
+output tokens a second and of the time between tokens (ITL p50: the decode alone). The
+llama.cpp server is the one `benchmarks/build_llama_cpp.sh` builds (`--llama-server PATH` or
+`$LLAMA_SERVER` to use another), with as many slots as the widest level and one thread per core.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ class LevelPlan(NamedTuple):
 
 # The edit workload (a 1k-token file, 400 tokens of it again): one stream, llama-server's slots
 # long enough to hold it; the long one: one stream decoding after 2k and 8k-token prompts (two
-# requests each, their decode compared by ITL: a 128-token answer's rate is mostly its
+# requests each, their decode compared by ITL: after 8k tokens an answer's rate is mostly its
 # prefill); every other workload the table's levels
 PLANS = {
     "edit": LevelPlan(LEVELS[:1], EDIT_OUTPUT_TOKENS, 2048),

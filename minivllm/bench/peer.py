@@ -245,25 +245,6 @@ def cmd_compare_llama_cpp(args: argparse.Namespace, options: dict[str, Any]) -> 
         ready = "/health" if name == "llama.cpp" else "/v1/models"
         with running(commands[name], f"http://127.0.0.1:{port}", ready):
             runs[name] = load_levels(f"http://127.0.0.1:{port}", prompts, args.workload)
-    rows = []
-    for i, theirs in enumerate(runs["llama.cpp"]):
-        print(f"{theirs['name']:>5}: llama.cpp {_describe(theirs)}", flush=True)
-        base = runs.get("minivllm, no speculation")
-        for name in configs:
-            ours = runs[name][i]
-            row = {"level": ours["name"], "server": name}
-            row["ratio"] = ours["tok_per_s"] / theirs["tok_per_s"]
-            # the decode alone: a token's time between tokens, theirs over ours
-            row["itl_ratio"] = theirs["itl_p50_s"] / ours["itl_p50_s"]
-            text = (
-                f"{'':>5}  {name} {_describe(ours)} | {row['ratio']:.2f}x llama.cpp "
-                f"(ITL p50 {row['itl_ratio']:.2f}x)"
-            )
-            if base is not None and name == "minivllm":
-                row["ratio_vs_no_speculation"] = ours["tok_per_s"] / base[i]["tok_per_s"]
-                text += f", {row['ratio_vs_no_speculation']:.2f}x no speculation"
-            print(text, flush=True)
-            rows.append(row)
     results = [dict(r, name=f"{peer} {r['name']}") for peer in runs for r in runs[peer]]
     return {
         "benchmark": "serve vs llama.cpp",
@@ -271,6 +252,31 @@ def cmd_compare_llama_cpp(args: argparse.Namespace, options: dict[str, Any]) -> 
         "workload": args.workload,
         "machine": machine(),
         "commands": commands,
-        "ratios": rows,
+        "ratios": print_ratios(runs, list(configs)),
         "results": results,
     }
+
+
+def print_ratios(runs: dict[str, list[dict[str, Any]]], ours: list[str]) -> list[dict[str, Any]]:
+    """Each level of each of our configurations against llama.cpp's, printed: the ratio of
+    output tokens a second, of the time between tokens (theirs over ours: the decode alone) and,
+    with drafts, against our own run without."""
+    rows = []
+    base = runs.get("minivllm, no speculation")
+    for i, theirs in enumerate(runs["llama.cpp"]):
+        print(f"{theirs['name']:>5}: llama.cpp {_describe(theirs)}", flush=True)
+        for name in ours:
+            level = runs[name][i]
+            row = {"level": level["name"], "server": name}
+            row["ratio"] = level["tok_per_s"] / theirs["tok_per_s"]
+            row["itl_ratio"] = theirs["itl_p50_s"] / level["itl_p50_s"]
+            text = (
+                f"{'':>5}  {name} {_describe(level)} | {row['ratio']:.2f}x llama.cpp "
+                f"(ITL p50 {row['itl_ratio']:.2f}x)"
+            )
+            if base is not None and name == "minivllm":
+                row["ratio_vs_no_speculation"] = level["tok_per_s"] / base[i]["tok_per_s"]
+                text += f", {row['ratio_vs_no_speculation']:.2f}x no speculation"
+            print(text, flush=True)
+            rows.append(row)
+    return rows

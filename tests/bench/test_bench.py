@@ -112,6 +112,28 @@ def test_the_long_workload_decodes_after_long_random_prompts(tmp_path: Path):
         main(["bench", "serve", "--workload", "long", "--url", "http://127.0.0.1:9"])
 
 
+def test_the_comparison_gives_each_level_its_rate_and_decode_ratios(capsys):
+    """Against llama.cpp each level of ours gets the ratio of output tokens a second, of the
+    time between tokens (theirs over ours) and, with drafts, against our run without."""
+    from minivllm.bench.peer import print_ratios
+
+    def level(name: str, tok_per_s: float, itl: float) -> dict:
+        return {"name": name, "tok_per_s": tok_per_s, "itl_p50_s": itl, "itl_p99_s": itl,
+                "ttft_p50_s": 0.1}  # fmt: skip
+
+    runs = {
+        "minivllm": [level("c=1", 30.0, 0.02)],
+        "minivllm, no speculation": [level("c=1", 15.0, 0.05)],
+        "llama.cpp": [level("c=1", 12.0, 0.06)],
+    }
+    rows = print_ratios(runs, ["minivllm", "minivllm, no speculation"])
+    assert [row["server"] for row in rows] == ["minivllm", "minivllm, no speculation"]
+    assert rows[0]["ratio"] == pytest.approx(2.5) and rows[0]["itl_ratio"] == pytest.approx(3.0)
+    assert rows[0]["ratio_vs_no_speculation"] == pytest.approx(2.0)
+    assert rows[1]["itl_ratio"] == pytest.approx(1.2) and "ratio_vs_no_speculation" not in rows[1]
+    assert "(ITL p50 3.00x), 2.00x no speculation" in capsys.readouterr().out
+
+
 def test_the_serve_benchmark_without_a_server_says_so(tmp_path: Path):
     """Pointed at a port where nothing listens, `bench serve` ends with one line naming the
     address and the two ways on, not an HTTP client's traceback."""

@@ -29,6 +29,7 @@ from minivllm.layers.quantization.kernels.ggml_blocks import (
     X8_FLAG,
     X8_KINDS,
     available_isas,
+    dequant_tile_rows,
     repack_q4x8,
 )
 from minivllm.models.gguf_file import GGUFFile
@@ -64,7 +65,7 @@ def run(kernel: str, x: torch.Tensor, blocks: list, kinds: list, two_codes: bool
     columns = sum(b.shape[0] * (8 if k >= X8_FLAG else 1) for b, k in zip(blocks, kinds))
     if kernel.startswith("dequant"):  # tiles of DEQUANT_TILE_BYTES, or of "dequant@MB"
         tile_bytes = int(kernel.split("@")[1]) << 20 if "@" in kernel else DEQUANT_TILE_BYTES
-        tile_rows = max(16, tile_bytes // (x.shape[1] * 2))  # bf16 rows, as BlockWeight
+        tile_rows = dequant_tile_rows(x.shape[1], 2, tile_bytes)  # bf16 rows, as BlockWeight
         ops.ggml_dequant_matmul_kinds(x.bfloat16(), blocks, kind_tensor, columns, tile_rows)
     else:
         rows = torch.cat([x, x]) if two_codes else x

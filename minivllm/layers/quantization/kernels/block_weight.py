@@ -30,10 +30,10 @@ from gguf import GGMLQuantizationType
 
 from minivllm.layers.cpu_kernels import cpu_kernels_available
 from minivllm.layers.quantization.kernels.ggml_blocks import (
-    DEQUANT_TILE_BYTES,
     X8_FLAG,
     X8_KINDS,
     dequant_matmul,
+    dequant_tile_rows,
     ggml_dequantize,
     ggml_matmul_segments,
     repack_q4x8,
@@ -229,7 +229,7 @@ class BlockWeight:
             outs = [dequant_matmul(x, s.blocks, s.qtype) for s in self.segments]
             return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
         flat = x.reshape(-1, self.cols)
-        tile_rows = max(16, DEQUANT_TILE_BYTES // (self.cols * x.element_size()))
+        tile_rows = dequant_tile_rows(self.cols, x.element_size())
         out = torch.ops.minivllm.ggml_dequant_matmul_kinds(
             flat, self._blocks, self._kinds, self._columns, tile_rows
         )

@@ -87,6 +87,12 @@ def dequant_tile_bytes(l3_bytes: int) -> int:
 DEQUANT_TILE_BYTES = dequant_tile_bytes(last_level_cache_bytes())
 
 
+def dequant_tile_rows(cols: int, element_size: int, tile_bytes: int = DEQUANT_TILE_BYTES) -> int:
+    """Dense rows of `cols` values of `element_size` bytes in one tile of `tile_bytes` (16 at
+    least)."""
+    return max(16, tile_bytes // (cols * element_size))
+
+
 def ggml_type(qtype: GGMLQuantizationType | int | str) -> GGMLQuantizationType:
     """`qtype` (the enum, its number or its name, e.g. "Q4_K") as a supported kernel type;
     ValueError for any other."""
@@ -274,7 +280,7 @@ def dequant_matmul(
     cols = x.shape[-1]
     kind = _check_blocks(blocks, qtype, cols)
     if tile_rows is None:
-        tile_rows = max(16, DEQUANT_TILE_BYTES // (cols * x.element_size()))
+        tile_rows = dequant_tile_rows(cols, x.element_size())
     elif tile_rows <= 0:
         raise ValueError(f"tile_rows must be positive, got {tile_rows}")
     rows = x.reshape(-1, cols)  # [M, K]

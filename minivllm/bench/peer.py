@@ -252,15 +252,16 @@ def cmd_compare_llama_cpp(args: argparse.Namespace, options: dict[str, Any]) -> 
         "workload": args.workload,
         "machine": machine(),
         "commands": commands,
-        "ratios": print_ratios(runs, list(configs)),
+        "ratios": print_ratios(runs),
         "results": results,
     }
 
 
-def print_ratios(runs: dict[str, list[dict[str, Any]]], ours: list[str]) -> list[dict[str, Any]]:
-    """Each level of each of our configurations against llama.cpp's, printed: the ratio of
-    output tokens a second, of the time between tokens (theirs over ours: the decode alone) and,
-    with drafts, against our own run without."""
+def print_ratios(runs: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """Each level of each of our configurations (every run but llama.cpp's, in their order)
+    against llama.cpp's, printed: the ratio of output tokens a second, of the time between
+    tokens (theirs over ours: the decode alone) and, with drafts, against our own run without."""
+    ours = [name for name in runs if name != "llama.cpp"]
     rows = []
     base = runs.get("minivllm, no speculation")
     for i, theirs in enumerate(runs["llama.cpp"]):

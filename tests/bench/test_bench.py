@@ -126,7 +126,7 @@ def test_the_comparison_gives_each_level_its_rate_and_decode_ratios(capsys):
         "minivllm, no speculation": [level("c=1", 15.0, 0.05)],
         "llama.cpp": [level("c=1", 12.0, 0.06)],
     }
-    rows = print_ratios(runs, ["minivllm", "minivllm, no speculation"])
+    rows = print_ratios(runs)
     assert [row["server"] for row in rows] == ["minivllm", "minivllm, no speculation"]
     assert rows[0]["ratio"] == pytest.approx(2.5) and rows[0]["itl_ratio"] == pytest.approx(3.0)
     assert rows[0]["ratio_vs_no_speculation"] == pytest.approx(2.0)

@@ -29,7 +29,7 @@ def cli_flag(name: str, negated: bool = False) -> str:
 SPECULATIVE_METHODS = ("ngram", "draft_model")
 # `speculative_config`'s off switch, as the CLI gives it (unset means the engine's default).
 SPECULATION_OFF = '{"method": "none"}'
-KV_CACHE_DTYPES = ("auto", "int8", "fp8")
+KV_CACHE_DTYPES = ("auto", "bfloat16", "int8", "fp8")
 
 
 @dataclass(frozen=True)
@@ -161,9 +161,10 @@ class EngineConfig:
     )
     kv_cache_dtype: str = _option(
         "auto",
-        "what the KV cache stores (vLLM's option): auto = the compute dtype; int8 = int8 "
+        "what the KV cache stores (vLLM's option): auto = the compute dtype, but bf16 where "
+        "dtype is auto and the CPU computes in fp32 (no native bf16); bfloat16; int8 = int8 "
         "with a float32 scale per token and KV head (~2x the tokens in the same memory); "
-        "fp8 = float8 e4m3, no scale; both on the CPU and on CUDA with triton",
+        "fp8 = float8 e4m3, no scale; int8 and fp8 on the CPU and on CUDA with triton",
         KV_CACHE_DTYPES,
     )
     gpu_memory_utilization: float = _option(

@@ -189,9 +189,9 @@ class ModelRunner:
         self.model_dir = model_dir
         self.device = resolve_device(config)
         self.dtype = resolve_dtype(config, self.device)
-        # the cache holds K and V as computed (rotary included) or quantized (kv_quant.py)
-        kv_quant.check_kv_cache_dtype(config.kv_cache_dtype, self.device)
-        self.kv_dtype = kv_quant.kv_storage_dtype(config.kv_cache_dtype, self.dtype)
+        kv_option = (config.kv_cache_dtype, config.dtype, self.dtype, self.device)
+        self.kv_cache_dtype = kv_quant.resolve_kv_cache_dtype(*kv_option)  # K/V: kv_quant.py
+        self.kv_dtype = kv_quant.kv_storage_dtype(self.kv_cache_dtype, self.dtype)
         self.block_size = config.block_size
         torch.manual_seed(config.seed)
         # Start-up, one named step each: load, quantize and pack, LoRA slots, attention backends,
@@ -250,7 +250,7 @@ class ModelRunner:
         blocks = self.num_kv_blocks + int(self.graphs_on)
         shape = (blocks, self.block_size, self.num_kv_heads, self.head_dim)
         return [
-            kv_quant.allocate_kv_cache(shape, self.config.kv_cache_dtype, self.dtype, self.device)
+            kv_quant.allocate_kv_cache(shape, self.kv_cache_dtype, self.dtype, self.device)
             for _ in range(self.num_layers)
         ]
 
@@ -338,7 +338,7 @@ class ModelRunner:
     def _bytes_per_block(self) -> int:
         """One block's K and V over all layers, scales included."""
         per_token = kv_quant.bytes_per_token(
-            self.config.kv_cache_dtype, self.dtype, self.num_kv_heads, self.head_dim
+            self.kv_cache_dtype, self.dtype, self.num_kv_heads, self.head_dim
         )
         return self.num_layers * self.block_size * per_token
 

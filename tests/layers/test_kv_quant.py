@@ -118,7 +118,7 @@ def test_bytes_per_token_count_the_scales():
 def test_bad_kv_cache_dtypes_are_refused():
     """An unknown name, and a quantized cache on a device no attention path of ours reads:
     CUDA without triton, or another accelerator."""
-    with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, int8, fp8"):
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, bfloat16, int8, fp8"):
         EngineConfig(kv_cache_dtype="q4")
     cuda = torch.device("cuda")
     with pytest.raises(ValueError, match="kv_cache_dtype=int8 needs the CPU, or CUDA with triton"):
@@ -128,6 +128,38 @@ def test_bad_kv_cache_dtypes_are_refused():
     kv_quant.check_kv_cache_dtype("fp8", cuda, triton=True)
     kv_quant.check_kv_cache_dtype("int8", torch.device("cpu"), triton=False)
     kv_quant.check_kv_cache_dtype("auto", cuda, triton=False)
+    with pytest.raises(ValueError, match="kv_cache_dtype=bfloat16 on cuda needs dtype bfloat16"):
+        kv_quant.resolve_kv_cache_dtype("bfloat16", "float16", torch.float16, cuda)
+
+
+def test_auto_is_bf16_where_the_cpu_computes_fp32_by_default():
+    """`auto` under fp32 maths the engine chose (dtype auto on a CPU without native bf16) is a
+    bf16 cache; a dtype the user names keeps the cache in it; other options stay as given."""
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    resolve = kv_quant.resolve_kv_cache_dtype
+    assert resolve("auto", "auto", torch.float32, cpu) == "bfloat16"
+    assert resolve("auto", None, torch.float32, cpu) == "bfloat16"
+    assert resolve("auto", "float32", torch.float32, cpu) == "auto"
+    assert resolve("auto", "auto", torch.bfloat16, cpu) == "auto"
+    assert resolve("auto", "auto", torch.bfloat16, cuda) == "auto"
+    assert resolve("int8", "auto", torch.float32, cpu) == "int8"
+    assert resolve("bfloat16", "float32", torch.float32, cpu) == "bfloat16"
+    assert kv_quant.kv_storage_dtype("bfloat16", torch.float32) == torch.bfloat16
+
+
+def test_a_bf16_cache_reads_back_what_the_step_attends_to():
+    """Under fp32 maths a bf16 cache's rows come back rounded; the step's own K/V round the
+    same way, so a lone prefill equals the same tokens read from the cache."""
+    cache = kv_quant.allocate_kv_cache(
+        (2, 4, 2, 16), "bfloat16", torch.float32, torch.device("cpu")
+    )
+    new = torch.randn(3, 2, 16)
+    kv_quant.store_kv(new, new, cache, torch.tensor([0, 1, 5]))
+    read = kv_quant.gather_rows(cache, 0, torch.tensor([0, 1, 5]), torch.float32)
+    assert not torch.equal(read, new)
+    assert torch.equal(kv_quant.as_read_back(new, cache[0]), read)
+    fp32 = kv_quant.allocate_kv_cache((2, 4, 2, 16), "auto", torch.float32, torch.device("cpu"))
+    assert kv_quant.as_read_back(new, fp32[0]) is new
 
 
 @pytest.mark.parametrize("kind", ["auto", "int8", "fp8"])

@@ -1,7 +1,8 @@
-"""What the KV cache stores (`kv_cache_dtype`): as computed, int8 with scales, or fp8.
+"""What the KV cache stores (`kv_cache_dtype`): as computed (or bf16), int8 with scales, or fp8.
 
 A layer's cache is `(k_cache, v_cache)`, each `[num_blocks, block_size, num_kv_heads,
-head_dim]`, in the compute dtype (`auto`) or float8 e4m3 (`fp8`: cast, no scale; e4m3 keeps
+head_dim]`, in the compute dtype (`auto`; bf16 under fp32 maths by default, see
+`resolve_kv_cache_dtype`), bf16 (`bfloat16`) or float8 e4m3 (`fp8`: cast, no scale; e4m3 keeps
 a value's relative error at 2^-4 whatever its size, so K/V need no range scaling below its
 448 ceiling). `int8` adds each row's scale beside the pool: `(k_cache, v_cache, k_scale,
 v_scale)`, the scales `[num_blocks, block_size, num_kv_heads]` float32, row = codes * scale.
@@ -39,7 +40,31 @@ MIN_SCALE = 1e-8
 
 def kv_storage_dtype(kv_cache_dtype: str, compute_dtype: torch.dtype) -> torch.dtype:
     """The dtype of the cache's K/V tensors for option `kv_cache_dtype`."""
-    return {"auto": compute_dtype, "int8": torch.int8, "fp8": FP8}[kv_cache_dtype]
+    return {"auto": compute_dtype, "bfloat16": torch.bfloat16, "int8": torch.int8, "fp8": FP8}[
+        kv_cache_dtype
+    ]
+
+
+def resolve_kv_cache_dtype(
+    kv_cache_dtype: str, dtype: str | None, compute_dtype: torch.dtype, device: torch.device
+) -> str:
+    """The cache option a runner builds for (`dtype`: the engine's dtype option as given):
+    `auto` is the compute dtype, except on a CPU that computes in fp32 because `dtype` was
+    left `auto` (no native bf16 maths): there bf16, the cache the same model gets on a CPU
+    with bf16 maths (llama.cpp's default is 16-bit too). Why: one decode step reads the whole
+    context's K/V, and an fp32 cache doubles those bytes, which at a long context cost more
+    than the weights (Gemma-3-270M at 8k tokens, docs/memory.md). An fp32 cache stays one
+    `dtype="float32"` away, where greedy output equals HF fp32's token for token."""
+    check_kv_cache_dtype(kv_cache_dtype, device)
+    if kv_cache_dtype == "bfloat16" and device.type != "cpu" and compute_dtype != torch.bfloat16:
+        raise ValueError(
+            f"kv_cache_dtype=bfloat16 on {device.type} needs dtype bfloat16 (its attention "
+            f"kernels read a cache in the compute dtype); use kv_cache_dtype=auto"
+        )
+    fp32_by_default = dtype in (None, "auto") and compute_dtype == torch.float32
+    if kv_cache_dtype == "auto" and device.type == "cpu" and fp32_by_default:
+        return "bfloat16"
+    return kv_cache_dtype
 
 
 def check_kv_cache_dtype(
@@ -48,7 +73,7 @@ def check_kv_cache_dtype(
     """ValueError where no attention path of ours reads a quantized cache: the CPU's (SDPA and
     the paged decode kernel) and, on CUDA, the Triton kernel (`triton`: whether it imports;
     None: look). flash-attn reads bf16/fp16 caches only and steps aside for them."""
-    if kv_cache_dtype == "auto" or device.type == "cpu":
+    if kv_cache_dtype in ("auto", "bfloat16") or device.type == "cpu":
         return
     if triton is None:
         from minivllm.layers.attention.triton_attention import triton_available
@@ -134,6 +159,16 @@ def key_rotation(d: int, device: torch.device) -> torch.Tensor:
     else:
         turn, _ = torch.linalg.qr(torch.randn(d, d, generator=gen, dtype=torch.float64))
     return turn.to(device=device, dtype=torch.float32)
+
+
+def as_read_back(x: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+    """`x` (new keys or values in the maths' dtype) as the cache gives it back: rounded
+    through a narrower float cache (bf16 under fp32 maths), so that attention over the step's
+    own K/V equals attention over the same rows read from the cache (a prefix-cache hit, a
+    chunked prefill). Quantized caches' rows are left as computed."""
+    if cache.dtype == torch.bfloat16 and x.dtype == torch.float32:
+        return x.to(torch.bfloat16).to(x.dtype)
+    return x
 
 
 def _as_stored(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -168,3 +168,22 @@ def test_the_engine_process_stops_when_the_server_dies(tiny_llama_long_dir: Path
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_a_cpu_engine_process_does_not_load_triton(tiny_llama_long_dir: Path) -> None:
+    """torch's compiler imports triton wherever it is installed; the CPU engine process, which
+    compiles its decode step (bf16) and never runs a Triton kernel, leaves it unloaded."""
+    if not Path("/proc/self/maps").exists():
+        pytest.skip("reads /proc/PID/maps")
+    pytest.importorskip("triton")
+    engine = EngineProcess({**_options(tiny_llama_long_dir), "dtype": "bfloat16"})
+    try:
+        with ServerThread(create_app(engine, "tiny")) as thread:
+            body = {"model": "tiny", "prompt": "x", "max_tokens": 3, "temperature": 0}
+            r = httpx.post(f"{thread.base_url}/v1/completions", json=body, timeout=60)
+            assert r.status_code == 200, r.text
+            maps = Path(f"/proc/{engine._process.pid}/maps").read_text()
+    finally:
+        engine.close()
+    assert "libtorch_cpu" in maps
+    assert "libtriton" not in maps

@@ -6,9 +6,12 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import os
 import pickle
 import signal
+import sys
 from multiprocessing.connection import Connection
+from typing import Any
 
 from minivllm.engine.runtime.engine_loop import (
     Abort,
@@ -130,6 +133,16 @@ def _portable(exc: BaseException | None) -> Exception | None:
         return RuntimeError(f"{type(exc).__name__}: {exc}")
 
 
+def _runs_on_the_cpu(engine_options: dict[str, Any]) -> bool:
+    """Whether the engine these options build runs on the CPU, outside Triton's interpreter."""
+    import torch
+
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return False
+    device = engine_options.get("device")
+    return device == "cpu" or (device is None and not torch.cuda.is_available())
+
+
 def engine_main(fd: int) -> None:
     """The engine process, on its end of the socket pair: read EngineStart, build the engine,
     answer EngineReady, run the loop until Shutdown (or until the HTTP process goes away);
@@ -146,6 +159,13 @@ def engine_main(fd: int) -> None:
     except EOFError:  # the HTTP process gave up before sending it
         return
     assert isinstance(start, EngineStart), start
+    if _runs_on_the_cpu(start.engine_options):
+        # torch's compiler imports triton wherever it is installed (our dev extra installs it
+        # for the Triton kernel's CPU tests), and that costs ~85 MB resident; a CPU engine
+        # never runs a Triton kernel. None in sys.modules makes `import triton` fail as if
+        # absent, which torch and triton_attention take as "no triton".
+        if "triton" not in sys.modules:
+            sys.modules["triton"] = None  # type: ignore[assignment]  # Python's "not found"
     try:
         engine = LLMEngine.from_options(
             on_resolved=lambda model_dir: conn.send(EngineResolved(str(model_dir))),

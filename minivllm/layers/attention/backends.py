@@ -18,7 +18,7 @@ from typing import Protocol
 import torch
 
 from minivllm.layers.attention.flash import flash_attn_supported, paged_attention_flash
-from minivllm.layers.attention.kv_quant import KVCache, as_read_back, kv_scales
+from minivllm.layers.attention.kv_quant import KVCache, kv_scales
 from minivllm.layers.attention.metadata import AttentionMetadata
 from minivllm.layers.attention.paged_decode import paged_decode_attention, paged_decode_supported
 from minivllm.layers.attention.sdpa import causal_attention_sdpa, paged_attention_sdpa
@@ -120,7 +120,6 @@ class SdpaBackend:
             and layer.logit_softcap is None
             and (window is None or meta.max_seq_len <= window)
         ):
-            k, v = (as_read_back(x, cache) for x, cache in zip((k, v), kv_cache))
             return causal_attention_sdpa(q, k, v, layer.scale)
         k_scale, v_scale = kv_scales(kv_cache)
         return paged_attention_sdpa(

@@ -17,7 +17,7 @@ from minivllm.layers.attention.backends import (
     choose_backend,
 )
 from minivllm.layers.attention.decode import DecodeMetadata, decode_attention
-from minivllm.layers.attention.kv_quant import KVCache, key_rotation, store_kv
+from minivllm.layers.attention.kv_quant import KVCache, as_read_back, key_rotation, store_kv
 from minivllm.layers.attention.metadata import AttentionMetadata
 from minivllm.layers.attention.sdpa import attention_dtype
 
@@ -88,6 +88,9 @@ class Attention(nn.Module):
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim).to(maths)  # [T, KVH, D]
         if self.key_turn is not None:  # scores unchanged: both sides turn alike (in fp32)
             q, k = ((x.float() @ self.key_turn).to(maths) for x in (q, k))
+        # From here on the step's K/V are what the cache gives back (a bf16 cache under fp32
+        # maths rounds them), whether a backend reads them from the cache or as they are.
+        k, v = (as_read_back(x, cache) for x, cache in zip((k, v), kv_cache))
         store_kv(k, v, kv_cache, meta.slot_mapping)
         out = self.backend.attend(self, q, k, v, kv_cache, meta)  # [T, H, D]
         return out.reshape(num_tokens, self.num_heads * self.head_dim).to(out_dtype)  # [T, H*D]

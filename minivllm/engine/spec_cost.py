@@ -16,6 +16,15 @@ draft token costs on top. With r = t(1 + k) / t(1), the model gives
 Their KV goes to the pool's first blocks, which no request holds yet. Torch-free: it only
 calls the runner and reads the clock.
 
+The linear model holds where a step is bound by reading the weights; where a batch's tokens
+are bound by the multiply-adds (an AVX2 CPU, a 262k-row LM head), a token costs more past a few
+rows than the 1 -> 1 + k slope says, and at 16 sequences fully accepted drafts lost 17%
+(docs/speculative-decoding.md). So a third step, two sequences verifying k drafts each (2 (1 + k)
+tokens), times the slope there, and
+`batch_limit` turns the two slopes into the batch size from which even fully accepted drafts
+would win less than `MIN_BATCH_SPEEDUP`: the batch rule's `disable_by_batch_size` becomes at most
+that.
+
 The same measurement decides the default (`with_default_speculation`): on the CPU, an engine
 whose user left `speculative_config` unset gets n-gram speculation (vLLM's keys, k = 4), kept
 only where fully accepted drafts would win `MIN_BEST_SPEEDUP`. A 1.5B model on a 2-core CPU
@@ -27,7 +36,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from minivllm.config import EngineConfig, SpeculativeConfig
@@ -46,6 +55,28 @@ MAX_COST = 100.0  # r at or past 1 + k: a token costs a step, so drafts never pa
 # case below it, open chat lost and quoting answers barely won (docs/benchmarks.md,
 # "Speculative decoding on chat workloads").
 MIN_BEST_SPEEDUP = 2.0
+# ... and at a batch: below this best case the drafts' win is within what the step model leaves
+# out there (the proposer, the verification's sampling, sequences at other lengths)
+MIN_BATCH_SPEEDUP = 1.25
+WIDE_ROUNDS = 1  # the third step costs several one-token steps: one timed run after its warm-up
+
+
+@dataclass(frozen=True)
+class StepTimes:
+    """Seconds of a step of 1 and of 1 + k tokens (one sequence) and of 2 (1 + k) (two
+    sequences; `wide`, None where the pool cannot hold them); `draft`, with a draft model, its
+    one-token step."""
+
+    plain: float
+    verify: float
+    wide: float | None = None
+    draft: float = 0.0
+
+    def at(self, tokens: float, k: int) -> float:
+        """A step of `tokens` tokens: linear through the measured points, on past the last."""
+        if tokens <= 1 + k or self.wide is None:
+            return self.plain + (self.verify - self.plain) * (tokens - 1) / k
+        return self.verify + (self.wide - self.verify) * (tokens - 1 - k) / (1 + k)
 
 
 def best_speedup(token_cost: float, num_speculative_tokens: int) -> float:
@@ -65,44 +96,80 @@ def draft_token_cost(ratio: float, num_speculative_tokens: int) -> float:
     return min(MAX_COST, (ratio - 1.0) / (1 + k - ratio))
 
 
-def _plan(num_drafts: int, block_size: int) -> ScheduledBatch:
-    """One sequence with CONTEXT cached tokens running its last token and `num_drafts`
-    drafts (0: a plain decode step)."""
-    seq = Sequence(-1, [0] * (CONTEXT + 1), SamplingParams(temperature=0.0, max_tokens=16))
-    seq.status = SequenceStatus.RUNNING
-    seq.num_cached_tokens = CONTEXT
-    seq.spec_token_ids = [0] * num_drafts
-    seq.num_scheduled_tokens = 1 + num_drafts
-    seq.block_table = list(range(blocks_for(CONTEXT + 1 + num_drafts, block_size)))
-    return ScheduledBatch([seq])
+def batch_limit(times: StepTimes, k: int, largest: int = 256) -> int | None:
+    """The smallest batch B (from 2) at which B sequences whose k drafts are all accepted would
+    decode less than MIN_BATCH_SPEEDUP times faster than B plain ones, by `times`: (1 + k) t(B)
+    against t(B (1 + k)) plus k draft-model steps; None if no B up to `largest`."""
+    for batch in range(2, largest + 1):
+        plain = times.at(batch, k)
+        drafted = times.at(batch * (1 + k), k) + k * times.draft
+        if (1 + k) * plain < MIN_BATCH_SPEEDUP * drafted:
+            return batch
+    return None
 
 
-def _step_seconds(runner: Any, num_drafts: int, block_size: int) -> float:
+def _plan(num_drafts: int, block_size: int, num_seqs: int = 1) -> ScheduledBatch:
+    """`num_seqs` sequences with CONTEXT cached tokens each running its last token and
+    `num_drafts` drafts (0: a plain decode step), in the pool's first blocks."""
+    per_seq = blocks_for(CONTEXT + 1 + num_drafts, block_size)
+    seqs = []
+    for i in range(num_seqs):
+        seq = Sequence(-1 - i, [0] * (CONTEXT + 1), SamplingParams(temperature=0.0, max_tokens=16))
+        seq.status = SequenceStatus.RUNNING
+        seq.num_cached_tokens = CONTEXT
+        seq.spec_token_ids = [0] * num_drafts
+        seq.num_scheduled_tokens = 1 + num_drafts
+        seq.block_table = list(range(i * per_seq, (i + 1) * per_seq))
+        seqs.append(seq)
+    return ScheduledBatch(seqs)
+
+
+def _step_seconds(
+    runner: Any, num_drafts: int, block_size: int, num_seqs: int = 1, rounds: int = ROUNDS
+) -> float:
     best = float("inf")
-    for _ in range(ROUNDS + 1):  # the first run warms up this step's shape
-        plan = _plan(num_drafts, block_size)
+    for _ in range(rounds + 1):  # the first run warms up this step's shape
+        plan = _plan(num_drafts, block_size, num_seqs)
         start = time.perf_counter()
         runner.run(plan)
         best = min(best, time.perf_counter() - start)
     return best
 
 
-def measure_draft_token_cost(
+def measure_step_times(
     runner: Any, num_speculative_tokens: int, block_size: int, draft_runner: Any = None
-) -> float | None:
-    """c for this runner's model (the module's recipe), plus, with a draft model, what the
-    draft's own one-token step costs per draft token as a share of the target's; None if a
-    KV pool is too small to time the steps in."""
+) -> StepTimes | None:
+    """The steps the cost model rests on (the module's recipe), timed on this runner (and the
+    draft model's one-token step, if any); None if a KV pool is too small for the first two."""
     k = num_speculative_tokens
     runners = [runner] if draft_runner is None else [runner, draft_runner]
     if any(blocks_for(CONTEXT + 1 + k, block_size) > r.num_kv_blocks for r in runners):
         return None
-    plain = _step_seconds(runner, 0, block_size)
-    verify = _step_seconds(runner, k, block_size)
-    cost = draft_token_cost(verify / plain, k)
-    if draft_runner is not None:
-        cost += _step_seconds(draft_runner, 0, block_size) / plain
-    return min(MAX_COST, cost)
+    wide = None  # two sequences verifying k drafts each
+    if 2 * blocks_for(CONTEXT + 1 + k, block_size) <= runner.num_kv_blocks:
+        wide = _step_seconds(runner, k, block_size, num_seqs=2, rounds=WIDE_ROUNDS)
+    return StepTimes(
+        plain=_step_seconds(runner, 0, block_size),
+        verify=_step_seconds(runner, k, block_size),
+        wide=wide,
+        draft=0.0 if draft_runner is None else _step_seconds(draft_runner, 0, block_size),
+    )
+
+
+def token_cost(times: StepTimes, num_speculative_tokens: int) -> float:
+    """c from the first two steps, plus, with a draft model, what its one-token step costs per
+    draft token as a share of the target's."""
+    cost = draft_token_cost(times.verify / times.plain, num_speculative_tokens)
+    return min(MAX_COST, cost + times.draft / times.plain)
+
+
+def measure_draft_token_cost(
+    runner: Any, num_speculative_tokens: int, block_size: int, draft_runner: Any = None
+) -> float | None:
+    """c for this runner's model (`token_cost` of `measure_step_times`); None if a KV pool is
+    too small to time the steps in."""
+    times = measure_step_times(runner, num_speculative_tokens, block_size, draft_runner)
+    return None if times is None else token_cost(times, num_speculative_tokens)
 
 
 def default_speculation_applies(config: EngineConfig, device_type: str) -> bool:
@@ -138,12 +205,12 @@ def with_measured_draft_cost(
     spec = config.speculative_config
     if spec is None or spec.draft_token_cost is not None:
         return config
-    cost = measure_draft_token_cost(
-        runner, spec.num_speculative_tokens, config.block_size, draft_runner
-    )
-    if cost is None:
+    k = spec.num_speculative_tokens
+    times = measure_step_times(runner, k, config.block_size, draft_runner)
+    if times is None:
         return replace(config, speculative_config=None) if default else config
-    best = best_speedup(cost, spec.num_speculative_tokens)
+    cost = token_cost(times, k)
+    best = best_speedup(cost, k)
     if best < MIN_BEST_SPEEDUP and default:
         logger.info(
             "speculative decoding off by default: fully accepted drafts would win %.2fx on "
@@ -166,12 +233,27 @@ def with_measured_draft_cost(
         )
         spec = replace(spec, disable_by_batch_size=1)
     else:
+        spec = _with_batch_limit(spec, batch_limit(times, k))
         logger.info(
             "speculative decoding%s: n-gram, draft_token_cost %.3f, measured on this model "
-            "(fully accepted drafts: %.2fx)%s",
+            "(fully accepted drafts: %.2fx), %s%s",
             " on by default" if default else "",
             cost,
             best,
+            _batches(spec.disable_by_batch_size),
             '; --no-speculation or {"method": "none"} turns it off' if default else "",
         )
     return replace(config, speculative_config=replace(spec, draft_token_cost=cost))
+
+
+def _batches(limit: int | None) -> str:
+    return "at any batch size" if limit is None else f"below {limit} running sequences"
+
+
+def _with_batch_limit(spec: SpeculativeConfig, limit: int | None) -> SpeculativeConfig:
+    """`spec` whose batch rule stops speculation at `limit` sequences too (the lower of the
+    two)."""
+    given = spec.disable_by_batch_size
+    if limit is None or (given is not None and given <= limit):
+        return spec
+    return replace(spec, disable_by_batch_size=limit)

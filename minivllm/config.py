@@ -43,10 +43,11 @@ class SpeculativeConfig:
     own (`engine/draft_model.py`).
 
     When it pays (`engine/spec_policy.py`): nobody speculates with `disable_by_batch_size` or
-    more running sequences (None: at any batch size), and a sequence proposes only while its
-    acceptance so far beats the break-even of the cost model, whose one figure is
-    `draft_token_cost`, a token's share of a one-token step's time (0: always propose; None,
-    the default: measured on the loaded model at start-up, `engine/spec_cost.py`)."""
+    more running sequences (None: at any batch size; lowered at start-up to where the measured
+    steps say fully accepted drafts stop paying, `engine/spec_cost.py`), and a sequence proposes
+    only while its acceptance so far beats the break-even of the cost model, whose one figure
+    is `draft_token_cost`, a token's share of a one-token step's time (0: always propose, and
+    no measurement; None, the default: measured on the loaded model at start-up)."""
 
     method: str = "ngram"
     model: str | None = None

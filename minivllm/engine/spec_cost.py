@@ -18,12 +18,11 @@ calls the runner and reads the clock.
 
 The linear model holds where a step is bound by reading the weights; where a batch's tokens
 are bound by the multiply-adds (an AVX2 CPU, a 262k-row LM head), a token costs more past a few
-rows than the 1 -> 1 + k slope says, and at 16 sequences fully accepted drafts lost 17%
-(docs/speculative-decoding.md). So a third step, two sequences verifying k drafts each (2 (1 + k)
-tokens), times the slope there, and
-`batch_limit` turns the two slopes into the batch size from which even fully accepted drafts
-would win less than `MIN_BATCH_SPEEDUP`: the batch rule's `disable_by_batch_size` becomes at most
-that.
+rows than the 1 -> 1 + k slope says, and at 16 sequences fully accepted drafts lost to plain
+decoding (docs/benchmarks.md, "Zen 3"). So a third step, two sequences verifying k drafts each
+(2 (1 + k) tokens), times the slope there, and `batch_limit` turns the two slopes into the batch
+size from which even fully accepted drafts would win less than `MIN_BATCH_SPEEDUP`: the batch
+rule's `disable_by_batch_size` becomes at most that.
 
 The same measurement decides the default (`with_default_speculation`): on the CPU, an engine
 whose user left `speculative_config` unset gets n-gram speculation (vLLM's keys, k = 4), kept

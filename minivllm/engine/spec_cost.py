@@ -162,15 +162,6 @@ def token_cost(times: StepTimes, num_speculative_tokens: int) -> float:
     return min(MAX_COST, cost + times.draft / times.plain)
 
 
-def measure_draft_token_cost(
-    runner: Any, num_speculative_tokens: int, block_size: int, draft_runner: Any = None
-) -> float | None:
-    """c for this runner's model (`token_cost` of `measure_step_times`); None if a KV pool is
-    too small to time the steps in."""
-    times = measure_step_times(runner, num_speculative_tokens, block_size, draft_runner)
-    return None if times is None else token_cost(times, num_speculative_tokens)
-
-
 def default_speculation_applies(config: EngineConfig, device_type: str) -> bool:
     """Whether an engine whose user left `speculative_config` unset speculates by default: on
     the CPU, in one process, without LoRA adapters (whose steps have not been measured with

@@ -16,7 +16,8 @@ from minivllm.engine.spec_cost import (
     batch_limit,
     best_speedup,
     draft_token_cost,
-    measure_draft_token_cost,
+    measure_step_times,
+    token_cost,
     with_default_speculation,
     with_measured_draft_cost,
 )
@@ -75,7 +76,7 @@ def clock(monkeypatch) -> list[float]:
 
 def test_measuring_a_runner_recovers_its_per_token_cost(clock):
     runner = FakeRunner(clock, fixed=0.010, per_token=0.006)  # c = 0.6
-    assert measure_draft_token_cost(runner, 4, 16) == pytest.approx(0.6)
+    assert token_cost(measure_step_times(runner, 4, 16), 4) == pytest.approx(0.6)
     # plain steps run 1 token, verification steps 1 + k, after CONTEXT cached tokens, in the
     # pool's first blocks; the third step runs two sequences of 1 + k, in blocks of their own
     by_step: dict[int, list[tuple[int, int, list[int]]]] = {}
@@ -92,11 +93,11 @@ def test_measuring_a_runner_recovers_its_per_token_cost(clock):
 def test_a_draft_model_adds_its_own_step_per_draft_token(clock):
     target = FakeRunner(clock, fixed=0.010, per_token=0.0)  # c = 0 on its own
     draft = FakeRunner(clock, fixed=0.002, per_token=0.0)
-    assert measure_draft_token_cost(target, 4, 16, draft) == pytest.approx(0.2)
+    assert token_cost(measure_step_times(target, 4, 16, draft), 4) == pytest.approx(0.2)
 
 
 def test_too_small_a_pool_is_not_measured(clock):
-    assert measure_draft_token_cost(FakeRunner(clock, 0.01, 0.0, blocks=2), 4, 16) is None
+    assert measure_step_times(FakeRunner(clock, 0.01, 0.0, blocks=2), 4, 16) is None
 
 
 def test_the_config_keeps_a_cost_the_user_gave_and_fills_an_unset_one(clock):

@@ -138,21 +138,28 @@ def _step_seconds(
 def measure_step_times(
     runner: Any, num_speculative_tokens: int, block_size: int, draft_runner: Any = None
 ) -> StepTimes | None:
-    """The steps the cost model rests on (the module's recipe), timed on this runner (and the
-    draft model's one-token step, if any); None if a KV pool is too small for the first two."""
+    """The first two steps of the cost model (the module's recipe), timed on this runner (and
+    the draft model's one-token step, if any); None if a KV pool is too small for them."""
     k = num_speculative_tokens
     runners = [runner] if draft_runner is None else [runner, draft_runner]
     if any(blocks_for(CONTEXT + 1 + k, block_size) > r.num_kv_blocks for r in runners):
         return None
-    wide = None  # two sequences verifying k drafts each
-    if 2 * blocks_for(CONTEXT + 1 + k, block_size) <= runner.num_kv_blocks:
-        wide = _step_seconds(runner, k, block_size, num_seqs=2, rounds=WIDE_ROUNDS)
     return StepTimes(
         plain=_step_seconds(runner, 0, block_size),
         verify=_step_seconds(runner, k, block_size),
-        wide=wide,
         draft=0.0 if draft_runner is None else _step_seconds(draft_runner, 0, block_size),
     )
+
+
+def with_wide_step(
+    times: StepTimes, runner: Any, num_speculative_tokens: int, block_size: int
+) -> StepTimes:
+    """`times` with the third step, two sequences verifying k drafts each, timed on this
+    runner; as they are where the pool cannot hold the two."""
+    k = num_speculative_tokens
+    if 2 * blocks_for(CONTEXT + 1 + k, block_size) > runner.num_kv_blocks:
+        return times
+    return replace(times, wide=_step_seconds(runner, k, block_size, 2, WIDE_ROUNDS))
 
 
 def token_cost(times: StepTimes, num_speculative_tokens: int) -> float:
@@ -223,6 +230,8 @@ def with_measured_draft_cost(
         )
         spec = replace(spec, disable_by_batch_size=1)
     else:
+        # the third step only where speculation stays on: its batch limit decides nothing else
+        times = with_wide_step(times, runner, k, config.block_size)
         spec = _with_batch_limit(spec, batch_limit(times, k))
         logger.info(
             "speculative decoding%s: n-gram, draft_token_cost %.3f, measured on this model "

@@ -78,7 +78,15 @@ def test_measuring_a_runner_recovers_its_per_token_cost(clock):
     runner = FakeRunner(clock, fixed=0.010, per_token=0.006)  # c = 0.6
     assert token_cost(measure_step_times(runner, 4, 16), 4) == pytest.approx(0.6)
     # plain steps run 1 token, verification steps 1 + k, after CONTEXT cached tokens, in the
-    # pool's first blocks; the third step runs two sequences of 1 + k, in blocks of their own
+    # pool's first blocks
+    assert {n for _, _, n, _ in runner.plans} == {1, 5}
+    assert all(cached == spec_cost.CONTEXT for _, cached, _, _ in runner.plans)
+    assert all(table == list(range(len(table))) for _, _, _, table in runner.plans)
+
+
+def test_speculation_kept_on_times_a_third_step_of_two_sequences(clock):
+    runner = FakeRunner(clock, fixed=0.010, per_token=0.001)  # c = 0.1: drafts stay on
+    with_measured_draft_cost(EngineConfig(speculative_config={"method": "ngram"}), runner)
     by_step: dict[int, list[tuple[int, int, list[int]]]] = {}
     for step, cached, scheduled, table in runner.plans:
         by_step.setdefault(step, []).append((cached, scheduled, table))
@@ -125,6 +133,7 @@ def test_speculation_is_left_off_where_even_full_acceptance_cannot_pay(clock, ca
     assert best_speedup(spec.draft_token_cost, 4) < MIN_BEST_SPEEDUP
     assert spec.disable_by_batch_size == 1  # the batch rule: nobody speculates
     assert "speculative decoding off" in caplog.text
+    assert {n for _, _, n, _ in dear.plans} == {1, 5}  # no third step: it would decide nothing
     free = FakeRunner(clock, fixed=0.010, per_token=0.0)  # tokens cost nothing: any batch pays
     config = with_measured_draft_cost(EngineConfig(speculative_config={"method": "ngram"}), free)
     assert config.speculative_config.disable_by_batch_size == 256

@@ -130,14 +130,11 @@ class LlamaAttention(nn.Module):
     def split_heads(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Project and split into q `[T, H, D]`, k `[T, KVH, D]`, v `[T, KVH, D]`."""
         num_tokens = hidden.shape[0]
-        qkv = self.qkv_proj(hidden)  # [T, (H + 2 * KVH) * D]
-        q, k, v = qkv.split(
-            [self.qkv_proj.q_size, self.qkv_proj.kv_size, self.qkv_proj.kv_size], -1
-        )
-        q = q.view(num_tokens, self.num_heads, self.head_dim)  # [T, H, D]
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, KVH, D]
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, KVH, D]
-        return q, k, v
+        # Viewed whole, then split: a view of a split-off (strided) part made Inductor guard
+        # on the number of tokens being 1, so the one-sequence graph missed two-sequence steps.
+        qkv = self.qkv_proj(hidden).view(num_tokens, -1, self.head_dim)  # [T, H + 2 * KVH, D]
+        q, k, v = qkv.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], 1)
+        return q, k, v  # [T, H, D], [T, KVH, D], [T, KVH, D]
 
     def norm_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-head normalisation of q and k before rotary: none in Llama (Qwen3 has one)."""

@@ -406,3 +406,29 @@ def test_many_engines_in_one_process_each_keep_their_compiled_step(
         test_each_step_goes_through_dynamo_once_per_layer_kind(
             "llama", 1, tiny_llama_dir, tiny_family_dirs
         )
+
+
+@needs_compile
+@pytest.mark.skipif(not cpu_kernels_available(), reason="the paged kernel is for x86 CPUs")
+@pytest.mark.parametrize("family, kinds", [("llama", 1), ("gemma2", 2)])
+def test_warm_up_compiles_one_graph_per_layer_kind(
+    family, kinds, tiny_llama_dir, tiny_family_dirs, monkeypatch
+) -> None:
+    """The warm-up's two-sequence step finds the one-sequence step's graphs: a graph of one
+    token must not hold the token count as the constant 1 (a view of the split-off q once made
+    Inductor guard on it, and every start traced each layer kind twice)."""
+    model, config, head_dim = _bf16_model(family, tiny_llama_dir, tiny_family_dirs)
+    assert quantize_linear_int4(model, STORED_4BIT) > 0
+    backend_calls = []
+    compile_graph = CompiledDecode._compile_graph
+    monkeypatch.setattr(
+        CompiledDecode,
+        "_compile_graph",
+        lambda self, *a: backend_calls.append(1) or compile_graph(self, *a),
+    )
+    compiled = CompiledDecode(model, paged=True)
+    caches = allocate_kv_caches(
+        config.num_hidden_layers, 8, BLOCK, config.num_key_value_heads, head_dim
+    )
+    compiled.warm_up(caches, BLOCK)
+    assert len(backend_calls) == kinds

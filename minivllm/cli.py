@@ -125,11 +125,15 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_serve(args: argparse.Namespace) -> int:
-    from minivllm.server.multi_serve import is_multi_model, serve_models
-    from minivllm.server.serve import serve
+def is_multi_model(args: argparse.Namespace) -> bool:
+    """Whether the command line names several models (else `minivllm serve` is as ever)."""
+    return len(args.model or []) > 1 or getattr(args, "models_dir", None) is not None
 
+
+def cmd_serve(args: argparse.Namespace) -> int:
     if is_multi_model(args):  # --model A --model B ... or --models-dir DIR
+        from minivllm.server.multi_serve import serve_models
+
         args.model = [args.model_tag] * (args.model_tag is not None) + (args.model or [])
         return serve_models(args, engine_options(args))
     args.model = args.model[0] if args.model else None
@@ -143,7 +147,21 @@ def cmd_serve(args: argparse.Namespace) -> int:
         except ImportError as exc:
             raise SystemExit(f"minivllm serve --ray: {exc}") from None
         return serve_on_ray(args, engine_options(args))
-    return serve(args, engine_options(args)) or 0
+    options = engine_options(args)
+    starting = None
+    if getattr(args, "engine_process", True) and not getattr(args, "lab", False):
+        from minivllm.engine.runtime.engine_process import start_engine_process
+
+        # Before the HTTP side imports its stack (FastAPI, uvicorn, the routes: ~0.5 s),
+        # which then runs on the other core while the engine process loads the model.
+        starting = start_engine_process(options)
+    try:
+        from minivllm.server.serve import serve
+
+        return serve(args, options, starting) or 0
+    finally:
+        if starting is not None:  # the server never took it over: no engine left behind
+            starting.close()
 
 
 def cmd_lab(args: argparse.Namespace) -> int:

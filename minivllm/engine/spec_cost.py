@@ -57,6 +57,8 @@ MIN_BEST_SPEEDUP = 2.0
 # ... and at a batch: below this best case the drafts' win is within what the step model leaves
 # out there (the proposer, the verification's sampling, sequences at other lengths)
 MIN_BATCH_SPEEDUP = 1.25
+# A start whose one-token step is this much faster than the kept one's times every step again
+QUIETER = 0.9
 WIDE_ROUNDS = 1  # the third step costs several one-token steps: one timed run after its warm-up
 
 
@@ -203,7 +205,9 @@ def with_measured_draft_cost(
     if spec is None or spec.draft_token_cost is not None:
         return config
     k = spec.num_speculative_tokens
-    times = measure_step_times(runner, k, config.block_size, draft_runner)
+    store = _Store(runner, k, config.block_size, draft_runner)
+    times = store.kept if store.holds_now(runner, config.block_size) else None
+    times = times or store.keep(measure_step_times(runner, k, config.block_size, draft_runner))
     if times is None:
         return replace(config, speculative_config=None) if default else config
     cost = token_cost(times, k)
@@ -231,7 +235,8 @@ def with_measured_draft_cost(
         spec = replace(spec, disable_by_batch_size=1)
     else:
         # the third step only where speculation stays on: its batch limit decides nothing else
-        times = with_wide_step(times, runner, k, config.block_size)
+        if times.wide is None:
+            times = store.keep(with_wide_step(times, runner, k, config.block_size))
         spec = _with_batch_limit(spec, batch_limit(times, k))
         logger.info(
             "speculative decoding%s: n-gram, draft_token_cost %.3f, measured on this model "
@@ -243,6 +248,33 @@ def with_measured_draft_cost(
             '; --no-speculation or {"method": "none"} turns it off' if default else "",
         )
     return replace(config, speculative_config=replace(spec, draft_token_cost=cost))
+
+
+class _Store:
+    """The runner's step times kept from an earlier start (`step_times_store`), if any;
+    `keep` keeps new ones for the next."""
+
+    def __init__(self, runner: Any, k: int, block_size: int, draft_runner: Any) -> None:
+        from minivllm.engine import step_times_store
+
+        self._store = step_times_store
+        self._key = None if draft_runner else step_times_store.step_times_key(runner, k, block_size)
+        self.kept = step_times_store.load_step_times(self._key)
+
+    def holds_now(self, runner: Any, block_size: int) -> bool:
+        """Whether the kept times stand: a one-token step timed now is not notably faster than
+        the kept one. Times taken on a busier machine (a first start beside a test suite made
+        the coder's 1 + k step cost twice its share) would keep its drafts off for good; a
+        start that finds the machine quieter times the steps again and keeps its times."""
+        if self.kept is None:
+            return False
+        now = _step_seconds(runner, 0, block_size, rounds=1)
+        return now >= QUIETER * self.kept.plain
+
+    def keep(self, times: StepTimes | None) -> StepTimes | None:
+        if times is not None and times != self.kept:
+            self._store.save_step_times(self._key, times)
+        return times
 
 
 def _batches(limit: int | None) -> str:

@@ -17,11 +17,6 @@ from minivllm.server.serve import GracefulServer, _uvicorn_config, chat_options
 logger = logging.getLogger("minivllm.server")
 
 
-def is_multi_model(args: argparse.Namespace) -> bool:
-    """Whether the command line names several models (else `minivllm serve` is as ever)."""
-    return len(args.model or []) > 1 or getattr(args, "models_dir", None) is not None
-
-
 def registry_limits(args: argparse.Namespace) -> RegistryLimits:
     """--max-loaded-models, --models-memory-gb, --idle-unload-seconds, --model-load-timeout."""
     memory_gb = getattr(args, "models_memory_gb", None)

@@ -26,7 +26,7 @@ import uvicorn
 
 from minivllm.engine.llm_engine import LLMEngine
 from minivllm.engine.runtime.cpu_share import share_the_cpu_with_http
-from minivllm.engine.runtime.engine_process import EngineProcess
+from minivllm.engine.runtime.engine_process import EngineProcess, EngineStarting
 from minivllm.server.app import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_WAITING_REQUESTS, create_app
 from minivllm.server.openai.serving import ChatOptions
 from minivllm.server.responses.store import DEFAULT_MAX_BYTES, DEFAULT_MAX_RESPONSES, StoreOptions
@@ -78,12 +78,17 @@ def _uvicorn_config(app: Any, graceful_shutdown_s: float, **kwargs: Any) -> uvic
     return uvicorn.Config(app, timeout_graceful_shutdown=grace, **kwargs)
 
 
-def serve(args: argparse.Namespace, engine_options: dict[str, Any]) -> int:
+def serve(
+    args: argparse.Namespace,
+    engine_options: dict[str, Any],
+    starting: EngineStarting | None = None,
+) -> int:
     """`minivllm serve`: the server flags from `args` (host, port, api_key,
     served_model_name, and optionally max_waiting_requests, max_body_bytes, lab), the engine's
-    from `engine_options`."""
+    from `engine_options` (its process already `starting` on them, if given)."""
     run_server(
         engine_options,
+        starting=starting,
         host=args.host,
         port=args.port,
         api_key=args.api_key,
@@ -149,18 +154,20 @@ def run_server(
     allowed_origins: list[str] | None = None,
     engine_process: bool = True,
     response_store: StoreOptions | None = None,
+    starting: EngineStarting | None = None,
 ) -> None:
     """Build an engine from `engine_options` (LLMEngine.from_options) and serve it until
     SIGINT or SIGTERM. In-flight requests get `graceful_shutdown_s` to finish; the rest end
     with an error (event or status). `lab` adds the live Engine Lab page at /lab.
     `engine_process`: the engine loop in a process of its own (EngineProcess), except with
-    `lab`, whose recorder watches an engine of this process; else a thread of this one."""
+    `lab`, whose recorder watches an engine of this process; else a thread of this one.
+    `starting`: that process, started already on `engine_options`."""
     if not logging.getLogger().handlers:
         logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logger.setLevel(logging.INFO)  # one line per finished request
     engine: LLMEngine | EngineProcess
     if engine_process and not lab:
-        engine = EngineProcess(engine_options)
+        engine = EngineProcess(engine_options, starting=starting)
     else:
         engine = LLMEngine.from_options(**engine_options)
         share_the_cpu_with_http(engine)

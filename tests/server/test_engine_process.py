@@ -19,7 +19,7 @@ import pytest
 from support.engine_checks import run_to_completion
 
 from minivllm.engine.llm_engine import LLMEngine
-from minivllm.engine.runtime.engine_process import EngineProcess
+from minivllm.engine.runtime.engine_process import EngineProcess, start_engine_process
 from minivllm.sampling_params import SamplingParams
 from minivllm.server import ServerThread, create_app
 
@@ -126,6 +126,26 @@ def test_an_engine_that_cannot_start_says_why(tmp_path: Path) -> None:
         EngineProcess({"model": str(tmp_path / "no-such-model"), "device": "cpu"})
 
 
+def test_a_process_started_early_is_taken_over_or_killed(tiny_llama_long_dir: Path) -> None:
+    """`minivllm serve` starts the engine process before the HTTP side imports its stack: an
+    EngineProcess takes that process over and serves with it; one nothing took over (the
+    server failed first) is killed by `close`, not left loading a model."""
+    starting = start_engine_process(_options(tiny_llama_long_dir))
+    engine = EngineProcess(_options(tiny_llama_long_dir), starting=starting)
+    try:
+        assert engine._process is starting.process
+        with ServerThread(create_app(engine, "tiny")) as thread:
+            body = {"model": "tiny", "prompt": [1, 5, 9], "max_tokens": 4, "temperature": 0}
+            reply = httpx.post(f"{thread.base_url}/v1/completions", json=body, timeout=60)
+        assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 4
+    finally:
+        engine.shutdown()
+    assert starting.process.poll() is not None
+    orphan = start_engine_process(_options(tiny_llama_long_dir))
+    orphan.close()
+    assert orphan.process.poll() is not None
+
+
 def test_this_side_loads_the_tokenizer_the_engine_resolved(tmp_path: Path, tiny_llama_long_dir):
     """The engine names its model's directory first and this side loads the tokenizer from it
     while the engine builds: it encodes as the engine's own does. A model whose directory
@@ -152,7 +172,7 @@ def test_the_engine_process_stops_when_the_server_dies(tiny_llama_long_dir: Path
     behind: it sees its end of the pipe close and exits."""
     script = textwrap.dedent(f"""
         import sys, time
-        from minivllm.engine.runtime.engine_process import EngineProcess
+        from minivllm.engine.runtime.engine_process import EngineProcess, start_engine_process
         engine = EngineProcess({_options(tiny_llama_long_dir)!r})
         engine.start()
         print(engine._process.pid, flush=True)

@@ -75,6 +75,38 @@ _Start = TypeVar("_Start", EngineResolved, EngineReady)
 
 
 @dataclass
+class EngineStarting:
+    """An engine process started (`start_engine_process`) and not yet waited for: the HTTP
+    side's own imports run meanwhile, on the other core. `EngineProcess(..., starting=it)`
+    takes it over; `close` kills it if nothing did."""
+
+    process: subprocess.Popen[bytes]
+    conn: Any  # multiprocessing.connection.Connection
+
+    def close(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+
+
+def start_engine_process(
+    engine_options: dict[str, Any], max_waiting_requests: int | None = None
+) -> EngineStarting:
+    """Start the engine process on `engine_options` and send it its start; returns at once."""
+    conn, child_conn = multiprocessing.Pipe()  # a socket pair
+    fd = child_conn.fileno()
+    code = f"from minivllm.engine.runtime.engine_core import engine_main; engine_main({fd})"
+    process = subprocess.Popen([sys.executable, "-c", code], pass_fds=[fd])
+    child_conn.close()
+    starting = EngineStarting(process, conn)
+    try:
+        conn.send(EngineStart(engine_options, max_waiting_requests))
+    except (BrokenPipeError, EOFError, OSError):
+        pass  # it exited at once: the first receive says so
+    return starting
+
+
+@dataclass
 class _Pending:
     """A request on this side: its stream and the choices still running."""
 
@@ -90,7 +122,10 @@ class EngineProcess:
         self,
         engine_options: dict[str, Any],
         max_waiting_requests: int | None = None,
+        starting: EngineStarting | None = None,
     ) -> None:
+        """Start the engine process (or take over `starting`, started on the same options)
+        and wait until it is ready."""
         self.on_output: OutputHook | None = None
         self.stats: dict[str, float] = {}
         self.num_steps = 0
@@ -102,13 +137,9 @@ class EngineProcess:
         self._adds: dict[str, concurrent.futures.Future[None]] = {}
         self._accepting = True
         self._reader: threading.Thread | None = None
-        self._conn, child_conn = multiprocessing.Pipe()  # a socket pair
-        fd = child_conn.fileno()
-        code = f"from minivllm.engine.runtime.engine_core import engine_main; engine_main({fd})"
-        self._process = subprocess.Popen([sys.executable, "-c", code], pass_fds=[fd])
-        child_conn.close()
+        starting = starting or start_engine_process(engine_options, max_waiting_requests)
+        self._conn, self._process = starting.conn, starting.process
         try:
-            self._send(EngineStart(engine_options, max_waiting_requests))
             resolved = self._receive_start(EngineResolved)
             # While the engine process loads the weights and compiles, on the other core.
             from minivllm.tokenizer import load_tokenizer  # transformers, not torch

@@ -109,7 +109,7 @@ def running(command: list[str], url: str, ready_path: str, timeout: float = 600)
                 pass
             if time.monotonic() > deadline:
                 raise SystemExit(f"{command[0]} was not ready after {timeout:.0f} s")
-            time.sleep(0.5)
+            time.sleep(0.1)  # a start-up figure is read to the poll's step
         yield process
     finally:
         process.terminate()

@@ -19,6 +19,7 @@ import pytest
 from support.engine_checks import run_to_completion
 
 from minivllm.engine.llm_engine import LLMEngine
+from minivllm.engine.runtime import engine_process
 from minivllm.engine.runtime.engine_process import EngineProcess, start_engine_process
 from minivllm.sampling_params import SamplingParams
 from minivllm.server import ServerThread, create_app
@@ -146,6 +147,32 @@ def test_a_process_started_early_is_taken_over_or_killed(tiny_llama_long_dir: Pa
     assert orphan.process.poll() is not None
 
 
+@pytest.mark.skipif(sys.platform != "linux", reason="per-thread priority is Linux's")
+def test_this_sides_tokenizer_loads_behind_the_engine(monkeypatch, tmp_path: Path) -> None:
+    """The HTTP side's tokenizer loads at the lowest CPU priority, on a thread of its own (the
+    engine's load, beside it on a 2-core CPU, is what the start-up waits for); this thread's
+    priority stays, and the load's own failure reaches the caller."""
+    import threading
+
+    from minivllm import tokenizer
+
+    seen = {}
+
+    def load(model_dir):
+        seen["nice"] = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+        if model_dir.name == "broken":
+            raise ValueError("no tokenizer files")
+        return "a tokenizer"
+
+    monkeypatch.setattr(tokenizer, "load_tokenizer", load)
+    before = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    assert engine_process._load_tokenizer_behind_the_engine(tmp_path) == "a tokenizer"
+    assert seen["nice"] == 19
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == before
+    with pytest.raises(ValueError, match="no tokenizer files"):
+        engine_process._load_tokenizer_behind_the_engine(tmp_path / "broken")
+
+
 def test_this_side_loads_the_tokenizer_the_engine_resolved(tmp_path: Path, tiny_llama_long_dir):
     """The engine names its model's directory first and this side loads the tokenizer from it
     while the engine builds: it encodes as the engine's own does. A model whose directory
@@ -172,7 +199,7 @@ def test_the_engine_process_stops_when_the_server_dies(tiny_llama_long_dir: Path
     behind: it sees its end of the pipe close and exits."""
     script = textwrap.dedent(f"""
         import sys, time
-        from minivllm.engine.runtime.engine_process import EngineProcess, start_engine_process
+        from minivllm.engine.runtime.engine_process import EngineProcess
         engine = EngineProcess({_options(tiny_llama_long_dir)!r})
         engine.start()
         print(engine._process.pid, flush=True)

@@ -53,13 +53,14 @@ def main() -> None:
         for seqs in args.concurrency:
             steps = {k: make_step(k, context, seqs, tuple(args.heads)) for k in args.kinds}
             best = {k: float("inf") for k in args.kinds}
+            no_window = torch.tensor(0)
             for _ in range(args.rounds):
                 for kind, (q, cache, tables, lens) in steps.items():
                     scales = kv_quant.kv_scales(cache)
                     start = time.perf_counter()
                     for _ in range(args.repeat):
                         paged_decode_attention(
-                            q, cache[0], cache[1], tables, lens, 0.125, None, None, *scales
+                            q, cache[0], cache[1], tables, lens, 0.125, no_window, None, *scales
                         )
                     best[kind] = min(best[kind], (time.perf_counter() - start) / args.repeat)
             line = ", ".join(

@@ -56,7 +56,7 @@ def main() -> None:
     def one_pass() -> None:
         for k_cache, v_cache in caches:
             torch.ops.minivllm.paged_decode(
-                q, k_cache, v_cache, tables, seq_lens, head_dim**-0.5, 0, 0.0
+                q, k_cache, v_cache, tables, seq_lens, head_dim**-0.5, torch.tensor(0), 0.0
             )
 
     one_pass()

@@ -71,11 +71,8 @@ def engine_fields() -> list[Field]:
 
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:
     """The engine options the user set (unset ones keep EngineConfig's defaults)."""
-    return {
-        f.name: getattr(args, f.name)
-        for f in engine_fields()
-        if getattr(args, f.name, None) is not None
-    }
+    values = {f.name: getattr(args, f.name, None) for f in engine_fields()}
+    return {name: value for name, value in values.items() if value is not None}
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -147,14 +144,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
         except ImportError as exc:
             raise SystemExit(f"minivllm serve --ray: {exc}") from None
         return serve_on_ray(args, engine_options(args))
-    options = engine_options(args)
-    starting = None
-    if getattr(args, "engine_process", True) and not getattr(args, "lab", False):
-        from minivllm.engine.runtime.engine_process import start_engine_process
+    from minivllm.engine.runtime.engine_process import start_engine_process
 
-        # Before the HTTP side imports its stack (FastAPI, uvicorn, the routes: ~0.5 s),
-        # which then runs on the other core while the engine process loads the model.
-        starting = start_engine_process(options)
+    options = engine_options(args)
+    # Started before the HTTP side imports its stack (FastAPI, uvicorn, the routes: ~0.5 s),
+    # which then runs on the other core while the engine process loads the model.
+    starting = None if args.lab else start_engine_process(options)  # --lab: in this process
     try:
         from minivllm.server.serve import serve
 

@@ -196,7 +196,9 @@ class CompiledDecode:
     only the first layer of each kind goes through Dynamo (which checks that step's inputs
     and names the graph it ran); the other layers of that kind call the same graph directly
     (`LayerGraph`). Layers are of a kind when Dynamo ran them with the same graph the first
-    time it saw them: their guarded values are the same (Gemma 2 has two kinds)."""
+    time it saw them: their guarded values are the same (Gemma's sliding-window and full layers
+    are two kinds on the gathered path, whose window is a constant; one with the paged kernel,
+    which reads it as data: `Attention.window`)."""
 
     def __init__(self, model: Any, paged: bool = False, stored_blocks: bool = False) -> None:
         """`paged`: our paged decode kernel runs here (`paged_decode_supported`), so steps of

@@ -19,7 +19,8 @@ def keep_guards_on_values(entries: list[Any]) -> list[bool]:
     """Which of a graph's guards to check before each call: not those on a layer's weights
     or on the layer object itself (they never change once loaded, and dropping them lets
     every layer share one graph), but those on its plain values, which can differ between
-    layers (Gemma 2 alternates sliding-window and full-attention layers: two graphs)."""
+    layers (Gemma's sliding-window and full-attention layers: two graphs where the window is a
+    constant, the gathered path's; the paged kernel reads it as data, one graph)."""
     return [
         not (
             entry.orig_guard.source.is_unspecialized_nn_module()

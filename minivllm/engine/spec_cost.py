@@ -35,12 +35,13 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from minivllm.config import EngineConfig, SpeculativeConfig
 from minivllm.engine.scheduler import ScheduledBatch
 from minivllm.engine.sequence import Sequence, SequenceStatus
+from minivllm.engine.step_times_store import load_step_times, save_step_times, step_times_key
 from minivllm.paging import blocks_for
 from minivllm.sampling_params import SamplingParams
 
@@ -255,11 +256,13 @@ class _Store:
     `keep` keeps new ones for the next."""
 
     def __init__(self, runner: Any, k: int, block_size: int, draft_runner: Any) -> None:
-        from minivllm.engine import step_times_store
-
-        self._store = step_times_store
-        self._key = None if draft_runner else step_times_store.step_times_key(runner, k, block_size)
-        self.kept = step_times_store.load_step_times(self._key)
+        steps = [k, block_size, CONTEXT, ROUNDS, WIDE_ROUNDS]
+        self._key = None if draft_runner else step_times_key(runner, steps)
+        kept = load_step_times(self._key)
+        try:
+            self.kept = StepTimes(**kept) if kept is not None else None
+        except TypeError:  # another version's fields
+            self.kept = None
 
     def holds_now(self, runner: Any, block_size: int) -> bool:
         """Whether the kept times stand: a one-token step timed now is not notably faster than
@@ -273,7 +276,7 @@ class _Store:
 
     def keep(self, times: StepTimes | None) -> StepTimes | None:
         if times is not None and times != self.kept:
-            self._store.save_step_times(self._key, times)
+            save_step_times(self._key, asdict(times))
         return times
 
 

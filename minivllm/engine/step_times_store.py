@@ -21,21 +21,19 @@ import json
 import logging
 import os
 import platform
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-import minivllm
 from minivllm.cache import cache_dir
-from minivllm.engine.spec_cost import CONTEXT, ROUNDS, WIDE_ROUNDS, StepTimes
 
 logger = logging.getLogger(__name__)
 
 CODE_SUFFIXES = (".py", ".cpp", ".h")
 
 
-def step_times_key(runner: Any, num_speculative_tokens: int, block_size: int) -> str | None:
-    """The name this runner's timed steps are kept under, or None where they are not kept."""
+def step_times_key(runner: Any, steps: list[Any]) -> str | None:
+    """The name this runner's timed `steps` (what shapes them) are kept under, or None where
+    they are not kept."""
     from minivllm.engine.model_runner import ModelRunner
 
     if not isinstance(runner, ModelRunner):
@@ -46,27 +44,30 @@ def step_times_key(runner: Any, num_speculative_tokens: int, block_size: int) ->
         "code": _code(),
         "runner": [repr(runner.config), str(runner.dtype), str(runner.kv_dtype)],
         "runs": [runner.weight_kernel, runner.compiled_decode is not None],
-        "steps": [num_speculative_tokens, block_size, CONTEXT, ROUNDS, WIDE_ROUNDS],
+        "steps": steps,
     }
     return hashlib.sha256(json.dumps(facts, default=str).encode()).hexdigest()[:32]
 
 
-def load_step_times(key: str | None) -> StepTimes | None:
-    """The times kept under `key`; None where there are none (or the file is not ours)."""
+def load_step_times(key: str | None) -> dict[str, float | None] | None:
+    """The times kept under `key`, by name; None where there are none (or the file is not
+    ours)."""
     if key is None:
         return None
     path = _path(key)
     try:
-        times = StepTimes(**json.loads(path.read_text()))
-    except (OSError, ValueError, TypeError):
+        times = json.loads(path.read_text())
+    except (OSError, ValueError):
         return None
-    if not all(isinstance(v, float | int | None) for v in asdict(times).values()):
+    if not isinstance(times, dict) or not all(
+        isinstance(v, float | int | None) for v in times.values()
+    ):
         return None
     logger.info("speculation's step times read from %s (measured at an earlier start)", path)
     return times
 
 
-def save_step_times(key: str | None, times: StepTimes) -> None:
+def save_step_times(key: str | None, times: dict[str, float | None]) -> None:
     """Keep `times` under `key` (written whole, then renamed: two starts may race)."""
     if key is None:
         return
@@ -74,7 +75,7 @@ def save_step_times(key: str | None, times: StepTimes) -> None:
     partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        partial.write_text(json.dumps(asdict(times)))
+        partial.write_text(json.dumps(times))
         partial.replace(path)
     except OSError:  # a read-only cache: the next start measures again
         with contextlib.suppress(OSError):
@@ -124,7 +125,7 @@ def _cpu_model() -> str:
 
 def _code() -> list[list[Any]]:
     """minivllm's own files (its kernels' sources included): an edit is another key."""
-    package = Path(minivllm.__file__).parent
+    package = Path(__file__).resolve().parents[1]  # minivllm/
     return [
         _stat(path)
         for path in sorted(package.rglob("*"))

@@ -49,8 +49,8 @@ def test_a_second_start_reads_what_the_first_timed(tiny_llama_dir, tmp_path, tim
     second = _start(tiny_llama_dir)
     assert timed == {"steps": 1, "wide": 1}  # nothing timed again
     assert second.llm_engine.config.speculative_config == spec
-    key = step_times_key(second.llm_engine.model_runner, spec.num_speculative_tokens, 16)
-    assert load_step_times(key) is not None and load_step_times(key).wide is not None
+    (path,) = _kept(tmp_path)
+    assert load_step_times(path.stem)["wide"] is not None  # the third step's, kept too
 
 
 def test_another_option_or_a_torn_file_is_timed_again(tiny_llama_dir, tmp_path, timed) -> None:
@@ -66,7 +66,7 @@ def test_another_option_or_a_torn_file_is_timed_again(tiny_llama_dir, tmp_path, 
 
 
 def test_fake_runners_and_draft_models_keep_nothing() -> None:
-    assert step_times_key(object(), 4, 16) is None
+    assert step_times_key(object(), [4, 16]) is None
     assert load_step_times(None) is None
 
 
@@ -84,7 +84,7 @@ def test_times_kept_on_a_busier_machine_are_timed_again(tiny_llama_dir, tmp_path
     busy = scale_plain(10.0)
     _start(tiny_llama_dir)
     assert timed["steps"] == 2
-    assert load_step_times(path.stem).plain < busy / 2  # the quieter start's, kept
+    assert load_step_times(path.stem)["plain"] < busy / 2  # the quieter start's, kept
     scale_plain(0.1)
     _start(tiny_llama_dir)
     assert timed["steps"] == 2

@@ -73,8 +73,8 @@ def test_the_kernel_reads_the_quantized_cache(kind, window, softcap, heads, kv_h
     meta, cache, floats, q = _quantized_step(kind, tables, context, heads, kv_heads, dim, block, 1)
     scale = dim**-0.5
     got = paged_decode_attention(
-        q, cache[0], cache[1], meta.block_tables, meta.seq_lens, scale, window, softcap,
-        *kv_quant.kv_scales(cache),
+        q, cache[0], cache[1], meta.block_tables, meta.seq_lens, scale,
+        torch.tensor(window or 0), softcap, *kv_quant.kv_scales(cache),
     )  # fmt: skip
     every = torch.arange(cache[0].numel() // (kv_heads * dim))
     dequantized = [kv_quant.gather_rows(cache, i, every, torch.float32) for i in (0, 1)]

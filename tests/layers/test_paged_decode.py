@@ -63,7 +63,14 @@ def test_matches_the_gather_and_sdpa_path(
     torch.set_num_threads(threads)
     try:
         got = paged_decode_attention(
-            q, k_cache, v_cache, meta.block_tables, meta.seq_lens, dim**-0.5, window, softcap
+            q,
+            k_cache,
+            v_cache,
+            meta.block_tables,
+            meta.seq_lens,
+            dim**-0.5,
+            torch.tensor(window or 0),
+            softcap,
         )
     finally:
         torch.set_num_threads(before)
@@ -100,22 +107,36 @@ def test_the_paged_decode_backend_sends_other_steps_to_sdpa():
     torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0)
 
 
+NO_WINDOW = torch.tensor(0)
+
+
 def test_bad_tables_are_refused_with_a_message():
     meta, k_cache, v_cache, _ = _step([[0, 1]], [5], 2, 8, 4, seed=1)
     q = torch.zeros(1, 4, 8)
+    with pytest.raises(RuntimeError, match="window must be one int64"):
+        torch.ops.minivllm.paged_decode(
+            q, k_cache, v_cache, meta.block_tables, meta.seq_lens, 1.0, torch.tensor(5.0), 0.0
+        )
     with pytest.raises(RuntimeError, match="not a block of the cache"):
         torch.ops.minivllm.paged_decode(
-            q, k_cache, v_cache, torch.tensor([[0, 99]]), meta.seq_lens, 1.0, 0, 0.0
+            q, k_cache, v_cache, torch.tensor([[0, 99]]), meta.seq_lens, 1.0, NO_WINDOW, 0.0
         )
     with pytest.raises(RuntimeError, match="outside its block table"):
         torch.ops.minivllm.paged_decode(
-            q, k_cache, v_cache, meta.block_tables, torch.tensor([9]), 1.0, 0, 0.0
+            q, k_cache, v_cache, meta.block_tables, torch.tensor([9]), 1.0, NO_WINDOW, 0.0
         )
     with pytest.raises(RuntimeError, match="multiple of kv_heads"):
         torch.ops.minivllm.paged_decode(
-            torch.zeros(1, 3, 8), k_cache, v_cache, meta.block_tables, meta.seq_lens, 1.0, 0, 0.0
+            torch.zeros(1, 3, 8),
+            k_cache,
+            v_cache,
+            meta.block_tables,
+            meta.seq_lens,
+            1.0,
+            NO_WINDOW,
+            0.0,
         )
     with pytest.raises(RuntimeError, match="int8 or float8_e4m3fn, both the same"):
         torch.ops.minivllm.paged_decode(
-            q, k_cache.bfloat16(), v_cache, meta.block_tables, meta.seq_lens, 1.0, 0, 0.0
+            q, k_cache.bfloat16(), v_cache, meta.block_tables, meta.seq_lens, 1.0, NO_WINDOW, 0.0
         )

@@ -240,8 +240,26 @@ def test_cli_one_model_is_todays_server_several_are_the_multi_model_one(
 
     serve = importlib.import_module("minivllm.server.serve")  # the package exports a `serve`
 
+    from minivllm.engine.runtime import engine_process
+
+    class Starting:  # the engine process `minivllm serve` starts first, not started here
+        closed = False
+
+        def close(self) -> None:
+            self.closed = True
+
+    started: list[Starting] = []
+    monkeypatch.setattr(
+        engine_process,
+        "start_engine_process",
+        lambda options: started.append(Starting()) or started[-1],
+    )
     calls: list[tuple[str, Any]] = []
-    monkeypatch.setattr(serve, "serve", lambda args, options: calls.append(("one", options)))
+    monkeypatch.setattr(
+        serve,
+        "serve",
+        lambda args, options, starting: calls.append(("one", options)) or starting is started[-1],
+    )
     monkeypatch.setattr(
         multi_serve, "serve_models", lambda args, options: calls.append(("multi", args))
     )
@@ -250,11 +268,13 @@ def test_cli_one_model_is_todays_server_several_are_the_multi_model_one(
         args = parser.parse_args(argv)
         args.func(args)
     assert calls == [("one", {"model": "a.gguf"}), ("one", {"model": "a.gguf"}), ("one", {})]
+    assert len(started) == 3 and all(s.closed for s in started)  # none left behind
     calls.clear()
     argv = "serve --model a.gguf --model b.gguf --max-loaded-models 1 --models-memory-gb 2"
     args = parser.parse_args(argv.split())
     args.func(args)
     ((kind, got),) = calls
     assert kind == "multi" and got.model == ["a.gguf", "b.gguf"]
+    assert len(started) == 3  # the multi-model server starts its engines itself
     limits = multi_serve.registry_limits(got)
     assert limits.max_loaded_models == 1 and limits.memory_bytes == 2_000_000_000

@@ -44,6 +44,7 @@ class AttentionLayer(Protocol):
 
     scale: float
     sliding_window: int | None
+    window: torch.Tensor  # the sliding window as one int64 (0: none), for the paged kernel
     logit_softcap: float | None
 
 
@@ -224,7 +225,7 @@ class PagedDecodeBackend:
             meta.block_tables,
             meta.seq_lens,
             layer.scale,
-            layer.sliding_window,
+            layer.window,
             layer.logit_softcap,
             *kv_scales(kv_cache),
         )

@@ -42,10 +42,12 @@ def decode_attention(
     sliding_window: int | None = None,
     softcap: float | None = None,
     key_turn: torch.Tensor | None = None,
+    window: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Store the step's K/V, then attend: `q` `[S, H*D]`, `k`/`v` `[S, KVH*D]` -> `[S, H*D]`
     in q's dtype. Grouped-query heads share their KV head's keys without copies. `key_turn`:
-    an int8 cache's rotation of queries and keys (kv_quant.key_rotation)."""
+    an int8 cache's rotation of queries and keys (kv_quant.key_rotation). `window`: the
+    paged kernel's (`Attention.window`); the gathered path masks by `sliding_window`."""
     k_cache, v_cache = kv_cache[:2]
     num_kv_heads, head_dim = k_cache.shape[-2:]
     num_seqs = q.shape[0]
@@ -66,7 +68,7 @@ def decode_attention(
             meta.block_tables,
             meta.seq_lens,
             scale,
-            sliding_window,
+            window if window is not None else _window(sliding_window, q.device),
             softcap,
             *kv_scales(kv_cache),
         )  # [S, H, D]
@@ -90,6 +92,10 @@ def decode_attention(
     weights = scores.softmax(1)  # [S, L, KVH, G]: over each query's keys
     out = (weights[..., None] * values[:, :, :, None, :]).sum(1)  # [S, KVH, G, D]
     return out.reshape(num_seqs, -1).to(out_dtype)  # [S, H*D]
+
+
+def _window(sliding_window: int | None, device: torch.device) -> torch.Tensor:
+    return torch.tensor(sliding_window or 0, device=device)
 
 
 def decode_metadata(meta: AttentionMetadata, paged: bool = False) -> DecodeMetadata:

@@ -53,6 +53,9 @@ class Attention(nn.Module):
         self.head_dim = head_dim
         self.scale = scale
         self.sliding_window = sliding_window
+        # The window again, as data for the paged decode kernel (0: none): a compiled layer
+        # graph reads it as an input, so Gemma's sliding and full layers share one graph.
+        self.register_buffer("window", torch.tensor(sliding_window or 0), persistent=False)
         self.logit_softcap = logit_softcap
         # The portable path until the runner binds the one for its device and dtypes.
         self.backend: AttentionBackend = SDPA
@@ -78,6 +81,7 @@ class Attention(nn.Module):
                 self.sliding_window,
                 self.logit_softcap,
                 self.key_turn,
+                self.window,
             )
         num_tokens = q.shape[0]
         out_dtype = q.dtype

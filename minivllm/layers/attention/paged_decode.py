@@ -56,7 +56,7 @@ def paged_decode_attention(
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
-    sliding_window: int | None = None,
+    window: torch.Tensor,
     softcap: float | None = None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
@@ -64,7 +64,9 @@ def paged_decode_attention(
     """`q` `[num_seqs, num_heads, head_dim]` (one token each) over the cache, which already
     holds this step's K/V, through `block_tables` `[num_seqs, max_blocks]` up to `seq_lens`
     `[num_seqs]` (an eager step's AttentionMetadata or the compiled step's DecodeMetadata
-    carry both); `k_scale`/`v_scale` `[blocks, block_size, KVH]`: an int8 cache's. Returns
+    carry both); `window`: the layer's sliding window as one int64 (0: none; `Attention.window`,
+    data rather than a constant, so one compiled graph serves layers of either);
+    `k_scale`/`v_scale` `[blocks, block_size, KVH]`: an int8 cache's. Returns
     `[num_seqs, num_heads, head_dim]`."""
     return torch.ops.minivllm.paged_decode(
         q.contiguous(),
@@ -73,7 +75,7 @@ def paged_decode_attention(
         block_tables,
         seq_lens,
         scale,
-        sliding_window or 0,
+        window,
         softcap or 0.0,
         k_scale,
         v_scale,

@@ -309,7 +309,7 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
 
 at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache,
                         const at::Tensor& v_cache, const at::Tensor& block_tables,
-                        const at::Tensor& seq_lens, double scale, int64_t window,
+                        const at::Tensor& seq_lens, double scale, const at::Tensor& window_t,
                         double softcap, const std::optional<at::Tensor>& k_scale,
                         const std::optional<at::Tensor>& v_scale) {
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.is_contiguous(),
@@ -343,6 +343,11 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache,
                   block_tables.scalar_type() == at::kLong && seq_lens.dim() == 1 &&
                   seq_lens.size(0) == seqs && seq_lens.scalar_type() == at::kLong,
               "paged_decode: block_tables [seqs, max_blocks] and seq_lens [seqs], int64");
+  // The window is data, not a constant of the op's call: a compiled layer graph then serves
+  // sliding and full attention layers alike (their windows differ, the graph does not).
+  TORCH_CHECK(window_t.numel() == 1 && window_t.scalar_type() == at::kLong && window_t.is_cpu(),
+              "paged_decode: window must be one int64 on the CPU (0: no window)");
+  const int64_t window = window_t.contiguous().data_ptr<int64_t>()[0];
   const at::Tensor tables = block_tables.contiguous(), lens = seq_lens.contiguous();
   const int64_t max_blocks = tables.size(1);
   const int64_t* tp = tables.data_ptr<int64_t>();
@@ -377,7 +382,7 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache,
 TORCH_LIBRARY_FRAGMENT(minivllm, m) {
   m.def(
       "paged_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
-      "Tensor seq_lens, float scale, int window, float softcap, Tensor? k_scale=None, "
+      "Tensor seq_lens, float scale, Tensor window, float softcap, Tensor? k_scale=None, "
       "Tensor? v_scale=None) -> Tensor");
 }
 

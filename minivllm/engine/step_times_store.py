@@ -2,7 +2,7 @@
 them instead of timing them again.
 
 Timing the steps speculation weighs runs a dozen steps, several of many tokens: on a 2-core
-CPU a tenth of a warm start (docs/benchmarks.md, "Start-up"). What they measure depends on the
+CPU a tenth of a warm start (docs/real-models.md, "Start-up: where the seconds go"). What they measure depends on the
 model's files, on this machine (its CPU, the threads torch runs on), on the code that runs the
 steps and on how it runs them (the runner's config: dtype, KV cache, weights, eager or
 compiled), and on the steps' shapes. A file under `<cache>/step-times/`, named by a hash of all

@@ -2,10 +2,10 @@
 them instead of timing them again.
 
 Timing the steps speculation weighs runs a dozen steps, several of many tokens: on a 2-core
-CPU a tenth of a warm start (docs/real-models.md, "Start-up: where the seconds go"). What they measure depends on the
-model's files, on this machine (its CPU, the threads torch runs on), on the code that runs the
-steps and on how it runs them (the runner's config: dtype, KV cache, weights, eager or
-compiled), and on the steps' shapes. A file under `<cache>/step-times/`, named by a hash of all
+CPU a tenth of a warm start (docs/real-models.md, "Start-up: where the seconds go"). What they
+measure depends on the model's files, on this machine (its CPU, the threads torch runs on), on
+the code that runs the steps and on how it runs them (the runner's config: dtype, KV cache,
+weights, eager or compiled), and on the steps' shapes. A file under `<cache>/step-times/`, named by a hash of all
 of that, keeps what the first start measured; a later start with the same answers reads it,
 and any change (another file, thread count or option, an edited kernel) is another name,
 measured again. Deleting the directory measures everything again.

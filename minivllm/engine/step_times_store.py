@@ -5,10 +5,11 @@ Timing the steps speculation weighs runs a dozen steps, several of many tokens: 
 CPU a tenth of a warm start (docs/real-models.md, "Start-up: where the seconds go"). What they
 measure depends on the model's files, on this machine (its CPU, the threads torch runs on), on
 the code that runs the steps and on how it runs them (the runner's config: dtype, KV cache,
-weights, eager or compiled), and on the steps' shapes. A file under `<cache>/step-times/`, named by a hash of all
-of that, keeps what the first start measured; a later start with the same answers reads it,
-and any change (another file, thread count or option, an edited kernel) is another name,
-measured again. Deleting the directory measures everything again.
+weights, eager or compiled), and on the steps' shapes. A file under `<cache>/step-times/`,
+named by a hash of all of that, keeps what the first start measured; a later start with the
+same answers reads it, and any change (another file, thread count or option, an edited
+kernel) is another name, measured again; so is a start whose one-token step runs notably
+faster than the kept one (`spec_cost`). Deleting the directory measures everything again.
 
 Only a `ModelRunner`'s steps are kept (not tensor parallelism's, nor with a draft model).
 """

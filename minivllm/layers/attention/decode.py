@@ -39,10 +39,10 @@ def decode_attention(
     kv_cache: KVCache,
     meta: DecodeMetadata,
     scale: float,
+    window: torch.Tensor,
     sliding_window: int | None = None,
     softcap: float | None = None,
     key_turn: torch.Tensor | None = None,
-    window: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Store the step's K/V, then attend: `q` `[S, H*D]`, `k`/`v` `[S, KVH*D]` -> `[S, H*D]`
     in q's dtype. Grouped-query heads share their KV head's keys without copies. `key_turn`:
@@ -68,7 +68,7 @@ def decode_attention(
             meta.block_tables,
             meta.seq_lens,
             scale,
-            window if window is not None else _window(sliding_window, q.device),
+            window,
             softcap,
             *kv_scales(kv_cache),
         )  # [S, H, D]
@@ -92,10 +92,6 @@ def decode_attention(
     weights = scores.softmax(1)  # [S, L, KVH, G]: over each query's keys
     out = (weights[..., None] * values[:, :, :, None, :]).sum(1)  # [S, KVH, G, D]
     return out.reshape(num_seqs, -1).to(out_dtype)  # [S, H*D]
-
-
-def _window(sliding_window: int | None, device: torch.device) -> torch.Tensor:
-    return torch.tensor(sliding_window or 0, device=device)
 
 
 def decode_metadata(meta: AttentionMetadata, paged: bool = False) -> DecodeMetadata:

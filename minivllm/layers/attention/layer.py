@@ -78,10 +78,10 @@ class Attention(nn.Module):
                 kv_cache,
                 meta,
                 self.scale,
+                self.window,
                 self.sliding_window,
                 self.logit_softcap,
                 self.key_turn,
-                self.window,
             )
         num_tokens = q.shape[0]
         out_dtype = q.dtype

@@ -16,6 +16,11 @@
 // 4 u + 3, high nibbles: group 2 i + 1's).
 
 constexpr int kQ4KX8Bytes = 1184;
+// Blocks ahead of its reads that a tile's kernel asks memory for (~9.5 KB): with 4 a one-row
+// step read its weights from memory at 22-25 GB/s, with 8 at 27-32 (2-vCPU Zen 3, two
+// threads; 16 ran slower again, the lines evicted from L1 before their turn):
+// docs/ggml-kernels.md, "Prefetch".
+constexpr int kQ4KX8Ahead = 8;
 
 // Activation rows a tile's unpacked codes meet at once: 8 where VNNI's 32 vector registers hold
 // 8 rows' sums (the unpacking and the scales' loads shared by twice the rows), else 4. The
@@ -50,9 +55,9 @@ void dot_tile_q4kx8(const uint8_t* tile, int64_t blocks, const QuantizedRows& xq
     for (int i = 0; i < 4; ++i) {  // chunk i: group 2 i in its low nibbles, 2 i + 1 in its high
       const uint8_t* chunk = b + 256 * i;
       const int8_t* xi = codes + blk * 256 + 64 * i;
-      for (int line = 0; line < 5; ++line) {  // the chunk's 296 B, 4 blocks on (19 lines a block)
-        _mm_prefetch(reinterpret_cast<const char*>(b + 4 * kQ4KX8Bytes + 296 * i + 64 * line),
-                     _MM_HINT_T0);
+      for (int line = 0; line < 5; ++line) {  // the chunk's 296 B, kQ4KX8Ahead blocks on
+        const uint8_t* ahead = b + kQ4KX8Ahead * kQ4KX8Bytes + 296 * i + 64 * line;
+        _mm_prefetch(reinterpret_cast<const char*>(ahead), _MM_HINT_T0);
       }
       // both groups from one load a vector: a shift for the high nibbles, none for the low
       // (one load and three operations per 64 codes, where a group at a time took two loads

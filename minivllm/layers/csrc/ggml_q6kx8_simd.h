@@ -17,6 +17,9 @@
 // rows' fp16 d (16 B); the 8 rows' int32 offsets (32 B).
 
 constexpr int kQ6KX8Bytes = 2224;
+// Blocks ahead of its reads that a tile's kernel asks memory for (~13 KB; 4 read 3-8% slower
+// on a 2-vCPU Zen 3: docs/ggml-kernels.md, "Prefetch").
+constexpr int kQ6KX8Ahead = 6;
 
 // Signed int8 scales of 8 columns (8 bytes at p) as int16 pairs: lane c = (s_c, s_c).
 inline __m256i column_scales_signed(const uint8_t* p) {
@@ -37,8 +40,9 @@ void dot_tile_q6kx8(const uint8_t* tile, int64_t blocks, const QuantizedRows& xq
     __m256i isum[Rows];
     for (int r = 0; r < Rows; ++r) isum[r] = _mm256_setzero_si256();
     for (int g = 0; g < 16; ++g) {  // a group of 16 inputs: vectors 4 g .. 4 g + 3
-      _mm_prefetch(reinterpret_cast<const char*>(b + 4 * kQ6KX8Bytes + 140 * g), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(b + 4 * kQ6KX8Bytes + 140 * g + 64), _MM_HINT_T0);
+      const char* ahead = reinterpret_cast<const char*>(b + kQ6KX8Ahead * kQ6KX8Bytes + 140 * g);
+      _mm_prefetch(ahead, _MM_HINT_T0);
+      _mm_prefetch(ahead + 64, _MM_HINT_T0);
 #ifdef MINIVLLM_GGML_VNNI
       // int32 sums of the group's 16 products a lane, one instruction per 4, then times the
       // column's int8 scale: at most 16 * 255 * 32 * 128 a group, 16 groups below 2^31
@@ -120,9 +124,9 @@ void dot_pair_q6kx8(const uint8_t* a, const uint8_t* b, int64_t blocks, const Qu
     for (int r = 0; r < Rows; ++r) isum[r] = _mm512_setzero_si512();
     for (int g = 0; g < 16; ++g) {
       for (const uint8_t* t : {ba, bb}) {
-        _mm_prefetch(reinterpret_cast<const char*>(t + 4 * kQ6KX8Bytes + 140 * g), _MM_HINT_T0);
-        _mm_prefetch(reinterpret_cast<const char*>(t + 4 * kQ6KX8Bytes + 140 * g + 64),
-                     _MM_HINT_T0);
+        const char* ahead = reinterpret_cast<const char*>(t + kQ6KX8Ahead * kQ6KX8Bytes + 140 * g);
+        _mm_prefetch(ahead, _MM_HINT_T0);
+        _mm_prefetch(ahead + 64, _MM_HINT_T0);
       }
       __m512i dot[Rows];
 #pragma GCC unroll 4

@@ -119,7 +119,11 @@ class StructuredOutputs:
                 raise ValueError("structured outputs need the model's tokenizer")
             import llguidance.hf  # imports transformers: only once a request needs it
 
+            from minivllm.tokenizer import whole_tokenizer  # merges included: grammars encode
+
             self._ll_tokenizer = llguidance.hf.from_tokenizer(
-                self.tokenizer, n_vocab=self.vocab_size, eos_token=self.eos_token_ids or None
+                whole_tokenizer(self.tokenizer),
+                n_vocab=self.vocab_size,
+                eos_token=self.eos_token_ids or None,
             )
         return self._ll_tokenizer

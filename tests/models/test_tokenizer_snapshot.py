@@ -134,3 +134,58 @@ def test_the_construction_copies_are_dropped_and_nothing_else(
         )
         assert not loaded.__dict__.get("_merges") and not loaded.__dict__.get("_vocab")
         assert len(pickle.dumps(loaded)) < len(pickle.dumps(reference))
+
+
+def test_the_decoding_tokenizer_decodes_as_the_whole_one(
+    tmp_path: Path, tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The engine process's tokenizer (`load_decoder`): a BPE copy without its merges, kept
+    in a snapshot of its own, decodes every id sequence as the whole tokenizer does without
+    loading it; asked to encode, it loads the whole one and encodes as it does; grammars
+    (llguidance) get the whole one."""
+    monkeypatch.setenv("MINIVLLM_CACHE", str(tmp_path / "cache"))
+    converted = _copy_tokenizer(tiny_llama_dir, tmp_path / "cache" / "gguf" / "m-d0d0")
+    whole = tokenizer_module.load_tokenizer(converted)
+    for _ in range(2):  # built from the whole tokenizer, then from its own snapshot
+        decoding = tokenizer_module.load_decoder(converted)
+        assert isinstance(decoding, tokenizer_module.DecodingTokenizer)
+        assert not decoding._decoder._tokenizer.to_str().count('"merges":[["')
+        rng = __import__("random").Random(0)
+        sequences = [whole.encode(TEXT)] + [
+            [rng.randrange(len(whole)) for _ in range(rng.randint(1, 12))] for _ in range(300)
+        ]
+        for ids in sequences:
+            for skip in (False, True):
+                assert decoding.decode(ids, skip_special_tokens=skip) == whole.decode(
+                    ids, skip_special_tokens=skip
+                )
+            assert decoding.convert_ids_to_tokens(ids) == whole.convert_ids_to_tokens(ids)
+        assert decoding.eos_token_id == whole.eos_token_id and len(decoding) == len(whole)
+        assert decoding._full is None  # decoding never loaded the whole tokenizer
+    assert len(list(converted.glob("tokenizer-snapshot-decoder-*.pickle"))) == 1
+    assert decoding.encode(TEXT) == whole.encode(TEXT)  # loads the whole one
+    assert tokenizer_module.whole_tokenizer(decoding) is decoding.full
+    assert tokenizer_module.whole_tokenizer(whole) is whole
+
+    users = _copy_tokenizer(tiny_llama_dir, tmp_path / "my-model")
+    assert type(tokenizer_module.load_decoder(users)) is type(whole)  # only read: whole
+
+
+def test_grammars_read_the_whole_tokenizer(
+    tmp_path: Path, tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A structured output's forced text tokenizes through the merges: with the decoding
+    tokenizer its matcher forces the same tokens as with the whole one."""
+    from minivllm.sampling_params import SamplingParams, StructuredOutputsParams
+    from minivllm.structured.matcher import StructuredOutputs
+
+    monkeypatch.setenv("MINIVLLM_CACHE", str(tmp_path / "cache"))
+    converted = _copy_tokenizer(tiny_llama_dir, tmp_path / "cache" / "gguf" / "m-d1d1")
+    whole = tokenizer_module.load_tokenizer(converted)
+    params = SamplingParams(structured_outputs=StructuredOutputsParams(regex="The quick brown"))
+    forced = []
+    for tokenizer in (whole, tokenizer_module.load_decoder(converted)):
+        structured = StructuredOutputs(tokenizer, len(whole), (whole.eos_token_id,))
+        matcher = structured.matcher_for(params)
+        forced.append(matcher._matcher.compute_ff_tokens())
+    assert forced[0] == forced[1] == whole.encode("The quick brown")

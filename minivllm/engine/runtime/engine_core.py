@@ -169,6 +169,7 @@ def engine_main(fd: int) -> None:
     try:
         engine = LLMEngine.from_options(
             on_resolved=lambda model_dir: conn.send(EngineResolved(str(model_dir))),
+            decode_only_tokenizer=True,  # the HTTP side tokenizes the requests
             **start.engine_options,
         )
     except Exception as exc:

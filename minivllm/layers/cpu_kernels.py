@@ -252,7 +252,7 @@ def _register_fakes() -> None:
         return x.new_empty(x.shape[0], columns, dtype=torch.float32)
 
     @torch.library.register_fake("minivllm::ggml_matmul_kinds")
-    def _(x, blocks, qtypes, columns, isa):  # noqa: ANN001, ANN202
+    def _(x, blocks, qtypes, columns, isa, residual_block=0):  # noqa: ANN001, ANN202
         return x.new_empty(x.shape[0], columns, dtype=torch.float32)
 
     @torch.library.register_fake("minivllm::ggml_dequantize")

@@ -14,11 +14,7 @@ from minivllm.layers.cpu_kernels import cpu_kernels_available
 from minivllm.layers.embedding import ParallelLMHead
 from minivllm.layers.quantization.chooser import StoredFormat, choose_method
 from minivllm.layers.quantization.head import BlockHead
-from minivllm.layers.quantization.kernels.block_weight import (
-    BlockSegment,
-    BlockWeight,
-    int8_residual,
-)
+from minivllm.layers.quantization.kernels.block_weight import BlockSegment, BlockWeight
 from minivllm.layers.quantization.kernels.ggml_blocks import ggml_dequantize
 from minivllm.layers.quantization.policy import TOKEN_EXACT
 
@@ -97,13 +93,43 @@ def test_q8_0_and_q5_0_in_tiles_always_carry_two_codes(qtype: QT) -> None:
     assert float((stored.matmul(x) - want).abs().max() / want.abs().max()) > 1e-3
 
 
+def int8_residual(x: torch.Tensor, block: int) -> torch.Tensor:
+    """What rounding `x` `[M, K]` to 8 bits per `block` inputs (step max|x| / 127, round to
+    nearest even) leaves: `x - step * code`, as tensor maths."""
+    flat = x.float().view(x.shape[0], -1, block)  # [M, K / block, block]
+    amax = flat.abs().amax(-1, keepdim=True)
+    inverse = torch.where(amax > 0, 127.0 / amax, 0.0)
+    codes = (flat * inverse).round()
+    return (flat - codes * (amax / 127.0)).view(x.shape)
+
+
 def test_the_residual_is_what_one_code_per_block_leaves() -> None:
-    """`int8_residual` is below half a step per input, a step being the block's max / 127."""
+    """The residual is below half a step per input, a step being the block's max / 127."""
     x = _outlier_rows(3)
     left = int8_residual(x, 256).view(3, 2, 256)
     step = x.view(3, 2, 256).abs().amax(-1, keepdim=True) / 127
     assert bool((left.abs() <= step / 2 + 1e-6).all())
     assert float(left.abs().max()) > 0
+
+
+@pytest.mark.parametrize("qtype", [QT.Q4_K, QT.Q5_1], ids=lambda q: q.name)
+def test_the_kernel_takes_the_second_code_as_a_second_row(qtype: QT) -> None:
+    """Asked for a second code, the operator computes what x's first code stands for and what
+    it leaves as two rows of one call, and adds their outputs: bit for bit the tensor-maths
+    formulation (x - left, then left) through the one-code operator. A block that does not
+    divide the rows is refused with a message."""
+    block = 256 if qtype == QT.Q4_K else 32
+    weight = BlockWeight([_segment(qtype, seed=3)], COLS, "int8")
+    call = torch.ops.minivllm.ggml_matmul_kinds
+    for rows in (1, 5):
+        x = _outlier_rows(rows)
+        left = int8_residual(x, block)
+        parts = call(torch.cat([x - left, left]), weight._blocks, weight._kinds, ROWS, 0)
+        got = call(x, weight._blocks, weight._kinds, ROWS, 0, block)
+        assert torch.equal(got, parts[:rows] + parts[rows:])
+        assert not torch.equal(got, call(x, weight._blocks, weight._kinds, ROWS, 0))
+    with pytest.raises(RuntimeError, match="does not divide"):
+        call(_outlier_rows(1), weight._blocks, weight._kinds, ROWS, 0, 96)
 
 
 def test_mixed_kinds_keep_one_code_and_an_unknown_precision_is_refused() -> None:

@@ -558,21 +558,64 @@ at::Tensor ggml_matmul(const at::Tensor& x, const at::Tensor& blocks, int64_t qt
   return ggml_matmul_segments(x, {blocks}, {qtype}, isa_arg);
 }
 
+// x [M, K] as [2M, K] fp32 rows for two 8-bit activation codes: first what x's first code
+// stands for, then what it leaves, `left = x - step * code` (step = max|x| / 127 over each
+// `block` inputs, the code rounded to nearest even, as the kernel rounds x), which the kernel
+// rounds again with a step of its own. The first rows are x - left, not x: the kinds with a
+// min term weigh a row by the exact sum of its floats, and with x itself the residual's share
+// of that sum would count twice; x - left rounds to the same code. Computed here rather than
+// as tensor maths in the caller: a compiled decode step traced those ops in every linear
+// layer, a sixth of a warm start's compile (docs/real-models.md).
+at::Tensor two_code_rows(const at::Tensor& xf, int64_t block) {
+  const int64_t rows = xf.size(0), k = xf.size(1);
+  TORCH_CHECK(block > 0 && k % block == 0, "ggml_matmul: a second code's block of ", block,
+              " inputs does not divide rows of ", k);
+  at::Tensor out = at::empty({2 * rows, k}, xf.options());
+  const float* x = xf.data_ptr<float>();
+  float* first = out.data_ptr<float>();
+  float* left = first + rows * k;
+  at::parallel_for(0, rows * (k / block), 16, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const float* v = x + i * block;
+      float amax = 0.0f;
+      for (int64_t l = 0; l < block; ++l) amax = std::max(amax, std::fabs(v[l]));
+      const float inverse = amax > 0.0f ? 127.0f / amax : 0.0f, step = amax / 127.0f;
+      for (int64_t l = 0; l < block; ++l) {
+        const float rest = v[l] - std::nearbyint(v[l] * inverse) * step;  // no fma: see flags
+        left[i * block + l] = rest;
+        first[i * block + l] = v[l] - rest;
+      }
+    }
+  });
+  return out;
+}
+
 // ggml_matmul_segments with the kinds as a tensor: a compiled decode step then takes them as
 // a graph input, so layers whose kinds differ (a Q4_K_M file's Q6_K down projections beside
 // its Q4_K ones) share one graph instead of each tracing its own. `columns` is the output
-// width, which the fake kernel cannot read from the kinds' values.
+// width, which the fake kernel cannot read from the kinds' values. `residual_block` > 0: each
+// activation takes two 8-bit codes (`two_code_rows`), each weight row still read once.
 at::Tensor ggml_matmul_kinds(const at::Tensor& x, at::TensorList blocks, const at::Tensor& qtypes,
-                             int64_t columns, int64_t isa_arg) {
+                             int64_t columns, int64_t isa_arg, int64_t residual_block) {
   TORCH_CHECK(qtypes.dim() == 1 && qtypes.scalar_type() == at::kLong && qtypes.is_cpu(),
               "ggml_matmul: qtypes must be a 1-D int64 CPU tensor");
+  TORCH_CHECK(x.dim() == 2, "ggml_matmul: x must be [M, K]");
   const at::Tensor kinds = qtypes.contiguous();
   const int64_t* kind = kinds.data_ptr<int64_t>();
   const std::vector<int64_t> values(kind, kind + kinds.numel());
-  at::Tensor y = ggml_matmul_segments(x, blocks, values, isa_arg);
+  const int64_t rows = x.size(0);
+  const at::Tensor input =
+      residual_block > 0 ? two_code_rows(x.to(at::kFloat).contiguous(), residual_block) : x;
+  at::Tensor y = ggml_matmul_segments(input, blocks, values, isa_arg);
   TORCH_CHECK(y.size(1) == columns, "ggml_matmul: the blocks give ", y.size(1),
               " output columns, not ", columns);
-  return y;
+  if (residual_block <= 0) return y;
+  at::Tensor sum = at::empty({rows, columns}, y.options());  // each row's two codes' outputs
+  const float* codes = y.data_ptr<float>();
+  float* out = sum.data_ptr<float>();
+  const int64_t half = rows * columns;
+  for (int64_t i = 0; i < half; ++i) out[i] = codes[i] + codes[half + i];
+  return sum;
 }
 
 // Rows [begin, end) of `blocks` into `out` (fp32 or bf16), split over the thread pool. With
@@ -711,7 +754,9 @@ at::Tensor ggml_dequant_matmul_kinds(const at::Tensor& x, at::TensorList blocks,
 TORCH_LIBRARY_FRAGMENT(minivllm, m) {
   m.def("ggml_matmul(Tensor x, Tensor blocks, int qtype, int isa) -> Tensor");
   m.def("ggml_matmul_segments(Tensor x, Tensor[] blocks, int[] qtypes, int isa) -> Tensor");
-  m.def("ggml_matmul_kinds(Tensor x, Tensor[] blocks, Tensor qtypes, int columns, int isa) -> Tensor");
+  m.def(
+      "ggml_matmul_kinds(Tensor x, Tensor[] blocks, Tensor qtypes, int columns, int isa, "
+      "int residual_block=0) -> Tensor");
   m.def("ggml_dequantize(Tensor blocks, int qtype, int cols, ScalarType dtype, int isa) -> Tensor");
   m.def("ggml_dequant_matmul(Tensor x, Tensor blocks, int qtype, int tile_rows) -> Tensor");
   m.def("ggml_dequant_matmul_kinds(Tensor x, Tensor[] blocks, Tensor qtypes, int columns, "

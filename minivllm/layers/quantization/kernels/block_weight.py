@@ -101,16 +101,6 @@ class BlockSegment:
         return picked.to(dtype)
 
 
-def int8_residual(x: torch.Tensor, block: int) -> torch.Tensor:
-    """What the integer kernel's rounding of `x` `[M, K]` to 8 bits per `block` inputs (step
-    max|x| / 127, round to nearest even) leaves: `x - step * code`, fp32 `[M, K]`."""
-    flat = x.float().view(x.shape[0], -1, block)  # [M, K / block, block]
-    amax = flat.abs().amax(-1, keepdim=True)  # [M, K / block, 1]
-    inverse = torch.where(amax > 0, 127.0 / amax, 0.0)
-    codes = (flat * inverse).round()  # as the kernel: x times 127 / max|x|, nearest even
-    return (flat - codes * (amax / 127.0)).view(x.shape)  # [M, K]
-
-
 def two_code_block(segments: list[BlockSegment]) -> int | None:
     """The block (256 for the K kinds, 32 for Q5_0/Q5_1/Q8_0) over which the integer kernel
     rounds the activations of all `segments`, where a second code can follow it; None where
@@ -208,19 +198,12 @@ class BlockWeight:
         if not self._kernels:
             pairs = [(s.blocks, s.qtype) for s in self.segments]
             return ggml_matmul_segments(x, pairs).to(x.dtype)
-        rows = x.numel() // x.shape[-1]
         flat = x.reshape(-1, self.cols)  # [M, in]
-        if self._residual_block is not None:  # [2M, in]: x's first code, then what it leaves
-            # The first row as its code's value, not x: kinds with a min term (Q4_K, Q5_K,
-            # Q4_1, Q5_1) weigh it by the exact sum of the row's floats, so with x itself the
-            # residual's share of that sum would count twice. x - left re-rounds to the same code.
-            left = int8_residual(flat, self._residual_block)
-            flat = torch.cat([flat.float() - left, left])
+        # With a second code the kernel rounds each row twice: x, then what x's code leaves
+        # (as a second row of the same call, each weight row still read once).
         out = torch.ops.minivllm.ggml_matmul_kinds(
-            flat, self._blocks, self._kinds, self._columns, 0
+            flat, self._blocks, self._kinds, self._columns, 0, self._residual_block or 0
         )
-        if self._residual_block is not None:
-            out = out[:rows] + out[rows:]  # [M, out]
         return out.view(*x.shape[:-1], out.shape[-1]).to(x.dtype)
 
     def _dequant(self, x: torch.Tensor) -> torch.Tensor:

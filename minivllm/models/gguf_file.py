@@ -150,19 +150,28 @@ class _Cursor:
             return np.frombuffer(self.buffer, dtype=dtype, count=count, offset=start).tolist()
         if item_type == _STRING:
             if count > _MAX_ARRAY_ITEMS:  # a vocabulary: skip it, string by string
-                for _ in range(count):
-                    length = self.take("<Q")
-                    self.pos += length
-                if self.pos > self.size:
-                    raise self.fail(
-                        f"metadata array {key!r} runs past the end of the file: "
-                        "truncated or corrupt header"
-                    )
+                self.pos = self._skip_strings(count, key)
                 return None
             return [self.string() for _ in range(count)]
         if item_type == _ARRAY:
             return [self.array(key) for _ in range(count)]
         raise self.fail(f"metadata array {key!r} has unknown item type {item_type}: corrupt header")
+
+    def _skip_strings(self, count: int, key: str) -> int:
+        """Where `count` length-prefixed strings from `pos` end. One unpack a string, not a
+        checked `take`: Qwen2.5's 152k tokens and 151k merges took 0.05 s of the 0.09 of
+        reading its header that way, which each start of an engine does twice."""
+        length_at, pos, end = struct.Struct("<Q").unpack_from, self.pos, self.size - 8
+        for _ in range(count):
+            if pos > end:
+                break
+            pos += 8 + length_at(self.buffer, pos)[0]
+        else:
+            if pos <= self.size:
+                return pos
+        raise self.fail(
+            f"metadata array {key!r} runs past the end of the file: truncated or corrupt header"
+        )
 
 
 class GGUFFile:

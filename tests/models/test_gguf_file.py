@@ -83,6 +83,32 @@ def test_bad_files_fail_with_one_line_naming_the_file(good: Path, tmp_path: Path
         assert expected in message and str(path) in message and "\n" not in message, message
 
 
+def test_a_vocabulary_is_skipped_and_a_cut_one_is_named(tmp_path: Path) -> None:
+    """An array of more strings than the header keeps (a vocabulary) is skipped to the tensor
+    table; cut anywhere inside, or its lengths running past the end, the file fails with one
+    line naming the array."""
+    path = tmp_path / "vocab.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    tokens = [f"tok{i}" * (1 + i % 3) for i in range(5000)]
+    writer.add_array("tokenizer.ggml.tokens", tokens)
+    writer.add_tensor("a.weight", np.ones((4, 64), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    parsed = GGUFFile(path)
+    assert parsed.metadata["tokenizer.ggml.tokens"] is None
+    assert [t.name for t in parsed.tensors] == ["a.weight"]
+    raw = path.read_bytes()
+    start = raw.index(b"tok0")
+    inflated = bytearray(raw)  # the last token's length claims more than the file holds
+    last = raw.index(tokens[-1].encode(), start) - 8
+    inflated[last : last + 8] = struct.pack("<Q", len(raw))
+    for data in (raw[: start + 9000], raw[: start + 3], bytes(inflated)):
+        with pytest.raises(GGUFFileError, match="'tokenizer.ggml.tokens' runs past the end"):
+            GGUFFile(_bad(tmp_path, data))
+
+
 def test_unknown_tensor_type_is_named(good: Path, tmp_path: Path) -> None:
     raw = bytearray(good.read_bytes())
     # the type id of the first tensor follows its name and shape in the table

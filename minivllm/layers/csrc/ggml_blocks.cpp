@@ -614,7 +614,9 @@ at::Tensor ggml_matmul_kinds(const at::Tensor& x, at::TensorList blocks, const a
   const float* codes = y.data_ptr<float>();
   float* out = sum.data_ptr<float>();
   const int64_t half = rows * columns;
-  for (int64_t i = 0; i < half; ++i) out[i] = codes[i] + codes[half + i];
+  at::parallel_for(0, half, 16384, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) out[i] = codes[i] + codes[half + i];
+  });
   return sum;
 }
 

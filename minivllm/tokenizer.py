@@ -90,6 +90,8 @@ def load_decoder(model_dir: Path) -> Any:
     decoder = _read_snapshot(path)
     if decoder is None:
         tokenizer = load_tokenizer(model_dir)
+        if not os.access(path.parent, os.W_OK):  # nowhere to keep it: built at every start,
+            return tokenizer  # it would cost more than it saves
         decoder = _without_merges(tokenizer)
         if decoder is None:
             return tokenizer

@@ -169,6 +169,11 @@ def test_the_decoding_tokenizer_decodes_as_the_whole_one(
 
     users = _copy_tokenizer(tiny_llama_dir, tmp_path / "my-model")
     assert type(tokenizer_module.load_decoder(users)) is type(whole)  # only read: whole
+    read_only = _copy_tokenizer(tiny_llama_dir, tmp_path / "cache" / "gguf" / "m-d2d2")
+    tokenizer_module.load_tokenizer(read_only)
+    monkeypatch.setattr(tokenizer_module.os, "access", lambda path, mode: False)
+    assert type(tokenizer_module.load_decoder(read_only)) is type(whole)  # no snapshot: whole
+    assert not list(read_only.glob("tokenizer-snapshot-decoder-*"))
 
 
 def test_grammars_read_the_whole_tokenizer(

@@ -7,7 +7,8 @@ description and (often quantized) tensors under llama.cpp's names. The engine lo
   (`gguf_arch.py`: the architecture table: llama, qwen2, qwen3, gemma2, gemma3, phi3), and the
   tokenizer is rebuilt offline by transformers' GGUF tokenizer conversion; these few small
   files are written once into a cache directory (`gguf_model_dir`), keyed on the file's size,
-  mtime and `METADATA_VERSION`, atomically, so a second start reads them at once;
+  mtime and `minivllm.cache.GGUF_METADATA_VERSION`, atomically, so a second start reads them
+  at once;
 - the weights are never written anywhere: `iter_state` yields them by HF name, straight from
   the memory-mapped file, dequantized one tensor at a time for the layers that compute densely,
   with what llama.cpp changed when it wrote them undone (the q/k row permutation of `llama`,
@@ -21,7 +22,6 @@ tests that compare the two.
 from __future__ import annotations
 
 import functools
-import hashlib
 import logging
 import os
 import re
@@ -38,7 +38,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize as _gguf_dequantize
 from tqdm import tqdm
 
-from minivllm.cache import cache_dir
+from minivllm.cache import gguf_cached_dir
 from minivllm.layers.quantization.kernels.block_weight import BLOCK_TYPES
 from minivllm.models.gguf_arch import (
     ARCHITECTURES,
@@ -65,8 +65,6 @@ __all__ = [
     "gguf_model_dir",
 ]
 
-# Bump when what `write_model_files` writes changes, so stale caches are not reused.
-METADATA_VERSION = 2
 
 # Types the tests check against an independent reference; others go through gguf-py untested.
 TESTED_TENSOR_TYPES = (
@@ -335,20 +333,6 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path) -> Path:
     return out_dir
 
 
-def cache_key(gguf_path: str | Path) -> str:
-    """Hash of the file's resolved path, size, mtime and `METADATA_VERSION`."""
-    path = Path(gguf_path).resolve()
-    stat = path.stat()
-    text = f"{path}|{stat.st_size}|{stat.st_mtime_ns}|v{METADATA_VERSION}"
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
-
-
-def cached_dir_for(gguf_path: str | Path) -> Path:
-    """Where `gguf_model_dir` puts (or finds) the model files of `gguf_path`."""
-    path = Path(gguf_path)
-    return cache_dir() / "gguf" / f"{path.stem}-{cache_key(path)}"
-
-
 def gguf_model_dir(gguf_path: str | Path) -> Path:
     """A directory with the config and tokenizer files of `gguf_path` (no weights), written
     on first use: the engine reads them as it reads an HF directory's.
@@ -362,7 +346,7 @@ def gguf_model_dir(gguf_path: str | Path) -> Path:
     reader = GGUFFile(gguf_path)
     architecture(reader)  # what no engine could load is refused before anything is written
     check_tensor_types(reader)
-    target = cached_dir_for(gguf_path)
+    target = gguf_cached_dir(gguf_path)
     if (target / "config.json").is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)

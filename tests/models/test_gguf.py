@@ -19,6 +19,7 @@ import torch
 from gguf import GGMLQuantizationType as QT
 from support.gguf_files import gguf_writer, tiny_vocab
 
+from minivllm.cache import gguf_cached_dir
 from minivllm.models import gguf as mgguf
 from minivllm.models import gguf_arch, paths
 from minivllm.models.gguf_file import GGUFFile
@@ -401,10 +402,10 @@ def test_cache_key_changes_with_the_file(tmp_path: Path, monkeypatch: pytest.Mon
     monkeypatch.setenv("MINIVLLM_CACHE", str(tmp_path / "cache"))
     path = tmp_path / "m.gguf"
     _write_synthetic_gguf(path, "llama", tie=True)
-    before = mgguf.cached_dir_for(path)
+    before = gguf_cached_dir(path)
     with path.open("ab") as f:
         f.write(b"\0" * 32)
-    assert mgguf.cached_dir_for(path) != before
+    assert gguf_cached_dir(path) != before
 
 
 def test_failed_conversion_leaves_no_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -19,7 +19,7 @@ import pytest
 from support.engine_checks import run_to_completion
 
 from minivllm.engine.llm_engine import LLMEngine
-from minivllm.engine.runtime import engine_process
+from minivllm.engine.runtime import tokenizer_load
 from minivllm.engine.runtime.engine_process import EngineProcess, start_engine_process
 from minivllm.sampling_params import SamplingParams
 from minivllm.server import ServerThread, create_app
@@ -166,11 +166,40 @@ def test_this_sides_tokenizer_loads_behind_the_engine(monkeypatch, tmp_path: Pat
 
     monkeypatch.setattr(tokenizer, "load_tokenizer", load)
     before = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
-    assert engine_process._load_tokenizer_behind_the_engine(tmp_path) == "a tokenizer"
+    assert tokenizer_load.load_tokenizer_behind_the_engine(tmp_path) == "a tokenizer"
     assert seen["nice"] == 19
     assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == before
     with pytest.raises(ValueError, match="no tokenizer files"):
-        engine_process._load_tokenizer_behind_the_engine(tmp_path / "broken")
+        tokenizer_load.load_tokenizer_behind_the_engine(tmp_path / "broken")
+
+
+def test_this_side_foresees_the_directory_of_a_converted_gguf(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where the engine will name a directory this side can find without torch (a model
+    directory, a GGUF converted at an earlier start), its tokenizer starts loading with the
+    engine process; used only if the engine names that directory."""
+    monkeypatch.setenv("MINIVLLM_CACHE", str(tmp_path / "cache"))
+    model = tmp_path / "model"
+    model.mkdir()
+    assert tokenizer_load.predicted_model_dir(str(model)) is None  # no config.json
+    (model / "config.json").write_text("{}")
+    assert tokenizer_load.predicted_model_dir(str(model)) == model
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF")
+    assert tokenizer_load.predicted_model_dir(str(gguf)) is None  # never converted
+    converted = tokenizer_load.gguf_cached_dir(gguf)
+    converted.mkdir(parents=True)
+    (converted / "config.json").write_text("{}")
+    assert tokenizer_load.predicted_model_dir(str(gguf)) == converted
+    assert tokenizer_load.predicted_model_dir(None) is None  # the default model
+    assert tokenizer_load.predicted_model_dir(str(tmp_path / "missing")) is None
+
+    loaded = []
+    monkeypatch.setattr("minivllm.tokenizer.load_tokenizer", lambda d: loaded.append(d) or d)
+    early = tokenizer_load.TokenizerLoad(converted)
+    assert early.serves(converted) and not early.serves(model)
+    assert early.result() == converted and loaded == [converted]
 
 
 def test_this_side_loads_the_tokenizer_the_engine_resolved(tmp_path: Path, tiny_llama_long_dir):

@@ -25,10 +25,8 @@ The contract is AsyncLLMEngine's (same asyncio side, same add/abort/shutdown sem
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import logging
 import multiprocessing
-import os
 import subprocess
 import sys
 import threading
@@ -67,6 +65,11 @@ from minivllm.engine.runtime.engine_messages import (
     StepOutputs,
     StopAccepting,
 )
+from minivllm.engine.runtime.tokenizer_load import (
+    TokenizerLoad,
+    load_tokenizer_behind_the_engine,
+    predicted_model_dir,
+)
 from minivllm.lora_request import LoRARequest
 
 if TYPE_CHECKING:
@@ -84,6 +87,7 @@ class EngineStarting:
 
     process: subprocess.Popen[bytes]
     conn: Any  # multiprocessing.connection.Connection
+    tokenizer_load: TokenizerLoad | None = None  # begun on the directory this side foresaw
 
     def close(self) -> None:
         if self.process.poll() is None:
@@ -105,32 +109,12 @@ def start_engine_process(
         conn.send(EngineStart(engine_options, max_waiting_requests))
     except (BrokenPipeError, EOFError, OSError):
         pass  # it exited at once: the first receive says so
+    # This side's tokenizer loads now where the model's directory can be foreseen, on the core
+    # the engine's imports leave idle, not ~4 s on once the engine has named it: loaded
+    # then, beside the engine's load, it sometimes finished after the engine (docs/real-models.md).
+    predicted = predicted_model_dir(engine_options.get("model"))
+    starting.tokenizer_load = TokenizerLoad(predicted) if predicted is not None else None
     return starting
-
-
-def _load_tokenizer_behind_the_engine(model_dir: Path) -> Any:
-    """The tokenizer, loaded by a thread of the lowest CPU priority (Linux sets it per
-    thread): the engine's load, on the start-up's critical path, runs torch threads on both
-    cores of a 2-core CPU, and beside this load at equal priority it took 0.4-0.5 s longer;
-    the tokenizer finishes on the core the engine's single-threaded compile leaves free."""
-    from minivllm.tokenizer import load_tokenizer  # transformers, not torch
-
-    result: dict[str, Any] = {}
-
-    def load() -> None:
-        with contextlib.suppress(AttributeError, OSError):  # no per-thread priority here
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-        try:
-            result["tokenizer"] = load_tokenizer(model_dir)
-        except Exception as exc:  # raised on the caller's thread
-            result["error"] = exc
-
-    thread = threading.Thread(target=load, name="minivllm-tokenizer-load")
-    thread.start()
-    thread.join()
-    if "error" in result:
-        raise result["error"]
-    return result["tokenizer"]
 
 
 @dataclass
@@ -168,9 +152,13 @@ class EngineProcess:
         self._conn, self._process = starting.conn, starting.process
         try:
             resolved = self._receive_start(EngineResolved)
+            model_dir, early = Path(resolved.model_dir), starting.tokenizer_load
             # While the engine process loads the weights and compiles, on the other core.
             try:
-                self.tokenizer = _load_tokenizer_behind_the_engine(Path(resolved.model_dir))
+                if early is not None and early.serves(model_dir):
+                    self.tokenizer = early.result()
+                else:
+                    self.tokenizer = load_tokenizer_behind_the_engine(model_dir)
             except Exception as exc:  # the engine fails on it too: its EngineFailed is raised
                 ready = self._receive_start(EngineReady)
                 raise RuntimeError(f"the tokenizer of {resolved.model_dir}: {exc}") from exc

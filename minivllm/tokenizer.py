@@ -89,33 +89,30 @@ def load_decoder(model_dir: Path) -> Any:
     path = snapshot.with_name(snapshot.name.replace("snapshot-", "snapshot-decoder-", 1))
     decoder = _read_snapshot(path)
     if decoder is None:
-        tokenizer = load_tokenizer(model_dir)
+        decoder = load_tokenizer(model_dir)
         if not os.access(path.parent, os.W_OK):  # nowhere to keep it: built at every start,
-            return tokenizer  # it would cost more than it saves
-        decoder = _without_merges(tokenizer)
-        if decoder is None:
-            return tokenizer
-        del tokenizer  # the decoding process holds the one without merges only
+            return decoder  # it would cost more than it saves
+        if not _drop_merges(decoder):
+            return decoder
         _write_snapshot(path, decoder)
     release_free_heap()
     return DecodingTokenizer(decoder, Path(model_dir))
 
 
-def _without_merges(tokenizer: Any) -> Any | None:
-    """A copy of `tokenizer` whose Rust BPE model has no merges (None where it has none to
-    drop: not Rust-backed, or not BPE). It decodes as `tokenizer` does; it would encode a
-    text letter by letter, so only `DecodingTokenizer` holds it."""
+def _drop_merges(tokenizer: Any) -> bool:
+    """Give `tokenizer` a Rust BPE model without its merges, in place (False where it has none
+    to drop: not Rust-backed, or not BPE). It decodes as before; it would encode a text letter
+    by letter, so only `DecodingTokenizer` holds it."""
     backend = getattr(tokenizer, "_tokenizer", None)
     if not isinstance(backend, tokenizers.Tokenizer):
-        return None
+        return False
     spec = json.loads(backend.to_str())
     model = spec.get("model") or {}
     if model.get("type") != "BPE" or not model.get("merges"):
-        return None
+        return False
     model["merges"] = []
-    copy = pickle.loads(pickle.dumps(tokenizer))  # noqa: S301 - our own object
-    copy._tokenizer = tokenizers.Tokenizer.from_str(json.dumps(spec))
-    return copy
+    tokenizer._tokenizer = tokenizers.Tokenizer.from_str(json.dumps(spec))
+    return True
 
 
 class DecodingTokenizer:

@@ -104,7 +104,11 @@ def _drop_merges(tokenizer: Any) -> bool:
     to drop: not Rust-backed, or not BPE). It decodes as before; it would encode a text letter
     by letter, so only `DecodingTokenizer` holds it."""
     backend = getattr(tokenizer, "_tokenizer", None)
-    if not isinstance(backend, tokenizers.Tokenizer):
+    # The model's kind from the object: serializing the whole tokenizer only to find it is not
+    # BPE would be repeated at every start (no snapshot is kept for it).
+    if not isinstance(backend, tokenizers.Tokenizer) or not isinstance(
+        backend.model, tokenizers.models.BPE
+    ):
         return False
     spec = json.loads(backend.to_str())
     model = spec.get("model") or {}

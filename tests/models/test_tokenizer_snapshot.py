@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import random
 import shutil
 import subprocess
 import sys
@@ -150,7 +151,7 @@ def test_the_decoding_tokenizer_decodes_as_the_whole_one(
         decoding = tokenizer_module.load_decoder(converted)
         assert isinstance(decoding, tokenizer_module.DecodingTokenizer)
         assert not decoding._decoder._tokenizer.to_str().count('"merges":[["')
-        rng = __import__("random").Random(0)
+        rng = random.Random(0)
         sequences = [whole.encode(TEXT)] + [
             [rng.randrange(len(whole)) for _ in range(rng.randint(1, 12))] for _ in range(300)
         ]

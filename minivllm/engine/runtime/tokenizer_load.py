@@ -16,7 +16,9 @@ from minivllm.cache import gguf_cached_dir
 def predicted_model_dir(model: Any) -> Path | None:
     """The directory the engine will resolve `model` to, where this side can tell without
     importing torch: a model directory, or a GGUF file converted at an earlier start (its
-    directory in minivllm's cache); None otherwise (the default model, a first start)."""
+    directory in minivllm's cache); None otherwise (the default model, a first start). The
+    torch-free part of `minivllm.models.paths.resolve_model_dir`, which decides: a wrong guess
+    only costs the early load (`TokenizerLoad.serves`)."""
     if not isinstance(model, str | Path):
         return None
     path = Path(model).expanduser()

@@ -5,10 +5,10 @@ description and (often quantized) tensors under llama.cpp's names. The engine lo
 
 - the metadata becomes the architecture's transformers config and a `generation_config.json`
   (`gguf_arch.py`: the architecture table: llama, qwen2, qwen3, gemma2, gemma3, phi3), and the
-  tokenizer is rebuilt offline by transformers' GGUF tokenizer conversion; these few small
-  files are written once into a cache directory (`gguf_model_dir`), keyed on the file's size,
-  mtime and `minivllm.cache.GGUF_METADATA_VERSION`, atomically, so a second start reads them
-  at once;
+  tokenizer is rebuilt offline by transformers' GGUF tokenizer conversion (`gguf_tokenizer.py`);
+  these few small files are written once into a cache directory (`gguf_model_dir`), keyed on
+  the file's size, mtime and `minivllm.cache.GGUF_METADATA_VERSION`, atomically, so a second
+  start reads them at once;
 - the weights are never written anywhere: `iter_state` yields them by HF name, straight from
   the memory-mapped file, dequantized one tensor at a time for the layers that compute densely,
   with what llama.cpp changed when it wrote them undone (the q/k row permutation of `llama`,
@@ -52,6 +52,7 @@ from minivllm.models.gguf_arch import (
     meta,
 )
 from minivllm.models.gguf_file import GGUFFile, GGUFFileError, GGUFTensor
+from minivllm.models.gguf_tokenizer import build_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +62,7 @@ __all__ = [
     "GGUFConversionError",
     "GGUFFileError",
     "build_config",
+    "build_tokenizer",
     "convert_gguf",
     "gguf_model_dir",
 ]
@@ -275,23 +277,6 @@ def build_generation_config(config: Any) -> Any:
     )
 
 
-def build_tokenizer(gguf_path: Path) -> Any:
-    """The fast tokenizer the GGUF metadata describes (`tokenizer.ggml.*`).
-
-    transformers' GGUF tokenizer conversion builds it offline (`local_files_only`); it carries
-    the chat template, the special tokens and `add_bos_token`.
-    """
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(
-        str(gguf_path.parent), gguf_file=gguf_path.name, local_files_only=True
-    )
-    # Loading options, not tokenizer properties; keep them out of tokenizer_config.json.
-    for key in ("local_files_only", "is_local", "gguf_file"):
-        tokenizer.init_kwargs.pop(key, None)
-    return tokenizer
-
-
 # ---------------------------------------------------------------------------------------------
 # Conversion
 # ---------------------------------------------------------------------------------------------
@@ -305,7 +290,7 @@ def write_model_files(reader: GGUFFile, out_dir: Path) -> Any:
     config.save_pretrained(out_dir)
     build_generation_config(config).save_pretrained(out_dir)
     if "tokenizer.ggml.tokens" in reader.metadata:
-        build_tokenizer(reader.path).save_pretrained(out_dir)
+        build_tokenizer(reader.path, config.model_type).save_pretrained(out_dir)
     else:
         logger.warning("%s has no tokenizer metadata; wrote no tokenizer files", reader.path)
     return config

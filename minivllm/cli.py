@@ -10,6 +10,7 @@ from dataclasses import Field, fields
 from typing import Any
 
 from minivllm.config import SPECULATION_OFF, EngineConfig, cli_flag
+from minivllm.startup import show_progress
 
 DEMO_QUESTIONS = [
     "What is the capital of France?",
@@ -383,10 +384,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(
-        level=logging.INFO if args.verbose else logging.WARNING,
-        format="%(levelname)s %(name)s: %(message)s",
-    )
+    level = logging.INFO if args.verbose else logging.WARNING
+    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
+    show_progress()  # a start's phases, each as it begins (minivllm/startup.py)
     try:
         return args.func(args)
     except (ValueError, FileNotFoundError, TypeError) as exc:

@@ -42,7 +42,6 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from tqdm import tqdm
 
 from minivllm.cache import cache_dir
 from minivllm.engine.dynamo_marks import (
@@ -56,6 +55,7 @@ from minivllm.layers.attention.kv_quant import KVCache
 from minivllm.layers.cpu_kernels import cpu_caps
 from minivllm.layers.quantization.methods import GgmlBlockMethod
 from minivllm.layers.quantization.rows import compiled_steps_max_seqs, kernel_rows
+from minivllm.startup import phase
 
 logger = logging.getLogger(__name__)
 
@@ -327,8 +327,9 @@ class CompiledDecode:
             return
         sizes = [1, 2] if self.max_seqs >= 2 and num_blocks >= 4 else [1]
         start = time.perf_counter()
-        for num_seqs in tqdm(sizes, desc="Compiling the decode step", unit="graph", disable=None):
-            self(*self._dummy_step(kv_caches, block_size, context, num_seqs))
+        with phase("compiling the decode step"):
+            for num_seqs in sizes:
+                self(*self._dummy_step(kv_caches, block_size, context, num_seqs))
         logger.info(
             "compiled the decode step (%s sequences) in %.1f s (Inductor cache: %s; "
             "enforce_eager=True skips it)",

@@ -32,6 +32,7 @@ import torch
 from minivllm.config import EngineConfig
 from minivllm.layers.attention import AttentionMetadata
 from minivllm.paging import blocks_for
+from minivllm.startup import phase
 
 logger = logging.getLogger(__name__)
 
@@ -213,7 +214,7 @@ def capture_decode_graphs(
     inputs = DecodeGraphInputs(batch, max_blocks, block_size, num_kv_blocks, device)
     graphs = CudaGraphDecode(model, kv_caches, inputs)
     try:
-        with torch.inference_mode():
+        with torch.inference_mode(), phase("capturing the decode step's CUDA graphs"):
             graphs.capture(capture_cuda_graph)
     except RuntimeError as error:  # an op that syncs with the host cannot be captured
         logger.warning("CUDA graph capture failed, decode steps run eagerly: %s", error)

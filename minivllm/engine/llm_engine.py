@@ -29,6 +29,7 @@ from minivllm.lora_request import LoRARequest
 from minivllm.outputs import CompletionOutput, RequestMetrics
 from minivllm.pooling_params import PoolingParams
 from minivllm.sampling_params import SamplingParams
+from minivllm.startup import phase
 from minivllm.structured import GrammarMatcher, StructuredOutputs
 
 logger = logging.getLogger(__name__)
@@ -102,20 +103,22 @@ class LLMEngine:
         `on_resolved` is called with the model's directory as soon as it is known.
         `decode_only_tokenizer`: its requests will come as token ids (the server's engine
         process), so its tokenizer loads for decoding (`minivllm.tokenizer.load_decoder`)."""
-        from minivllm.engine.draft_model import load_draft_proposer, resolve_draft
-        from minivllm.engine.memory import collapse_to_huge_pages, fit_max_model_len
-        from minivllm.engine.model_runner import ModelRunner
-        from minivllm.engine.pooling_config import with_pooling
-        from minivllm.engine.spec_cost import with_default_speculation, with_measured_draft_cost
-        from minivllm.heap import release_free_heap
-        from minivllm.models.config import resolve_config
-        from minivllm.tokenizer import load_decoder, load_tokenizer
+        with phase("importing the model code (torch's compiler, transformers)"):
+            from minivllm.engine.draft_model import load_draft_proposer, resolve_draft
+            from minivllm.engine.memory import collapse_to_huge_pages, fit_max_model_len
+            from minivllm.engine.model_runner import ModelRunner
+            from minivllm.engine.pooling_config import with_pooling
+            from minivllm.engine.spec_cost import with_default_speculation, with_measured_draft_cost
+            from minivllm.heap import release_free_heap
+            from minivllm.models.config import resolve_config
+            from minivllm.tokenizer import load_decoder, load_tokenizer
 
         config = EngineConfig.from_options(**options)
         config, model_dir, hf_config = resolve_config(config)
         if on_resolved is not None:
             on_resolved(model_dir)
-        tokenizer = (load_decoder if decode_only_tokenizer else load_tokenizer)(model_dir)
+        with phase("loading the tokenizer"):
+            tokenizer = (load_decoder if decode_only_tokenizer else load_tokenizer)(model_dir)
         config = with_pooling(with_eos_token_ids(config, tokenizer, model_dir), model_dir)
         draft = resolve_draft(config, hf_config)  # a bad draft fails before any weight is read
         defaults = default_sampling_params(config.generation_config, model_dir)

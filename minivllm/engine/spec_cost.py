@@ -44,6 +44,7 @@ from minivllm.engine.sequence import Sequence, SequenceStatus
 from minivllm.engine.step_times_store import load_step_times, save_step_times, step_times_key
 from minivllm.paging import blocks_for
 from minivllm.sampling_params import SamplingParams
+from minivllm.startup import phase
 
 logger = logging.getLogger(__name__)
 
@@ -208,7 +209,9 @@ def with_measured_draft_cost(
     k = spec.num_speculative_tokens
     store = _Store(runner, k, config.block_size, draft_runner)
     times = store.kept if store.holds_now(runner, config.block_size) else None
-    times = times or store.keep(measure_step_times(runner, k, config.block_size, draft_runner))
+    if not times:
+        with phase("timing decode steps for speculation's rule (kept for the next starts)"):
+            times = store.keep(measure_step_times(runner, k, config.block_size, draft_runner))
     if times is None:
         return replace(config, speculative_config=None) if default else config
     cost = token_cost(times, k)

@@ -43,6 +43,7 @@ from pathlib import Path
 import torch
 
 from minivllm.cache import cache_dir
+from minivllm.startup import phase
 
 logger = logging.getLogger(__name__)
 
@@ -88,7 +89,6 @@ def _build(target: Path) -> None:
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         built = Path(tmp) / target.name
         objects = [Path(tmp) / f"{source.stem}.o" for source in SOURCES]
-        logger.info("building minivllm's CPU kernels (once per torch version): %s", target)
         try:
             jobs = [
                 subprocess.Popen(
@@ -220,7 +220,8 @@ def _load_kernels(machine: str, capability: str) -> bool:
     path = _library_path()
     try:
         if not path.is_file():
-            _build(path)
+            with phase(f"building minivllm's CPU kernels (once per torch version): {path}"):
+                _build(path)
         torch.ops.load_library(str(path))
     except (KernelBuildError, OSError, RuntimeError) as error:
         logger.warning("minivllm CPU kernels: not used, torch's own ops instead (%s)", error)

@@ -27,7 +27,6 @@ import os
 import re
 import shutil
 import tempfile
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -53,6 +52,7 @@ from minivllm.models.gguf_arch import (
 )
 from minivllm.models.gguf_file import GGUFFile, GGUFFileError, GGUFTensor
 from minivllm.models.gguf_tokenizer import build_tokenizer
+from minivllm.startup import phase
 
 logger = logging.getLogger(__name__)
 
@@ -335,10 +335,11 @@ def gguf_model_dir(gguf_path: str | Path) -> Path:
     if (target / "config.json").is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    start = time.perf_counter()
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
     try:
-        write_model_files(reader, tmp)
+        # once per file: the next starts read the files kept in `target`
+        with phase(f"{reader.path.name}: writing its config and tokenizer into {target}"):
+            write_model_files(reader, tmp)
         try:
             os.rename(tmp, target)
         except OSError:
@@ -349,10 +350,4 @@ def gguf_model_dir(gguf_path: str | Path) -> Path:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    logger.info(
-        "read the config and tokenizer of %s in %.1fs (kept in %s)",
-        reader.path.name,
-        time.perf_counter() - start,
-        target,
-    )
     return target

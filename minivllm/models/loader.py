@@ -18,6 +18,7 @@ from torch import nn
 from transformers import AutoConfig, PretrainedConfig
 
 from minivllm.models.registry import get_model_class
+from minivllm.startup import phase
 
 logger = logging.getLogger(__name__)
 
@@ -51,10 +52,11 @@ def load_model(
     hf_config = AutoConfig.from_pretrained(str(model_dir))
     model_cls = get_model_class(hf_config)
     # Allocate parameters directly in the target dtype and device: no float32 copy on the side.
-    with _default_dtype(dtype), torch.device(device):
-        model = model_cls(hf_config, tp_size=tp_size, tp_rank=tp_rank)
-    supplied = attach(model) if attach is not None else set()
-    load_weights(model, iter_safetensors(model_dir) if weights is None else weights, supplied)
+    with phase("loading the weights"):
+        with _default_dtype(dtype), torch.device(device):
+            model = model_cls(hf_config, tp_size=tp_size, tp_rank=tp_rank)
+        supplied = attach(model) if attach is not None else set()
+        load_weights(model, iter_safetensors(model_dir) if weights is None else weights, supplied)
     model.requires_grad_(False)
     return model.eval(), hf_config
 

@@ -149,6 +149,7 @@ HELPERS = {
     "lora_request",
     "config",
     "heap",  # malloc_trim, after a load (the HTTP process's too: torch-free)
+    "startup",  # start-up phases' log lines (the CLI's and the engine's: torch-free)
     "tokenizer",  # the HTTP process loads it: torch-free
     "distributed",  # the ranks' state and head split; the TP executor is in engine/
     "logprobs",

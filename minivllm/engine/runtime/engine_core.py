@@ -37,6 +37,7 @@ from minivllm.engine.runtime.engine_messages import (
     StopAccepting,
 )
 from minivllm.outputs import RequestOutput
+from minivllm.startup import phase, show_progress
 
 logger = logging.getLogger(__name__)
 
@@ -151,6 +152,7 @@ def engine_main(fd: int) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if not logging.getLogger().handlers:
         logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    show_progress()
     from minivllm.engine.llm_engine import LLMEngine
 
     conn = Connection(fd)
@@ -159,7 +161,9 @@ def engine_main(fd: int) -> None:
     except EOFError:  # the HTTP process gave up before sending it
         return
     assert isinstance(start, EngineStart), start
-    if _runs_on_the_cpu(start.engine_options):
+    with phase("importing torch"):
+        on_the_cpu = _runs_on_the_cpu(start.engine_options)
+    if on_the_cpu:
         # torch's compiler imports triton wherever it is installed (our dev extra installs it
         # for the Triton kernel's CPU tests), and that costs ~85 MB resident; a CPU engine
         # never runs a Triton kernel. None in sys.modules makes `import triton` fail as if

@@ -5,6 +5,7 @@ shutdown, which uses it by default, in test_reliability_shutdown.py.)"""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -263,3 +264,21 @@ def test_a_cpu_engine_process_does_not_load_triton(tiny_llama_long_dir: Path) ->
         engine.close()
     assert "libtorch_cpu" in maps
     assert "libtriton" not in maps
+
+
+def test_the_engine_process_logs_at_this_sides_level(
+    tiny_llama_long_dir: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """`minivllm -v serve`: the engine process's INFO lines (its memory line) show at this
+    process's level; without it only the start-up phases do (minivllm/startup.py)."""
+    root = logging.getLogger()
+    before = root.level
+    for level, shown in ((logging.INFO, True), (logging.WARNING, False)):
+        root.setLevel(level)
+        try:
+            EngineProcess(_options(tiny_llama_long_dir)).close()
+        finally:
+            root.setLevel(before)
+        err = capfd.readouterr().err
+        assert ("minivllm.engine.model_runner: memory:" in err) is shown, err
+        assert "INFO minivllm.startup: loading the weights ..." in err, err

@@ -161,6 +161,7 @@ def engine_main(fd: int) -> None:
     except EOFError:  # the HTTP process gave up before sending it
         return
     assert isinstance(start, EngineStart), start
+    logging.getLogger().setLevel(start.log_level)
     with phase("importing torch"):
         on_the_cpu = _runs_on_the_cpu(start.engine_options)
     if on_the_cpu:

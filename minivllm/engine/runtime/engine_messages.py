@@ -3,6 +3,7 @@ engine_core.py), pickled over one socket pair."""
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,6 +19,7 @@ from minivllm.outputs import RequestOutput
 class EngineStart:
     engine_options: dict[str, Any]
     max_waiting_requests: int | None
+    log_level: int = logging.WARNING  # the HTTP process's (`minivllm -v serve`: INFO)
 
 
 @dataclass

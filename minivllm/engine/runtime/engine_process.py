@@ -106,7 +106,8 @@ def start_engine_process(
     child_conn.close()
     starting = EngineStarting(process, conn)
     try:
-        conn.send(EngineStart(engine_options, max_waiting_requests))
+        level = logging.getLogger().getEffectiveLevel()
+        conn.send(EngineStart(engine_options, max_waiting_requests, level))
     except (BrokenPipeError, EOFError, OSError):
         pass  # it exited at once: the first receive says so
     # This side's tokenizer loads now where the model's directory can be foreseen, on the core

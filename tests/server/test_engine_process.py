@@ -270,7 +270,8 @@ def test_the_engine_process_logs_at_this_sides_level(
     tiny_llama_long_dir: Path, capfd: pytest.CaptureFixture[str]
 ) -> None:
     """`minivllm -v serve`: the engine process's INFO lines (its memory line) show at this
-    process's level; without it only the start-up phases do (minivllm/startup.py)."""
+    process's level; without it only the start-up phases do (minivllm/startup.py), each
+    naming its model."""
     root = logging.getLogger()
     before = root.level
     for level, shown in ((logging.INFO, True), (logging.WARNING, False)):
@@ -280,5 +281,6 @@ def test_the_engine_process_logs_at_this_sides_level(
         finally:
             root.setLevel(before)
         err = capfd.readouterr().err
-        assert ("minivllm.engine.model_runner: memory:" in err) is shown, err
-        assert "INFO minivllm.startup: loading the weights ..." in err, err
+        named = f"[{tiny_llama_long_dir.name}]:"
+        assert (f"minivllm.engine.model_runner {named} memory:" in err) is shown, err
+        assert f"INFO minivllm.startup {named} loading the weights ..." in err, err

@@ -167,9 +167,9 @@ def test_serve_stops_cleanly_on_signal(tiny_llama_long_dir: Path, sig: signal.Si
             proc.wait()
     assert rc == 0, stderr
     assert "Traceback" not in stderr and " ERROR " not in stderr and "ERROR " not in stderr, stderr
-    # the start said what it was doing as each phase began (minivllm/startup.py)
+    # the start said what it was doing as each phase began (minivllm/startup.py), for which model
     for what in ("importing torch", "loading the tokenizer", "loading the weights"):
-        assert f"INFO minivllm.startup: {what} ..." in stderr, stderr
+        assert f"INFO minivllm.startup [{tiny_llama_long_dir.name}]: {what} ..." in stderr, stderr
     assert took < SHUTDOWN_TIMEOUT_S + 10, took
     assert not _group_alive(proc.pid), "a process of the server's group outlived it"
     assert short.error is None and short.finish == "length" and short.events[-1] == "[DONE]"

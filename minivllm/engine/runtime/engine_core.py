@@ -11,6 +11,7 @@ import pickle
 import signal
 import sys
 from multiprocessing.connection import Connection
+from pathlib import Path
 from typing import Any
 
 from minivllm.engine.runtime.engine_loop import (
@@ -144,6 +145,15 @@ def _runs_on_the_cpu(engine_options: dict[str, Any]) -> bool:
     return device == "cpu" or (device is None and not torch.cuda.is_available())
 
 
+def _name_the_model_in_each_line(model: str | None) -> None:
+    """This process's log lines name its model: a server of several models may start several
+    at once, and their start-up phases would interleave unnamed."""
+    name = (Path(model).name if model else "the default model").replace("%", "%%")
+    line = f"%(asctime)s %(levelname)s %(name)s [{name}]: %(message)s"
+    for handler in logging.getLogger().handlers:
+        handler.setFormatter(logging.Formatter(line))
+
+
 def engine_main(fd: int) -> None:
     """The engine process, on its end of the socket pair: read EngineStart, build the engine,
     answer EngineReady, run the loop until Shutdown (or until the HTTP process goes away);
@@ -162,6 +172,7 @@ def engine_main(fd: int) -> None:
         return
     assert isinstance(start, EngineStart), start
     logging.getLogger().setLevel(start.log_level)
+    _name_the_model_in_each_line(start.engine_options.get("model"))
     with phase("importing torch"):
         on_the_cpu = _runs_on_the_cpu(start.engine_options)
     if on_the_cpu:

@@ -76,7 +76,8 @@ def test_greedy_stays_within_the_top5_rule_of_the_auto_cache(tiny_llama_dir, kin
         assert_within_top5(outputs, want)
     if kind == "bfloat16":  # a prefix-cache hit reads back what a lone prefill attended to
         first, again = ([x for o in outputs for x in top_logprobs(o)] for outputs in rounds)
-        assert first == pytest.approx(again, abs=1e-5)  # float noise; the bf16 step ~1e-3
+        # float noise (threads' summation order: up to 1.03e-5 seen); the bf16 step is ~1e-3
+        assert first == pytest.approx(again, abs=1e-4)
     scheduler = quantized.llm_engine.scheduler
     stats = quantized.llm_engine.stats()
     if schedule == "tiny-pool-preempts":

@@ -37,7 +37,6 @@ import hashlib
 import inspect
 import logging
 import os
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -326,17 +325,13 @@ class CompiledDecode:
         if context < 2:  # a context of one would be traced as a constant
             return
         sizes = [1, 2] if self.max_seqs >= 2 and num_blocks >= 4 else [1]
-        start = time.perf_counter()
-        with phase("compiling the decode step"):
+        what = (
+            f"compiling the decode step ({'/'.join(map(str, sizes))} sequences; Inductor "
+            f"cache: {os.environ['TORCHINDUCTOR_CACHE_DIR']}; enforce_eager=True skips it)"
+        )
+        with phase(what):  # its seconds end the phase's second line
             for num_seqs in sizes:
                 self(*self._dummy_step(kv_caches, block_size, context, num_seqs))
-        logger.info(
-            "compiled the decode step (%s sequences) in %.1f s (Inductor cache: %s; "
-            "enforce_eager=True skips it)",
-            "/".join(map(str, sizes)),
-            time.perf_counter() - start,
-            os.environ["TORCHINDUCTOR_CACHE_DIR"],
-        )
 
     def _dummy_step(
         self, kv_caches: KVCaches, block_size: int, context: int, num_seqs: int

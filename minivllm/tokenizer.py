@@ -111,8 +111,8 @@ def _drop_merges(tokenizer: Any) -> bool:
     ):
         return False
     spec = json.loads(backend.to_str())
-    model = spec.get("model") or {}
-    if model.get("type") != "BPE" or not model.get("merges"):
+    model = spec["model"]  # a BPE model's, by the check above
+    if not model.get("merges"):
         return False
     model["merges"] = []
     tokenizer._tokenizer = tokenizers.Tokenizer.from_str(json.dumps(spec))

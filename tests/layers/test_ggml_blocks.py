@@ -34,8 +34,6 @@ pytestmark = pytest.mark.skipif(
     not cpu_kernels_available(), reason="the block kernels are for x86 CPUs with AVX2"
 )
 ISAS = [isa for isa in ("scalar", "avx2", "avx512_vnni", "amx") if isa in available_isas()]
-# Bytes of each kind's block holding its codes (the rest: scales and mins), [start, end).
-CODE_BYTES = {T.Q4_1: (4, 20), T.Q5_1: (4, 24), T.Q4_K: (16, 144), T.Q5_K: (16, 176)}
 
 
 def random_blocks(qtype: T, n: int, k: int, seed: int = 0) -> np.ndarray:
@@ -58,34 +56,23 @@ def random_blocks(qtype: T, n: int, k: int, seed: int = 0) -> np.ndarray:
     return blocks.reshape(n, -1)
 
 
-def dense_parts(blocks: np.ndarray, qtype: T, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The weights as gguf-py dequantizes them, and their mins alone (the blocks with their
-    codes zeroed; zeros for the kinds without mins), `[N, K]` float64 each."""
-    n = blocks.shape[0]
-    w = torch.from_numpy(dequantize(blocks, qtype).reshape(n, k)).double()
-    mins = torch.zeros_like(w)
-    if qtype in CODE_BYTES:
-        start, end = CODE_BYTES[qtype]
-        elems, nbytes = GGML_QUANT_SIZES[qtype]
-        zeroed = blocks.reshape(n, k // elems, nbytes).copy()
-        zeroed[..., start:end] = 0
-        mins = torch.from_numpy(dequantize(zeroed.reshape(n, -1), qtype).reshape(n, k)).double()
-    return w, mins
+def dequantized(blocks: np.ndarray, qtype: T, k: int) -> torch.Tensor:
+    """The weights as gguf-py dequantizes them, `[N, K]` float64."""
+    return torch.from_numpy(dequantize(blocks, qtype).reshape(blocks.shape[0], k)).double()
 
 
-def reference(
-    w: torch.Tensor, mins: torch.Tensor, x: torch.Tensor, block: int = 32
-) -> torch.Tensor:
+def reference(w: torch.Tensor, x: torch.Tensor, block: int = 32) -> torch.Tensor:
     """What the kernel computes, in float64: the activations rounded to int8 with one step per
-    `block` inputs (32; 256 for the K kinds), nearest even, for the codes' products, exact for
-    the min terms."""
+    `block` inputs (32; 256 for the K kinds), nearest even, for the codes' products and the
+    min terms alike (the codes' sums, as llama.cpp: with x's exact sums the unsigned codes'
+    rounding error would not cancel)."""
     k = x.shape[-1]
     groups = x.float().reshape(-1, k // block, block)  # [M, K / block, block]
     amax = groups.abs().amax(dim=-1, keepdim=True)
     # 127 / amax as one division (torch's `127.0 / t` multiplies by a reciprocal: other ties)
     inverse = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
     xq = ((groups * inverse).round() * (amax / 127.0)).reshape(-1, k).double()  # [M, K]
-    return xq @ (w - mins).T + x.double().reshape(-1, k) @ mins.T
+    return xq @ w.T
 
 
 def activation_block(qtype: T) -> int:
@@ -117,13 +104,13 @@ def test_matmul_matches_reference(qtype: T, isa: str) -> None:
     k, n = k_of(qtype), 13
     blocks = random_blocks(qtype, n, k, seed=1)
     raw = torch.from_numpy(blocks)
-    w, mins = dense_parts(blocks, qtype, k)
+    w = dequantized(blocks, qtype, k)
     torch.manual_seed(0)
     for m in (1, 2, 3, 4, 5, 9):
         x = torch.randn(m, k)
         y = ggml_matmul(x, raw, qtype, isa=isa)
         assert y.shape == (m, n) and y.dtype == torch.float32
-        expected = reference(w, mins, x, activation_block(qtype))
+        expected = reference(w, x, activation_block(qtype))
         scale = expected.abs().max()
         assert (y.double() - expected).abs().max() <= 2e-5 * scale, (m, qtype.name)
         dense = x.double() @ w.T
@@ -150,7 +137,7 @@ def test_segments_are_the_single_matmuls_side_by_side(isa: str) -> None:
         assert torch.equal(fused, single)
         dense = (
             x.double()
-            @ torch.cat([dense_parts(raw.numpy(), kind, k)[0] for raw, kind in zip(parts, kinds)]).T
+            @ torch.cat([dequantized(raw.numpy(), kind, k) for raw, kind in zip(parts, kinds)]).T
         )
         assert (fused.double() - dense).abs().max() <= 3e-2 * dense.abs().max()
 
@@ -173,7 +160,7 @@ def test_x8_layout_matches_the_float_product(qtype: T, isa: str) -> None:
     stored = T.Q8_0 if qtype == T.Q5_0 else qtype  # Q5_0's tiles hold a byte a code
     assert tiles.shape == (n // 8, 8 * GGML_QUANT_SIZES[stored][1] * k // 32)
     assert tiles.dtype == torch.uint8
-    w = dense_parts(blocks, qtype, k)[0]
+    w = dequantized(blocks, qtype, k)
     ops, x8 = torch.ops.minivllm, int(qtype) + X8_FLAG
     torch.manual_seed(0)
     for m in (1, 2, 3, 4, 5, 9, 70):
@@ -318,7 +305,7 @@ def test_shapes_and_dtypes() -> None:
     x = torch.randn(2, 3, k)
     y = ggml_matmul(x.bfloat16(), raw, "Q4_K")
     assert y.shape == (2, 3, 5) and y.dtype == torch.float32
-    expected = reference(*dense_parts(blocks, T.Q4_K, k), x.bfloat16().float(), 256)
+    expected = reference(dequantized(blocks, T.Q4_K, k), x.bfloat16().float(), 256)
     expected = expected.reshape(2, 3, 5)
     assert (y.double() - expected).abs().max() <= 2e-5 * expected.abs().max()
     assert ggml_matmul(x[0], raw[:1], T.Q4_K).shape == (3, 1)

@@ -49,7 +49,7 @@ inline __m512 pair_fp16(const uint8_t* a, const uint8_t* b) {
 
 // Q4_K's float work of one block for `rows` rows, in the VNNI kernel's order: the block's
 // scale times its integer (c: the H sums of rows 0-15, their L sums, then rows 16-31's), and
-// the min term, sum_j m_j * (group j's exact sum), times dmin. Row by row, with the block's
+// the min term, sum_j m_j * (group j's codes' value), times dmin. Row by row, with the block's
 // values in registers and the accumulators in memory: 32 rows' accumulators, sums and mins
 // at once would not fit the 32 vector registers.
 inline void q4k_epilogue(const uint8_t* ba, const uint8_t* bb, int64_t blk, int64_t blocks,

@@ -97,6 +97,12 @@ inline __m256i dot_u8s8(__m256i w, __m256i x) {
 #endif
 }
 
+inline int hsum_epi32(__m256i v) {
+  __m128i h = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0x4E));
+  return _mm_cvtsi128_si32(_mm_add_epi32(h, _mm_shuffle_epi32(h, 0xB1)));
+}
+
 // A group's fine codes (QuantizedRows in ggml_blocks.cpp): f = round((x - step q) * 254 /
 // step), the difference by one fused multiply-add as the scalar path computes it; and the
 // group's sum of 254 q + f.
@@ -120,8 +126,8 @@ inline void fine_codes(const __m256 v[4], const __m256i q[4], float step, int8_t
 }
 
 // Activations quantized per row and group of 32 (the SIMD twin of quantize_rows_scalar, same
-// rounding, so the same codes): codes [rows, k] int8, steps and exact fp32 sums [rows, k/32];
-// and the fine codes where asked for.
+// rounding, so the same codes and sums): codes [rows, k] int8, steps and the codes' values
+// summed [rows, k/32]; and the fine codes where asked for.
 inline void quantize_rows(const float* x, int64_t rows, int64_t k, QuantizedView out) {
   const int64_t groups = rows * (k / kGroup);
   const __m256 sign = _mm256_set1_ps(-0.0f);
@@ -146,11 +152,13 @@ inline void quantize_rows(const float* x, int64_t rows, int64_t k, QuantizedView
                                                       _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(out.codes + i * kGroup), bytes);
     out.steps[i] = amax / 127.0f;
-    if (out.fine != nullptr) fine_codes(v, q, out.steps[i], out.fine + i * kGroup, out.fine_sums + i);
-    const __m256 s = _mm256_add_ps(_mm256_add_ps(v[0], v[1]), _mm256_add_ps(v[2], v[3]));
-    __m128 h = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
-    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-    out.sums[i] = _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+    if (out.fine != nullptr) {
+      fine_codes(v, q, out.steps[i], out.fine + i * kGroup, out.fine_sums + i);
+      out.sums[i] = out.steps[i] * (static_cast<float>(out.fine_sums[i]) / 254.0f);
+    } else {
+      out.sums[i] = out.steps[i] * static_cast<float>(hsum_epi32(_mm256_add_epi32(
+                                       _mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]))));
+    }
   }
 }
 
@@ -220,7 +228,7 @@ void dot_row(const uint8_t* w, int64_t blocks, const QuantizedRows& xq, int64_t 
   for (int64_t blk = 0; blk < blocks; ++blk) {
     const uint8_t* b = w + blk * geo.bytes;
     const __m256 min8 = simd_block_scales<QT>(b, scales, mins);
-    if constexpr (k_mins) {  // the block's 8 groups: min * (the exact sum of their inputs)
+    if constexpr (k_mins) {  // the block's 8 groups: min * (their codes' values)
       for (int r = 0; r < Rows; ++r) {
         min_acc[r] = _mm256_fmadd_ps(min8, _mm256_loadu_ps(sums + r * row_groups + blk * 8), min_acc[r]);
       }

@@ -5,8 +5,8 @@
 // then `vpmaddwd` by the group's integer scale (6-bit for Q4_K / Q5_K, int8 per 16 inputs for
 // Q6_K), added as int32; the block's sum becomes a float once, times `d * step`. Q6_K's codes
 // are used unsigned (0..63) and the offset of 32 subtracted once a block from the activations'
-// integer sums per 16 (`bsums`); Q4_K / Q5_K's mins multiply the exact fp32 sums per group, as
-// on the 32-input path. All sums are exact in int32: a pair is at most 2 * 63 * 127, a group
+// integer sums per 16 (`bsums`); Q4_K / Q5_K's mins multiply the codes' values summed per
+// group (`sums`), as on the 32-input path. All sums are exact in int32: a pair is at most 2 * 63 * 127, a group
 // lane at most twice that times 128, a block eight groups.
 //
 // Needs from the including files: kQ4_K, kQ5_K, kQ6_K, geometry, fp16, QuantizedRows, kGroup,
@@ -27,10 +27,8 @@ inline void quantize_rows_k(const float* x, int64_t rows, int64_t k, QuantizedVi
     out.steps[i] = amax / 127.0f;
     for (int g = 0; g < 8; ++g) {  // a group of 32: four vectors of 8
       __m256i q[4];
-      __m256 s = _mm256_setzero_ps();
       for (int j = 0; j < 4; ++j) {
         const __m256 f = _mm256_loadu_ps(v + 32 * g + 8 * j);
-        s = _mm256_add_ps(s, f);
         q[j] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(f, inverse),
                                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
       }
@@ -38,14 +36,16 @@ inline void quantize_rows_k(const float* x, int64_t rows, int64_t k, QuantizedVi
       const __m256i bytes = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(words01, words23),
                                                         _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(out.codes + i * 256 + 32 * g), bytes);
-      out.sums[i * 8 + g] = hsum(s);
+      int code_sum = 0;
       for (int h = 0; h < 2; ++h) {  // the integer sums of inputs 0..15 and 16..31
         const __m256i pair = _mm256_add_epi32(q[2 * h], q[2 * h + 1]);
         __m128i t = _mm_add_epi32(_mm256_castsi256_si128(pair), _mm256_extracti128_si256(pair, 1));
         t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4E));
         t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xB1));
         out.bsums[i * 16 + 2 * g + h] = static_cast<int16_t>(_mm_cvtsi128_si32(t));
+        code_sum += _mm_cvtsi128_si32(t);
       }
+      out.sums[i * 8 + g] = out.steps[i] * static_cast<float>(code_sum);
     }
   }
 }

@@ -114,7 +114,7 @@ void dot_tile_q4kx8(const uint8_t* tile, int64_t blocks, const QuantizedRows& xq
     const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 1168)));
     __m256 mins[Rows];
     for (int r = 0; r < Rows; ++r) mins[r] = _mm256_setzero_ps();
-    for (int j = 0; j < 8; ++j) {  // sum_j m_j * (the exact sum of group j's inputs)
+    for (int j = 0; j < 8; ++j) {  // sum_j m_j * (group j's codes' value)
       const __m256 m = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
           _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 1088 + 8 * j))));
       for (int r = 0; r < Rows; ++r) {

@@ -195,7 +195,7 @@ def ggml_matmul(
 ) -> torch.Tensor:
     """`x @ W.T` for decode-sized steps: `x` `[..., K]` fp32 or bf16, W the `[N, row_bytes]`
     blocks -> `[..., N]` fp32. The activations are rounded to 8 bits per group of 32 (the
-    groups' min terms use their exact sums)."""
+    groups' min terms use the codes' sums, as llama.cpp)."""
     if x.dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"ggml_matmul: x must be float32 or bfloat16, got {x.dtype}")
     kind = _check_blocks(blocks, qtype, x.shape[-1])

@@ -56,8 +56,8 @@ def q8_0_head_rows(reader: GGUFFile) -> BlockSegment | None:
 def attach_blocks(model: nn.Module, reader: GGUFFile, policy: WeightPolicy) -> set[str]:
     """Give each linear layer whose checkpoint tensors are all block-typed the chooser's
     method for its stored blocks, its activations rounded as `block_activations` says for its
-    segments; returns the checkpoint names so supplied. A fused layer with a shard of another
-    type (e.g. a float v_proj) stays dense."""
+    segments and the layer; returns the checkpoint names so supplied. A fused layer with a
+    shard of another type (e.g. a float v_proj) stays dense."""
     arch = architecture(reader)
     packed: PackedMapping = getattr(model, "packed_modules_mapping", {})
     found: dict[str, dict[Any, tuple[str, GGUFTensor]]] = {}
@@ -79,7 +79,8 @@ def attach_blocks(model: nn.Module, reader: GGUFFile, policy: WeightPolicy) -> s
             continue
         names = [parts[i][0] for i in module.shard_ids]
         segments = [_segment(reader, parts[i][1], parts[i][0]) for i in module.shard_ids]
-        method = choose_method(module, _stored(segments), policy, prefix=module_name)
+        stored = _stored(segments, module_name)
+        method = choose_method(module, stored, policy, prefix=module_name)
         supplied.update(names)
         assert isinstance(method, GgmlBlockMethod)  # what the chooser gives stored blocks
         for i, segment in zip(module.shard_ids, method.weight.segments, strict=True):
@@ -88,8 +89,8 @@ def attach_blocks(model: nn.Module, reader: GGUFFile, policy: WeightPolicy) -> s
     return supplied | _attach_embedding_blocks(model, reader, policy)
 
 
-def _stored(segments: list[BlockSegment]) -> StoredFormat:
-    return StoredFormat(blocks=tuple(segments), activations=block_activations(segments))
+def _stored(segments: list[BlockSegment], layer: str = "") -> StoredFormat:
+    return StoredFormat(blocks=tuple(segments), activations=block_activations(segments, layer))
 
 
 def _attach_head(

@@ -16,7 +16,7 @@ from minivllm.layers.quantization.chooser import StoredFormat, choose_method
 from minivllm.layers.quantization.head import BlockHead
 from minivllm.layers.quantization.kernels.block_weight import BlockSegment, BlockWeight
 from minivllm.layers.quantization.kernels.ggml_blocks import ggml_dequantize
-from minivllm.layers.quantization.policy import TOKEN_EXACT
+from minivllm.layers.quantization.policy import TOKEN_EXACT, block_activations
 
 pytestmark = pytest.mark.skipif(
     not cpu_kernels_available(), reason="the block kernels need an x86 CPU with AVX2"
@@ -158,3 +158,17 @@ def test_a_block_head_takes_one_code_and_its_top_logits_stay_fp32(qtype: QT) -> 
     assert torch.equal(logits.topk(4).indices, top.indices)
     torch.testing.assert_close(logits.gather(-1, top.indices), top.values, rtol=1e-5, atol=1e-4)
     assert not torch.allclose(logits, exact, rtol=1e-5, atol=1e-4)  # the rest: one code's
+
+
+def test_layers_fed_by_a_norm_take_one_code_on_k_kinds() -> None:
+    """q/k/v and gate/up on K-kind blocks round their activations once (their inputs leave a
+    norm); o_proj and down_proj, whose inputs carry the huge channels, keep two codes, as do
+    the 32-input kinds everywhere; mixed kinds keep the one code they can have."""
+    k_kind, small = [_segment(QT.Q4_K, 0)], [_segment(QT.Q5_0, 0)]
+    layers = "model.layers.3."
+    assert block_activations(k_kind, layers + "self_attn.qkv_proj") == "int8"
+    assert block_activations(k_kind, layers + "mlp.gate_up_proj") == "int8"
+    assert block_activations(k_kind, layers + "self_attn.o_proj") == "int8x2"
+    assert block_activations(k_kind, layers + "mlp.down_proj") == "int8x2"
+    assert block_activations(small, layers + "mlp.gate_up_proj") == "int8x2"
+    assert block_activations([_segment(QT.Q6_K, 0), _segment(QT.Q8_0, 1)], "qkv_proj") == "int8"

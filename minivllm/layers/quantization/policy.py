@@ -97,9 +97,24 @@ def stored_weight_kernel(device: torch.device, dtype: torch.dtype) -> str | None
 # (`chooser._head_method`: its top logits are refined in fp32).
 BLOCK_ACTIVATIONS = {256: "int8x2", 32: "int8x2"}
 
+# The layers whose inputs leave a norm (the attention's q/k/v and the MLP's gate and up
+# projections) take one code on K-kind blocks, as llama.cpp's Q8_K; o_proj and down_proj,
+# fed by the attention's values and the MLP's gated product, keep BLOCK_ACTIVATIONS. Measured
+# on real files against HF fp32 (docs/ggml-kernels.md, "One code where the inputs leave a
+# norm"): one code on Gemma-3-270M's o_proj and down_proj (its only K-kind layers) misses
+# the quality bar; on the coder's normed layers it holds it with room. A second code doubles
+# the integer rows of a step, so where the step is compute-bound (prefills, many sequences,
+# drafts) these layers, most of a layer's weights, run in half the time.
+NORMED_INPUT_LAYERS = frozenset({"qkv_proj", "gate_up_proj"})
+NORMED_BLOCK_ACTIVATIONS = {256: "int8", 32: "int8x2"}
 
-def block_activations(segments: list[BlockSegment]) -> str:
-    """The activation precision for a stored-block weight of `segments` (BLOCK_ACTIVATIONS;
-    "int8" where its kinds round over different blocks)."""
+
+def block_activations(segments: list[BlockSegment], layer: str = "") -> str:
+    """The activation precision for the stored-block weight of `segments` of the layer named
+    `layer` (its module path; NORMED_BLOCK_ACTIVATIONS for NORMED_INPUT_LAYERS, else
+    BLOCK_ACTIVATIONS; "int8" where its kinds round over different blocks)."""
     block = two_code_block(segments)
-    return "int8" if block is None else BLOCK_ACTIVATIONS[block]
+    if block is None:
+        return "int8"
+    normed = layer.rsplit(".", 1)[-1] in NORMED_INPUT_LAYERS
+    return (NORMED_BLOCK_ACTIVATIONS if normed else BLOCK_ACTIVATIONS)[block]

@@ -23,10 +23,10 @@
 // rounding error weighed by a large positive weight; the codes' sum cancels its mean part (on
 // a real Gemma-3-270M Q4_K_M with one code on the K kinds, +1.13% perplexity and 91.1% top-1
 // against HF fp32 with the exact sums, -0.20% and 97.4% with the codes'). Unsigned codes
-// times int8 is what those instructions multiply; signed weights use |w| and x with w's sign. The output columns
-// (weight rows) are split over torch's thread pool; a weight row is read once for up to 4
-// activation rows. The scalar path computes the same integers in plain C++ (the reference for
-// the vector paths, and the fallback `isa` 1).
+// times int8 is what those instructions multiply; signed weights use |w| and x with w's sign.
+// The output columns (weight rows) are split over torch's thread pool; a weight row is read
+// once for up to 4 activation rows. The scalar path computes the same integers in plain C++
+// (the reference for the vector paths, and the fallback `isa` 1).
 #include <ATen/Parallel.h>
 #include <ATen/Version.h>
 #include <ATen/core/Tensor.h>
@@ -568,9 +568,9 @@ at::Tensor ggml_matmul(const at::Tensor& x, const at::Tensor& blocks, int64_t qt
 // stands for, then what it leaves, `left = x - step * code` (step = max|x| / 127 over each
 // `block` inputs, the code rounded to nearest even, as the kernel rounds x), which the kernel
 // rounds again with a step of its own. The first rows are x - left, the first code's value,
-// which rounds to the same code. Computed here rather than
-// as tensor maths in the caller: a compiled decode step traced those ops in every linear
-// layer, a sixth of a warm start's compile (docs/real-models.md).
+// which rounds to the same code. Computed here rather than as tensor maths in the caller: a
+// compiled decode step traced those ops in every linear layer, a sixth of a warm start's
+// compile (docs/real-models.md).
 at::Tensor two_code_rows(const at::Tensor& xf, int64_t block) {
   const int64_t rows = xf.size(0), k = xf.size(1);
   TORCH_CHECK(block > 0 && k % block == 0, "ggml_matmul: a second code's block of ", block,

@@ -6,8 +6,8 @@
 // Q6_K), added as int32; the block's sum becomes a float once, times `d * step`. Q6_K's codes
 // are used unsigned (0..63) and the offset of 32 subtracted once a block from the activations'
 // integer sums per 16 (`bsums`); Q4_K / Q5_K's mins multiply the codes' values summed per
-// group (`sums`), as on the 32-input path. All sums are exact in int32: a pair is at most 2 * 63 * 127, a group
-// lane at most twice that times 128, a block eight groups.
+// group (`sums`), as on the 32-input path. All sums are exact in int32: a pair is at most
+// 2 * 63 * 127, a group lane at most twice that times 128, a block eight groups.
 //
 // Needs from the including files: kQ4_K, kQ5_K, kQ6_K, geometry, fp16, QuantizedRows, kGroup,
 // load32, high_bits, hsum, for_each_tile.

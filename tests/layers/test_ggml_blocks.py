@@ -184,8 +184,9 @@ def test_x8_layout_matches_the_float_product(qtype: T, isa: str) -> None:
 
 
 # Bytes a row takes in one x8 block of 256 inputs: Q4_K its nibbles, its 8 scales and 8 mins
-# a byte each, its d and dmin; Q6_K a byte a code, its 16 scales, its d and its int32 offset.
-X8_K_ROW_BYTES = {T.Q4_K: 128 + 8 + 8 + 2 + 2, T.Q6_K: 256 + 16 + 2 + 4}
+# a byte each, its d and dmin; Q6_K its codes' 4 + 2 bits, its 16 scales, its d, its int32
+# offset.
+X8_K_ROW_BYTES = {T.Q4_K: 128 + 8 + 8 + 2 + 2, T.Q6_K: 128 + 64 + 16 + 2 + 4}
 
 
 @pytest.mark.parametrize("isa", ISAS)

@@ -197,18 +197,20 @@ inline void split_q6k_block(const uint8_t* a, const uint8_t* b, int64_t blk, uin
                                          8, 7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
   const __m512i low = _mm512_set1_epi16(0x00FF), high = _mm512_set1_epi16(-256);
   for (int g = 0; g < 16; ++g) {
-    // the block's 35 lines 4 blocks ahead: 2 a group, the last 3 with the first groups
-    prefetch_ahead(ba, bb, 2 * g, kQ6KX8Bytes);
-    prefetch_ahead(ba, bb, 2 * g + 1, kQ6KX8Bytes);
-    if (g < 3) prefetch_ahead(ba, bb, 32 + g, kQ6KX8Bytes);
-    const __m128i s8 = _mm_set_epi64x(*reinterpret_cast<const int64_t*>(bb + 2048 + 8 * g),
-                                      *reinterpret_cast<const int64_t*>(ba + 2048 + 8 * g));
+    // the block's 27 lines 4 blocks ahead, 2 a group
+    for (int line = 2 * g; line < std::min(2 * g + 2, 27); ++line) {
+      prefetch_ahead(ba, bb, line, kQ6KX8Bytes);
+    }
+    const __m128i s8 =
+        _mm_set_epi64x(*reinterpret_cast<const int64_t*>(bb + kQ6KX8Scales + 8 * g),
+                       *reinterpret_cast<const int64_t*>(ba + kQ6KX8Scales + 8 * g));
     const __m512i sc =
         _mm512_permutexvar_epi16(pairs, _mm512_castsi256_si512(_mm256_cvtepi8_epi16(s8)));
+    __m512i codes[4];
+    pair_q6k_group(ba, bb, g, codes);
     for (int u = 0; u < 4; ++u) {
       const int v = 4 * g + u;  // inputs 4 v .. 4 v + 3: row v % 16 of chunk v / 16's B tiles
-      const __m512i c = _mm512_inserti64x4(_mm512_castsi256_si512(load32(ba + 32 * v)),
-                                           load32(bb + 32 * v), 1);
+      const __m512i c = codes[u];
       const __m512i even = _mm512_mullo_epi16(_mm512_srai_epi16(_mm512_slli_epi16(c, 8), 8), sc);
       const __m512i odd = _mm512_mullo_epi16(_mm512_srai_epi16(c, 8), sc);
       uint8_t* o = out + blk * 8192 + 1024 * (v / 16) + 64 * (v % 16);
@@ -224,7 +226,7 @@ inline void split_q6k_block(const uint8_t* a, const uint8_t* b, int64_t blk, uin
 inline void q6k_epilogue(const uint8_t* ba, const uint8_t* bb, int64_t blk, int64_t blocks,
                          const QuantizedRows& xq, int64_t r0, int rows, int64_t /*k*/,
                          const int32_t (*c)[256], float* acc) {
-  const __m512 d = pair_fp16(ba + 2176, bb + 2176);
+  const __m512 d = pair_fp16(ba + kQ6KX8D, bb + kQ6KX8D);
   for (int r = 0; r < rows; ++r) {
     const int32_t* h = c[2 * (r / 16)] + 16 * (r % 16);
     const __m512i isum = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(h), 8),

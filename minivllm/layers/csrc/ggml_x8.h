@@ -10,7 +10,7 @@ constexpr int kX8 = 256;
 
 // Bytes of one x8 block (8 rows of one ggml block: 32 inputs, or 256 for the K kinds).
 constexpr int64_t x8_group_bytes(int qtype) {
-  return qtype == kQ6_K   ? 2224
+  return qtype == kQ6_K   ? 1712
          : qtype == kQ4_K ? 1184
          : qtype == kQ8_0 || qtype == kQ5_0 ? 272
          : qtype == kQ4_1 ? 160
@@ -135,8 +135,15 @@ void q4k_from_x8(const uint8_t* src, int c, uint8_t* blk) {
   }
 }
 
-// Q6_K: 8 rows' blocks (in[c] each) as one x8 block (ggml_q6kx8_simd.h), and back.
+// Q6_K: 8 rows' blocks (in[c] each) as one x8 block (ggml_q6kx8_simd.h), and back. Input i
+// of row c is vector v = i / 4 (group v / 4, u = v % 4) at byte 4 c + i % 4 of each plane.
+inline int64_t q6k_x8_low(int i, int c) {
+  return 96 * (i / 16) + 32 * (i / 8 % 2) + 4 * c + i % 4;
+}
+inline int64_t q6k_x8_high(int i, int c) { return 96 * (i / 16) + 64 + 4 * c + i % 4; }
+
 void q6k_to_x8(const uint8_t* const in[8], uint8_t* dst) {
+  std::memset(dst, 0, 1536);
   int8_t q[256];
   for (int c = 0; c < 8; ++c) {
     for (int j = 0; j < 8; ++j) group_codes_scalar(kQ6_K, in[c], j, q + 32 * j);  // q - 32
@@ -145,27 +152,31 @@ void q6k_to_x8(const uint8_t* const in[8], uint8_t* dst) {
       const int8_t scale = static_cast<int8_t>(in[c][192 + g]);
       int sum = 0;
       for (int i = 16 * g; i < 16 * g + 16; ++i) {
-        dst[32 * (i / 4) + 4 * c + i % 4] = static_cast<uint8_t>(q[i]);
+        const int code = q[i] + 32, u = i / 4 % 4;
+        dst[q6k_x8_low(i, c)] |= static_cast<uint8_t>((code & 15) << (4 * (u % 2)));
+        dst[q6k_x8_high(i, c)] |= static_cast<uint8_t>((code >> 4) << (2 * u));
         sum += q[i];
       }
-      dst[2048 + 8 * g + c] = static_cast<uint8_t>(scale);
+      dst[1536 + 8 * g + c] = static_cast<uint8_t>(scale);
       offset += 128 * scale * sum;
     }
-    std::memcpy(dst + 2176 + 2 * c, in[c] + 208, 2);  // d
-    std::memcpy(dst + 2192 + 4 * c, &offset, 4);
+    std::memcpy(dst + 1664 + 2 * c, in[c] + 208, 2);  // d
+    std::memcpy(dst + 1680 + 4 * c, &offset, 4);
   }
 }
 
 void q6k_from_x8(const uint8_t* src, int c, uint8_t* blk) {
   std::memset(blk, 0, 192);
   for (int i = 0; i < 256; ++i) {  // the inverse of group_codes_scalar's Q6_K unpacking
-    const int q = static_cast<int8_t>(src[32 * (i / 4) + 4 * c + i % 4]) + 32;
+    const int u = i / 4 % 4;
+    const int q = ((src[q6k_x8_low(i, c)] >> (4 * (u % 2))) & 15) |
+                  (((src[q6k_x8_high(i, c)] >> (2 * u)) & 3) << 4);
     const int j = i / 32, l = i % 32, half = j / 4, jj = j % 4;
     blk[64 * half + 32 * (jj & 1) + l] |= static_cast<uint8_t>((q & 15) << (jj >= 2 ? 4 : 0));
     blk[128 + 32 * half + l] |= static_cast<uint8_t>((q >> 4) << (2 * jj));
   }
-  for (int g = 0; g < 16; ++g) blk[192 + g] = src[2048 + 8 * g + c];
-  std::memcpy(blk + 208, src + 2176 + 2 * c, 2);
+  for (int g = 0; g < 16; ++g) blk[192 + g] = src[1536 + 8 * g + c];
+  std::memcpy(blk + 208, src + 1664 + 2 * c, 2);
 }
 
 // A tile's 8 rows of one Q6_K x8 block (256 inputs) as values, row c at out + c * ldo:
@@ -177,7 +188,7 @@ void q6k_from_x8(const uint8_t* src, int c, uint8_t* blk) {
 template <typename T>
 void q6k_x8_block_values(const uint8_t* src, T* out, int64_t ldo) {
   alignas(32) float d[8];
-  for (int c = 0; c < 8; ++c) d[c] = fp16(src + 2176 + 2 * c);
+  for (int c = 0; c < 8; ++c) d[c] = fp16(src + 1664 + 2 * c);
   const __m256 dv = _mm256_load_ps(d);
   const __m256i lanes[4] = {_mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1),
                             _mm256_setr_epi32(2, 2, 2, 2, 3, 3, 3, 3),
@@ -185,10 +196,12 @@ void q6k_x8_block_values(const uint8_t* src, T* out, int64_t ldo) {
                             _mm256_setr_epi32(6, 6, 6, 6, 7, 7, 7, 7)};
   for (int g = 0; g < 16; ++g) {  // 16 inputs: vectors 4 g .. 4 g + 3
     const __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
-        _mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + 2048 + 8 * g))));
+        _mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + 1536 + 8 * g))));
     const __m256 s = _mm256_mul_ps(dv, sc);  // [8 rows]
+    __m256i group[4];
+    avx2::q6k_group(src, g, group);
     for (int v = 4 * g; v < 4 * g + 4; ++v) {
-      const __m256i codes = avx2::load32(src + 32 * v);  // lane c: row c's inputs 4 v .. 4 v + 3
+      const __m256i codes = group[v % 4];  // lane c: row c's inputs 4 v .. 4 v + 3
       const __m128i half[2] = {_mm256_castsi256_si128(codes), _mm256_extracti128_si256(codes, 1)};
       for (int p = 0; p < 4; ++p) {  // rows 2 p and 2 p + 1
         const __m128i eight = p & 1 ? _mm_srli_si128(half[p / 2], 8) : half[p / 2];

@@ -56,9 +56,9 @@ X8_KINDS = (
     GGMLQuantizationType.Q5_0,
 )
 # Bytes of one K kind's x8 block (256 inputs of 8 rows) where it is not 8 blocks of the file:
-# Q4_K's 6-bit scales and mins unpacked to bytes; Q6_K's codes a byte each, plus each row's
+# Q4_K's 6-bit scales and mins unpacked to bytes; Q6_K's codes in two planes, plus each row's
 # integer offset (csrc/ggml_q6kx8_simd.h).
-_X8_K_BLOCK_BYTES = {GGMLQuantizationType.Q4_K: 1184, GGMLQuantizationType.Q6_K: 2224}
+_X8_K_BLOCK_BYTES = {GGMLQuantizationType.Q4_K: 1184, GGMLQuantizationType.Q6_K: 1712}
 
 
 def last_level_cache_bytes(path: str = "/sys/devices/system/cpu/cpu0/cache/index3/size") -> int:

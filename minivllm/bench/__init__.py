@@ -69,6 +69,14 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         "$LLAMA_SERVER, else benchmarks/build_llama_cpp.sh's build)",
     )
     parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="serve --compare llama.cpp: with N > 1 every server is started at once and each "
+        "level runs N rounds, the servers taking turns (medians, and each round's ratio); "
+        "1: one server after the other",
+    )
+    parser.add_argument(
         "--llama-spec-type",
         default=None,
         metavar="TYPE",

@@ -1,5 +1,7 @@
 """`minivllm bench serve --compare llama.cpp`: the same streaming client against `minivllm
-serve` and against llama.cpp's own server, on the same GGUF, one after the other.
+serve` and against llama.cpp's own server, on the same GGUF, one after the other, or with
+`--rounds N` all started at once and taking turns at each level N times (medians, and each
+round's ratio: a noisy host's speed moves between minutes).
 
 Each server is started here, waited for, loaded at c=1 (4 requests, 64-token prompts) and at
 c=16 (16 requests, prompts of 32-256 tokens), 128 output tokens each, `ignore_eos` (other
@@ -14,10 +16,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import statistics
 import subprocess
 import sys
 import time
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -141,21 +144,59 @@ def load_levels(
 ) -> list[dict[str, Any]]:
     """Run every level of `workload`'s levels, with its prompts, against the server at `url`; a
     level on a server that speculates also carries the drafts' acceptance."""
+    return [load_level(url, prompts, workload, i) for i in range(len(prompts))]
+
+
+def load_level(
+    url: str, prompts: list[list[list[int]]], workload: str, index: int
+) -> dict[str, Any]:
+    """Level `index` of `workload`'s plan against the server at `url`, after a warm-up request."""
     import httpx
 
     model = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
-    results = []
     plan = level_plan(workload)
-    for (name, concurrency, _, _), level_prompts in zip(plan.levels, prompts, strict=True):
-        asyncio.run(run_level(url, model, level_prompts[:1], 4, 1))  # warm-up: one short request
-        before = read_spec_counters(url)
-        tokens = plan.output_tokens
-        level = asyncio.run(run_level(url, model, level_prompts, tokens, concurrency))
-        spec = acceptance(before, read_spec_counters(url))
-        if spec is not None:
-            level["spec_decode"] = spec
-        results.append(dict(level, name=name, tok_per_s=level["output_tok_per_s"]))
-    return results
+    name, concurrency, _, _ = plan.levels[index]
+    asyncio.run(run_level(url, model, prompts[index][:1], 4, 1))  # warm-up: one short request
+    before = read_spec_counters(url)
+    level = asyncio.run(run_level(url, model, prompts[index], plan.output_tokens, concurrency))
+    spec = acceptance(before, read_spec_counters(url))
+    if spec is not None:
+        level["spec_decode"] = spec
+    return dict(level, name=name, tok_per_s=level["output_tok_per_s"])
+
+
+def taking_turns(
+    urls: dict[str, str], prompts: list[list[list[int]]], workload: str, rounds: int
+) -> dict[str, list[dict[str, Any]]]:
+    """Every server (all started) runs each level once a round, one after the other, the first
+    of each round the next server; each level's figures are the medians over the rounds, and
+    its `rounds` keep each round's tok/s and ITL p50 for paired ratios. On a host whose speed
+    moves between minutes, runs one after the other compare the minutes as much as the
+    servers."""
+    names = list(urls)
+    per_round: dict[str, list[list[dict[str, Any]]]] = {n: [[] for _ in prompts] for n in names}
+    for r in range(rounds):
+        for i in range(len(prompts)):
+            for name in names[r % len(names) :] + names[: r % len(names)]:
+                per_round[name][i].append(load_level(urls[name], prompts, workload, i))
+                print(
+                    f"round {r + 1} {name} {per_round[name][i][-1]['name']}: "
+                    f"{per_round[name][i][-1]['tok_per_s']:.1f} tok/s",
+                    flush=True,
+                )
+    return {n: [_median_level(levels) for levels in per_round[n]] for n in names}
+
+
+def _median_level(levels: list[dict[str, Any]]) -> dict[str, Any]:
+    """One level's rounds as one: each figure's median, each round's tok/s and ITL p50 kept."""
+    merged = dict(levels[0])
+    for key, value in levels[0].items():
+        if isinstance(value, float):
+            merged[key] = statistics.median(level[key] for level in levels)
+    merged["rounds"] = [
+        {"tok_per_s": level["tok_per_s"], "itl_p50_s": level["itl_p50_s"]} for level in levels
+    ]
+    return merged
 
 
 def peer_commands(
@@ -233,7 +274,7 @@ def cmd_compare_llama_cpp(args: argparse.Namespace, options: dict[str, Any]) -> 
     from minivllm.distributed.parallel_state import free_loopback_port
 
     commands: dict[str, list[str]] = {}
-    runs = {}
+    urls: dict[str, str] = {}
     for name in [*configs, "llama.cpp"]:
         port = free_loopback_port()
         ours = configs.get(name, options)
@@ -241,10 +282,19 @@ def cmd_compare_llama_cpp(args: argparse.Namespace, options: dict[str, Any]) -> 
             gguf, llama_server, ours, (port, port), args.llama_spec_type, args.workload
         )
         commands[name] = pair["llama.cpp" if name == "llama.cpp" else "minivllm"]
+        urls[name] = f"http://127.0.0.1:{port}"
         print(f"{name}: {' '.join(commands[name])}", flush=True)
-        ready = "/health" if name == "llama.cpp" else "/v1/models"
-        with running(commands[name], f"http://127.0.0.1:{port}", ready):
-            runs[name] = load_levels(f"http://127.0.0.1:{port}", prompts, args.workload)
+    runs = {}
+    with ExitStack() as servers:
+        for name, url in urls.items():
+            ready = "/health" if name == "llama.cpp" else "/v1/models"
+            if args.rounds <= 1:  # one server at a time, each stopped before the next starts
+                with running(commands[name], url, ready):
+                    runs[name] = load_levels(url, prompts, args.workload)
+            else:
+                servers.enter_context(running(commands[name], url, ready))
+        if args.rounds > 1:
+            runs = taking_turns(urls, prompts, args.workload, args.rounds)
     results = [dict(r, name=f"{peer} {r['name']}") for peer in runs for r in runs[peer]]
     return {
         "benchmark": "serve vs llama.cpp",
@@ -252,6 +302,7 @@ def cmd_compare_llama_cpp(args: argparse.Namespace, options: dict[str, Any]) -> 
         "workload": args.workload,
         "machine": machine(),
         "commands": commands,
+        "rounds": max(1, args.rounds),
         "ratios": print_ratios(runs),
         "results": results,
     }
@@ -275,6 +326,12 @@ def print_ratios(runs: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
                 f"{'':>5}  {name} {_describe(level)} | {row['ratio']:.2f}x llama.cpp "
                 f"(ITL p50 {row['itl_ratio']:.2f}x)"
             )
+            if "rounds" in level:  # each round's ratio, the servers side by side in time
+                row["round_ratios"] = [
+                    ours_r["tok_per_s"] / theirs_r["tok_per_s"]
+                    for ours_r, theirs_r in zip(level["rounds"], theirs["rounds"], strict=True)
+                ]
+                text += f", rounds {' '.join(f'{x:.2f}x' for x in row['round_ratios'])}"
             if base is not None and name == "minivllm":
                 row["ratio_vs_no_speculation"] = level["tok_per_s"] / base[i]["tok_per_s"]
                 text += f", {row['ratio_vs_no_speculation']:.2f}x no speculation"

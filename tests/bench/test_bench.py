@@ -145,3 +145,37 @@ def test_the_serve_benchmark_without_a_server_says_so(tmp_path: Path):
     url = f"http://127.0.0.1:{port}"
     with pytest.raises(SystemExit, match=f"no server answers at {url}.*--compare llama.cpp"):
         main(["bench", "serve", "--url", url, "--output", str(tmp_path / "serve.json")])
+
+
+def test_rounds_take_turns_and_keep_each_rounds_ratio(monkeypatch, capsys):
+    """With rounds, each level runs once a round on every server, the first server of a round
+    the next one each time; a level's figures are the medians over its rounds, and the ratios
+    printed pair each round of ours with the same round of llama.cpp's."""
+    from minivllm.bench import peer
+
+    calls = []
+    speeds = {"minivllm": [30.0, 10.0, 20.0], "llama.cpp": [20.0, 20.0, 40.0]}
+
+    def fake_level(url, prompts, workload, index):
+        name = url.removeprefix("http://")
+        calls.append((name, index))
+        rate = speeds[name][sum(1 for n, i in calls if n == name and i == index) - 1]
+        itl = 1 / rate
+        return {
+            "name": f"c{index}",
+            "tok_per_s": rate,
+            "itl_p50_s": itl,
+            "itl_p99_s": itl,
+            "ttft_p50_s": 0.1,
+        }
+
+    monkeypatch.setattr(peer, "load_level", fake_level)
+    urls = {"minivllm": "http://minivllm", "llama.cpp": "http://llama.cpp"}
+    runs = peer.taking_turns(urls, [[[1]], [[2]]], "random", rounds=3)
+    assert calls[:4] == [("minivllm", 0), ("llama.cpp", 0), ("minivllm", 1), ("llama.cpp", 1)]
+    assert calls[4:6] == [("llama.cpp", 0), ("minivllm", 0)]  # round 2 starts with the other
+    assert runs["minivllm"][0]["tok_per_s"] == runs["llama.cpp"][0]["tok_per_s"] == 20.0
+    rows = peer.print_ratios(runs)
+    assert rows[0]["round_ratios"] == [1.5, 0.5, 0.5]
+    assert rows[0]["ratio"] == 1.0
+    assert "rounds 1.50x 0.50x 0.50x" in capsys.readouterr().out

@@ -166,25 +166,29 @@ def load_level(
 
 
 def taking_turns(
-    urls: dict[str, str], prompts: list[list[list[int]]], workload: str, rounds: int
+    urls: dict[str, str], prompts: list[list[list[list[int]]]], workload: str
 ) -> dict[str, list[dict[str, Any]]]:
     """Every server (all started) runs each level once a round, one after the other, the first
-    of each round the next server; each level's figures are the medians over the rounds, and
-    its `rounds` keep each round's tok/s and ITL p50 for paired ratios. On a host whose speed
-    moves between minutes, runs one after the other compare the minutes as much as the
-    servers."""
+    of each round the next server; `prompts[r]` are round r's (each round its own, as a run
+    without rounds sees prompts no server has cached). Each level's figures are the medians
+    over the rounds, and its `rounds` keep each round's tok/s and ITL p50 for paired ratios.
+    On a host whose speed moves between minutes, runs one after the other compare the minutes
+    as much as the servers."""
     names = list(urls)
-    per_round: dict[str, list[list[dict[str, Any]]]] = {n: [[] for _ in prompts] for n in names}
-    for r in range(rounds):
-        for i in range(len(prompts)):
+    levels = len(prompts[0])
+    per_round: dict[str, list[list[dict[str, Any]]]] = {
+        n: [[] for _ in range(levels)] for n in names
+    }
+    for r, round_prompts in enumerate(prompts):
+        for i in range(levels):
             for name in names[r % len(names) :] + names[: r % len(names)]:
-                per_round[name][i].append(load_level(urls[name], prompts, workload, i))
+                level = load_level(urls[name], round_prompts, workload, i)
+                per_round[name][i].append(level)
                 print(
-                    f"round {r + 1} {name} {per_round[name][i][-1]['name']}: "
-                    f"{per_round[name][i][-1]['tok_per_s']:.1f} tok/s",
+                    f"round {r + 1} {name} {level['name']}: {level['tok_per_s']:.1f} tok/s",
                     flush=True,
                 )
-    return {n: [_median_level(levels) for levels in per_round[n]] for n in names}
+    return {n: [_median_level(runs) for runs in per_round[n]] for n in names}
 
 
 def _median_level(levels: list[dict[str, Any]]) -> dict[str, Any]:
@@ -262,6 +266,10 @@ def cmd_compare_llama_cpp(args: argparse.Namespace, options: dict[str, Any]) -> 
         raise SystemExit(f"--compare llama.cpp needs a .gguf model, got {gguf}")
     tokenizer = build_tokenizer(gguf) if args.workload not in RANDOM_ID_WORKLOADS else None
     prompts = level_prompts(args.workload, tokenizer, args.seed)
+    # each round its own prompts (a seed apart): a prompt again would be a cached prefix
+    each_round = [
+        level_prompts(args.workload, tokenizer, args.seed + 101 * r) for r in range(1, args.rounds)
+    ]
     llama_server = find_llama_server(args.llama_server)
     # Unless told not to speculate (whose default on the CPU is to, where it pays), the same
     # engine also runs with the off switch, so one run gives both ratios.
@@ -294,7 +302,7 @@ def cmd_compare_llama_cpp(args: argparse.Namespace, options: dict[str, Any]) -> 
             else:
                 servers.enter_context(running(commands[name], url, ready))
         if args.rounds > 1:
-            runs = taking_turns(urls, prompts, args.workload, args.rounds)
+            runs = taking_turns(urls, [prompts, *each_round], args.workload)
     results = [dict(r, name=f"{peer} {r['name']}") for peer in runs for r in runs[peer]]
     return {
         "benchmark": "serve vs llama.cpp",

@@ -153,12 +153,13 @@ def test_rounds_take_turns_and_keep_each_rounds_ratio(monkeypatch, capsys):
     printed pair each round of ours with the same round of llama.cpp's."""
     from minivllm.bench import peer
 
-    calls = []
+    calls, seen = [], []
     speeds = {"minivllm": [30.0, 10.0, 20.0], "llama.cpp": [20.0, 20.0, 40.0]}
 
     def fake_level(url, prompts, workload, index):
         name = url.removeprefix("http://")
         calls.append((name, index))
+        seen.append(prompts[0][0][0])
         rate = speeds[name][sum(1 for n, i in calls if n == name and i == index) - 1]
         itl = 1 / rate
         return {
@@ -171,9 +172,10 @@ def test_rounds_take_turns_and_keep_each_rounds_ratio(monkeypatch, capsys):
 
     monkeypatch.setattr(peer, "load_level", fake_level)
     urls = {"minivllm": "http://minivllm", "llama.cpp": "http://llama.cpp"}
-    runs = peer.taking_turns(urls, [[[1]], [[2]]], "random", rounds=3)
+    runs = peer.taking_turns(urls, [[[[r]], [[r + 10]]] for r in range(3)], "random")
     assert calls[:4] == [("minivllm", 0), ("llama.cpp", 0), ("minivllm", 1), ("llama.cpp", 1)]
     assert calls[4:6] == [("llama.cpp", 0), ("minivllm", 0)]  # round 2 starts with the other
+    assert seen == [0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2]  # each round its own prompts
     assert runs["minivllm"][0]["tok_per_s"] == runs["llama.cpp"][0]["tok_per_s"] == 20.0
     rows = peer.print_ratios(runs)
     assert rows[0]["round_ratios"] == [1.5, 0.5, 0.5]

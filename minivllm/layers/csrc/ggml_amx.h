@@ -197,8 +197,8 @@ inline void split_q6k_block(const uint8_t* a, const uint8_t* b, int64_t blk, uin
                                          8, 7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
   const __m512i low = _mm512_set1_epi16(0x00FF), high = _mm512_set1_epi16(-256);
   for (int g = 0; g < 16; ++g) {
-    // the block's 27 lines 4 blocks ahead, 2 a group
-    for (int line = 2 * g; line < std::min(2 * g + 2, 27); ++line) {
+    // the block's lines (27) 4 blocks ahead, 2 a group
+    for (int line = 2 * g; line < std::min(2 * g + 2, (kQ6KX8Bytes + 63) / 64); ++line) {
       prefetch_ahead(ba, bb, line, kQ6KX8Bytes);
     }
     const __m128i s8 =

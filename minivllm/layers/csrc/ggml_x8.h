@@ -10,7 +10,7 @@ constexpr int kX8 = 256;
 
 // Bytes of one x8 block (8 rows of one ggml block: 32 inputs, or 256 for the K kinds).
 constexpr int64_t x8_group_bytes(int qtype) {
-  return qtype == kQ6_K   ? 1712
+  return qtype == kQ6_K   ? avx2::kQ6KX8Bytes
          : qtype == kQ4_K ? 1184
          : qtype == kQ8_0 || qtype == kQ5_0 ? 272
          : qtype == kQ4_1 ? 160
@@ -143,7 +143,7 @@ inline int64_t q6k_x8_low(int i, int c) {
 inline int64_t q6k_x8_high(int i, int c) { return 96 * (i / 16) + 64 + 4 * c + i % 4; }
 
 void q6k_to_x8(const uint8_t* const in[8], uint8_t* dst) {
-  std::memset(dst, 0, 1536);
+  std::memset(dst, 0, avx2::kQ6KX8Scales);  // the code planes, or-ed into below
   int8_t q[256];
   for (int c = 0; c < 8; ++c) {
     for (int j = 0; j < 8; ++j) group_codes_scalar(kQ6_K, in[c], j, q + 32 * j);  // q - 32
@@ -157,11 +157,11 @@ void q6k_to_x8(const uint8_t* const in[8], uint8_t* dst) {
         dst[q6k_x8_high(i, c)] |= static_cast<uint8_t>((code >> 4) << (2 * u));
         sum += q[i];
       }
-      dst[1536 + 8 * g + c] = static_cast<uint8_t>(scale);
+      dst[avx2::kQ6KX8Scales + 8 * g + c] = static_cast<uint8_t>(scale);
       offset += 128 * scale * sum;
     }
-    std::memcpy(dst + 1664 + 2 * c, in[c] + 208, 2);  // d
-    std::memcpy(dst + 1680 + 4 * c, &offset, 4);
+    std::memcpy(dst + avx2::kQ6KX8D + 2 * c, in[c] + 208, 2);  // d
+    std::memcpy(dst + avx2::kQ6KX8Offsets + 4 * c, &offset, 4);
   }
 }
 
@@ -175,8 +175,8 @@ void q6k_from_x8(const uint8_t* src, int c, uint8_t* blk) {
     blk[64 * half + 32 * (jj & 1) + l] |= static_cast<uint8_t>((q & 15) << (jj >= 2 ? 4 : 0));
     blk[128 + 32 * half + l] |= static_cast<uint8_t>((q >> 4) << (2 * jj));
   }
-  for (int g = 0; g < 16; ++g) blk[192 + g] = src[1536 + 8 * g + c];
-  std::memcpy(blk + 208, src + 1664 + 2 * c, 2);
+  for (int g = 0; g < 16; ++g) blk[192 + g] = src[avx2::kQ6KX8Scales + 8 * g + c];
+  std::memcpy(blk + 208, src + avx2::kQ6KX8D + 2 * c, 2);
 }
 
 // A tile's 8 rows of one Q6_K x8 block (256 inputs) as values, row c at out + c * ldo:
@@ -188,7 +188,7 @@ void q6k_from_x8(const uint8_t* src, int c, uint8_t* blk) {
 template <typename T>
 void q6k_x8_block_values(const uint8_t* src, T* out, int64_t ldo) {
   alignas(32) float d[8];
-  for (int c = 0; c < 8; ++c) d[c] = fp16(src + 1664 + 2 * c);
+  for (int c = 0; c < 8; ++c) d[c] = fp16(src + avx2::kQ6KX8D + 2 * c);
   const __m256 dv = _mm256_load_ps(d);
   const __m256i lanes[4] = {_mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1),
                             _mm256_setr_epi32(2, 2, 2, 2, 3, 3, 3, 3),
@@ -196,7 +196,7 @@ void q6k_x8_block_values(const uint8_t* src, T* out, int64_t ldo) {
                             _mm256_setr_epi32(6, 6, 6, 6, 7, 7, 7, 7)};
   for (int g = 0; g < 16; ++g) {  // 16 inputs: vectors 4 g .. 4 g + 3
     const __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
-        _mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + 1536 + 8 * g))));
+        _mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + avx2::kQ6KX8Scales + 8 * g))));
     const __m256 s = _mm256_mul_ps(dv, sc);  // [8 rows]
     __m256i group[4];
     avx2::q6k_group(src, g, group);

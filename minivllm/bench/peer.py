@@ -292,16 +292,16 @@ def cmd_compare_llama_cpp(args: argparse.Namespace, options: dict[str, Any]) -> 
         commands[name] = pair["llama.cpp" if name == "llama.cpp" else "minivllm"]
         urls[name] = f"http://127.0.0.1:{port}"
         print(f"{name}: {' '.join(commands[name])}", flush=True)
+    ready = {name: "/health" if name == "llama.cpp" else "/v1/models" for name in urls}
     runs = {}
-    with ExitStack() as servers:
+    if args.rounds <= 1:  # one server at a time, each stopped before the next starts
         for name, url in urls.items():
-            ready = "/health" if name == "llama.cpp" else "/v1/models"
-            if args.rounds <= 1:  # one server at a time, each stopped before the next starts
-                with running(commands[name], url, ready):
-                    runs[name] = load_levels(url, prompts, args.workload)
-            else:
-                servers.enter_context(running(commands[name], url, ready))
-        if args.rounds > 1:
+            with running(commands[name], url, ready[name]):
+                runs[name] = load_levels(url, prompts, args.workload)
+    else:
+        with ExitStack() as servers:
+            for name, url in urls.items():
+                servers.enter_context(running(commands[name], url, ready[name]))
             runs = taking_turns(urls, [prompts, *each_round], args.workload)
     results = [dict(r, name=f"{peer} {r['name']}") for peer in runs for r in runs[peer]]
     return {

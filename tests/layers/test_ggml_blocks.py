@@ -220,6 +220,31 @@ def test_k_x8_layout_computes_the_stored_blocks_integers(qtype: T, isa: str) -> 
     torch.testing.assert_close(tiled, x @ bf16.T, rtol=2e-2, atol=2e-2)
 
 
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K], ids=lambda t: t.name)
+def test_k_x8_tile_pairs_compute_each_rows_own_results(qtype: T, isa: str) -> None:
+    """With 8448 inputs VNNI takes the tiles two at a time from 8 rows (its rows' codes past 64
+    KB; below 32 rows elsewhere): around that count, with an odd last tile, the stored layout's
+    results; and each row bit for bit what it gives alone (one row: single tiles), so a
+    sequence's logits do not depend on the batch it shares a step with."""
+    k, n = 8448, 24
+    blocks = random_blocks(qtype, n, k, seed=9)
+    raw = torch.from_numpy(blocks)
+    tiles = repack_q4x8(raw, qtype)
+
+    def tiled(x: torch.Tensor) -> torch.Tensor:
+        kinds = [int(qtype) + X8_FLAG]
+        return torch.ops.minivllm.ggml_matmul_segments(x, [tiles], kinds, ISAS.index(isa) + 1)
+
+    torch.manual_seed(1)
+    for m in (4, 7, 8, 12, 16, 33):
+        x = torch.randn(m, k)
+        y = tiled(x)
+        stored = ggml_matmul(x, raw, qtype, isa=isa)
+        torch.testing.assert_close(y, stored, rtol=1e-5, atol=1e-5 * stored.abs().max())
+        assert torch.equal(y, torch.cat([tiled(row[None]) for row in x]))
+
+
 @pytest.mark.skipif("amx" not in ISAS, reason="no AMX here (or torch runs its AVX2 kernels)")
 def test_amx_gives_the_vnni_kernels_results_bit_for_bit() -> None:
     """Q4_K's and Q6_K's x8 tiles on AMX (from 14 rows: two codes of 7 decodes), and Q8_0's and

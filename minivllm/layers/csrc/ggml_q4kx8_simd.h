@@ -31,6 +31,20 @@ constexpr int kKTileRows = 8;
 constexpr int kKTileRows = 4;
 #endif
 
+#ifdef MINIVLLM_GGML_VNNI
+// Whether a step of `rows` activation rows over K tiles of `k` inputs takes them two at a time
+// on 512-bit vectors (a broadcast activation meeting 16 columns, not 8, and the scales' float
+// work shared likewise): from 32 rows, and from 8 where the rows' codes (rows * k bytes) reach
+// 64 KB, twice a 32 KB L1 data cache (8 rows of 8192 inputs, 16 of 4096). One thread, Zen 4,
+// Q4_K pairs' time over single tiles' (docs/ggml-kernels.md, "Two tiles at a time"): 8192 ->
+// 2048 at 8 / 16 / 64 rows 0.85-0.88 / 0.78-0.80 / 0.74; 4096 -> 4096 at 8 / 16 / 64 rows 1.04
+// / 0.88 / 0.78; 2048 -> 8192 at 16 / 32 / 64 rows 0.99-1.06 / 0.90-0.98 / 0.87; at 1-4 rows
+// pairs lose (1.0-2.0), their 512-bit instructions taking two passes on a Zen 4.
+inline bool x8_pairs(int64_t rows, int64_t k) {
+  return rows >= 32 || (rows >= 8 && rows * k >= 64 * 1024);
+}
+#endif
+
 // Row scales of 8 columns (8 bytes at p) as int16 pairs: lane c = (s_c, s_c).
 inline __m256i column_scales(const uint8_t* p) {
   const __m256i s = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
@@ -130,10 +144,107 @@ void dot_tile_q4kx8(const uint8_t* tile, int64_t blocks, const QuantizedRows& xq
   for (int r = 0; r < Rows; ++r) _mm256_storeu_ps(y + r * ldy, acc[r]);
 }
 
-// Output columns [begin, end) (multiples of 8) of every row of xq.
+#ifdef MINIVLLM_GGML_VNNI
+// Two tiles' 8 bytes (at a, at b) as 16 int32 lanes, zero-extended: their columns' 6-bit
+// scales or mins.
+inline __m512i pair_bytes(const uint8_t* a, const uint8_t* b) {
+  return _mm512_cvtepu8_epi32(_mm_set_epi64x(*reinterpret_cast<const int64_t*>(b),
+                                             *reinterpret_cast<const int64_t*>(a)));
+}
+
+// Two tiles' 8 fp16 values (at a, at b) as 16 floats.
+inline __m512 pair_halves(const uint8_t* a, const uint8_t* b) {
+  return _mm512_cvtph_ps(_mm256_inserti128_si256(
+      _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a))),
+      _mm_loadu_si128(reinterpret_cast<const __m128i*>(b)), 1));
+}
+
+// dot_tile_q4kx8 for tiles a and b at once (output columns n0 .. n0 + 16): each 512-bit
+// `vpdpbusd` takes both tiles' 32 bytes, so a broadcast activation meets 16 columns, not 8,
+// and the scales' and mins' float work is shared likewise. Lane for lane the same integers and
+// float operations, in the same order, as two calls of dot_tile_q4kx8: the same results. A
+// chunk's two groups run one after the other (the low nibbles, then the high), so 8 rows'
+// sums, their block sums and their accumulators fit the 32 registers.
+template <int Rows>
+void dot_pair_q4kx8(const uint8_t* a, const uint8_t* b, int64_t blocks, const QuantizedRows& xq,
+                    int64_t row0, int64_t k, float* y, int64_t ldy) {
+  const int64_t row_groups = k / kGroup;
+  const int8_t* codes = xq.codes.data() + row0 * k;
+  const float* steps = xq.steps.data() + row0 * blocks;
+  const float* sums = xq.sums.data() + row0 * row_groups;
+  const __m512i nibble = _mm512_set1_epi8(0x0F);
+  __m512 acc[Rows];
+  for (int r = 0; r < Rows; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t blk = 0; blk < blocks; ++blk) {
+    const uint8_t* ba = a + blk * kQ4KX8Bytes;
+    const uint8_t* bb = b + blk * kQ4KX8Bytes;
+    __m512i isum[Rows];
+    for (int r = 0; r < Rows; ++r) isum[r] = _mm512_setzero_si512();
+    for (int g = 0; g < 8; ++g) {  // group g: chunk g / 2's low nibbles (even g) or high
+      const int i = g / 2;
+      if (g % 2 == 0) {
+        for (const uint8_t* t : {ba, bb}) {
+          for (int line = 0; line < 5; ++line) {  // as dot_tile_q4kx8's, for both tiles
+            const uint8_t* ahead = t + kQ4KX8Ahead * kQ4KX8Bytes + 296 * i + 64 * line;
+            _mm_prefetch(reinterpret_cast<const char*>(ahead), _MM_HINT_T0);
+          }
+        }
+      }
+      const int8_t* xi = codes + blk * 256 + 64 * i + 32 * (g % 2);
+      __m512i dot[Rows];
+#pragma GCC unroll 8
+      for (int u = 0; u < 8; ++u) {
+        const __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(load32(ba + 256 * i + 32 * u)),
+                                             load32(bb + 256 * i + 32 * u), 1);
+        const __m512i q = _mm512_and_si512(g % 2 ? _mm512_srli_epi16(v, 4) : v, nibble);
+#pragma GCC unroll 8
+        for (int r = 0; r < Rows; ++r) {
+          int32_t x4;
+          std::memcpy(&x4, xi + r * k + 4 * u, 4);
+          dot[r] = _mm512_dpbusd_epi32(u == 0 ? _mm512_setzero_si512() : dot[r], q,
+                                       _mm512_set1_epi32(x4));
+          asm("" : "+v"(dot[r]));
+        }
+      }
+      const __m512i scale = pair_bytes(ba + 1024 + 8 * g, bb + 1024 + 8 * g);
+      for (int r = 0; r < Rows; ++r) {
+        isum[r] = _mm512_add_epi32(isum[r], _mm512_mullo_epi32(dot[r], scale));
+      }
+    }
+    const __m512 d = pair_halves(ba + 1152, bb + 1152);
+    const __m512 dmin = pair_halves(ba + 1168, bb + 1168);
+    for (int r = 0; r < Rows; ++r) {
+      __m512 mins = _mm512_setzero_ps();
+      for (int j = 0; j < 8; ++j) {  // sum_j m_j * (group j's codes' value)
+        const __m512 m = _mm512_cvtepi32_ps(pair_bytes(ba + 1088 + 8 * j, bb + 1088 + 8 * j));
+        mins = _mm512_fmadd_ps(m, _mm512_set1_ps(sums[r * row_groups + blk * 8 + j]), mins);
+      }
+      const __m512 scale = _mm512_mul_ps(d, _mm512_set1_ps(steps[r * blocks + blk]));
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r]), scale, acc[r]);
+      acc[r] = _mm512_fnmadd_ps(mins, dmin, acc[r]);
+    }
+  }
+  for (int r = 0; r < Rows; ++r) _mm512_storeu_ps(y + r * ldy, acc[r]);
+}
+#endif
+
+// Output columns [begin, end) (multiples of 8) of every row of xq: with VNNI, tiles two at a
+// time where `x8_pairs` says (an odd last tile alone).
 inline void matmul_columns_q4kx8(const uint8_t* tiles, int64_t tile_bytes,
                                  const QuantizedRows& xq, int64_t rows, int64_t k, float* y,
                                  int64_t ldy, int64_t begin, int64_t end) {
+#ifdef MINIVLLM_GGML_VNNI
+  const bool pairs = x8_pairs(rows, k);
+  const int64_t pairs_end = pairs ? begin + (end - begin) / 16 * 16 : begin;
+  const auto pair = [&](int64_t t, int64_t r0, auto tile_rows) {
+    const uint8_t* a = tiles + t * tile_bytes;
+    dot_pair_q4kx8<decltype(tile_rows)::value>(a, a + tile_bytes, k / 256, xq, r0, k,
+                                               y + r0 * ldy + 8 * t, ldy);
+  };
+  for_each_x8_tile<kKTileRows, 2>(rows, begin, pairs_end, pair);
+  begin = pairs_end;
+  if (begin == end) return;
+#endif
   for_each_x8_tile<kKTileRows>(rows, begin, end, [&](int64_t t, int64_t r0, auto tile_rows) {
     dot_tile_q4kx8<decltype(tile_rows)::value>(tiles + t * tile_bytes, k / 256, xq, r0, k,
                                                y + r0 * ldy + 8 * t, ldy);

@@ -207,18 +207,19 @@ void dot_pair_q6kx8(const uint8_t* a, const uint8_t* b, int64_t blocks, const Qu
 }
 #endif
 
-// Output columns [begin, end) (multiples of 8) of every row of xq: with VNNI, from 32 rows
-// tiles two at a time on 512-bit vectors (an odd last tile alone). One thread, 2048 -> 8192
+// Output columns [begin, end) (multiples of 8) of every row of xq: with VNNI, tiles two at a
+// time where `x8_pairs` says (an odd last tile alone). One thread, 2048 -> 8192
 // (`benchmarks/ggml_kernels.py --threads 1`), single tiles / pairs at 32 rows 4979-5189 /
 // 4377-4454 us, 8 rows 1752-1819 / 2242-2308 (a Xeon, codes a byte each). With the two planes
 // the pairs' unpacking is 512 bits wide too, and on a Zen 4 (whose 512-bit instructions take
 // two 256-bit passes) single tiles won at 1-4 rows: 1 row 558 / 1124 us, 4 rows 927 / 1367; the
 // 1B's whole one-row step 18.3 / 20.9 ms (docs/ggml-kernels.md, "Q6_K in tiles of 8 rows").
+// 8192 -> 2048 at 8 / 16 rows: pairs 0.85x / 0.79x the single tiles' time (Zen 4).
 inline void matmul_columns_q6kx8(const uint8_t* tiles, int64_t tile_bytes,
                                  const QuantizedRows& xq, int64_t rows, int64_t k, float* y,
                                  int64_t ldy, int64_t begin, int64_t end) {
 #ifdef MINIVLLM_GGML_VNNI
-  const bool pairs = rows >= 32;
+  const bool pairs = x8_pairs(rows, k);
   const int64_t pairs_end = pairs ? begin + (end - begin) / 16 * 16 : begin;
   const auto pair = [&](int64_t t, int64_t r0, auto tile_rows) {
     const uint8_t* a = tiles + t * tile_bytes;

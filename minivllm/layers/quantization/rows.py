@@ -63,9 +63,11 @@ class KernelRows:
     # count
     ggml_q4x8: float
     # the integer kernel on Q8_0/Q5_0 repacked 8 rows at a time (a byte a code, two int8
-    # codes an activation) over tile-by-tile dequantization to bf16 (oneDNN): 24 rows 6.6 vs
-    # 7.8 ms, 32 rows 8.6 vs 8.9, 48 rows 12.7 vs 11.2 (2048 -> 8192, one thread, Zen 4)
-    ggml_q8x8: int = 32
+    # codes an activation) over tile-by-tile dequantization to bf16 (oneDNN). With VNNI's
+    # tiles two at a time (2048 -> 8192, one thread, Zen 4): 32 rows 7.3 vs 9.1 ms, 48 rows
+    # 10.6 vs 11.5, 64 rows 14.1 vs 13.7; one tile at a time 32 rows 8.6 vs 8.9, 48 rows 12.7
+    # vs 11.2 (AVX2's threshold)
+    ggml_q8x8: int = 48
     # a stored-block step whose activations take a second code as a second row (int8x2: the
     # K kinds, the 32-input kinds not in tiles) over the weight dequantized to bf16 a tile at
     # a time, for a bf16 model: where oneDNN runs bf16 natively, 2048 -> 8192 Q4_K at 64 rows
@@ -96,8 +98,9 @@ KERNEL_ROWS = {
     # AVX-512 with BF16 but no AMX (Zen 4): bf16 matmuls fast enough to take the prefills of
     # two-code weights from 48 rows
     "AVX512_BF16": replace(_AVX512, ggml_two_codes=48),
-    # AVX2: the same crossovers, without the Q8_0 head as an int4 pair
-    "AVX2": replace(_AVX512, int8_as_int4_pair=0),
+    # AVX2: the same crossovers, without the Q8_0 head as an int4 pair, and Q8_0/Q5_0 tiles
+    # one at a time
+    "AVX2": replace(_AVX512, int8_as_int4_pair=0, ggml_q8x8=32),
 }
 
 

@@ -35,17 +35,7 @@ struct TileConfig {
   uint8_t rows[16] = {};
 };
 
-// 16 bytes of two x8 tiles' per-column values (8 at a, 8 at b) as 16 int32 lanes.
-inline __m512i pair_u8(const uint8_t* a, const uint8_t* b) {
-  return _mm512_cvtepu8_epi32(_mm_set_epi64x(*reinterpret_cast<const int64_t*>(b),
-                                             *reinterpret_cast<const int64_t*>(a)));
-}
-// Two x8 tiles' 8 fp16 values each as 16 floats.
-inline __m512 pair_fp16(const uint8_t* a, const uint8_t* b) {
-  const __m128i lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(a));
-  const __m128i hi = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b));
-  return _mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(lo), hi, 1));
-}
+// pair_u8, pair_fp16, pair_load32: the VNNI kernels' (ggml_q4kx8_simd.h), shared through vnni.
 
 // Q4_K's float work of one block for `rows` rows, in the VNNI kernel's order: the block's
 // scale times its integer (c: the H sums of rows 0-15, their L sums, then rows 16-31's), and
@@ -107,8 +97,7 @@ inline void split_q4k_block(const uint8_t* a, const uint8_t* b, int64_t blk, uin
     uint8_t* o = out + blk * 8192 + 1024 * i;
     for (int u = 0; u < 8; ++u) {
       if (64 * (8 * i + u) < kQ4KX8Bytes) prefetch_ahead(ba, bb, 8 * i + u, kQ4KX8Bytes);
-      const __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(load32(ba + 256 * i + 32 * u)),
-                                           load32(bb + 256 * i + 32 * u), 1);
+      const __m512i v = pair_load32(ba + 256 * i + 32 * u, bb + 256 * i + 32 * u);
       const __m512i lo = _mm512_and_si512(v, nibble);
       const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
       _mm512_storeu_si512(o + 64 * u, _mm512_mullo_epi16(lo, sh[2 * i]));

@@ -52,9 +52,7 @@ inline void interleave_q8_group(const uint8_t* a, const uint8_t* b, int64_t g, i
     _mm_prefetch(reinterpret_cast<const char*>(b + ahead + 64 * line), _MM_HINT_T0);
   }
   for (int u = 0; u < 8; ++u) {
-    _mm512_store_si512(out + g * 512 + 64 * u,
-                       _mm512_inserti64x4(_mm512_castsi256_si512(load32(wa + 32 * u)),
-                                          load32(wb + 32 * u), 1));
+    _mm512_store_si512(out + g * 512 + 64 * u, pair_load32(wa + 32 * u, wb + 32 * u));
   }
 }
 

@@ -145,18 +145,35 @@ void dot_tile_q4kx8(const uint8_t* tile, int64_t blocks, const QuantizedRows& xq
 }
 
 #ifdef MINIVLLM_GGML_VNNI
-// Two tiles' 8 bytes (at a, at b) as 16 int32 lanes, zero-extended: their columns' 6-bit
-// scales or mins.
-inline __m512i pair_bytes(const uint8_t* a, const uint8_t* b) {
+// Two x8 tiles side by side in one 512-bit vector, for the kernels that take them two at a
+// time (and AMX's, which share them): tile a's lanes in the low half, tile b's in the high.
+
+// 32 bytes of each tile (at a, at b).
+inline __m512i pair_load32(const uint8_t* a, const uint8_t* b) {
+  return _mm512_inserti64x4(_mm512_castsi256_si512(load32(a)), load32(b), 1);
+}
+
+// 8 per-column bytes of each tile as 16 int32 lanes, zero-extended (Q4_K's scales or mins).
+inline __m512i pair_u8(const uint8_t* a, const uint8_t* b) {
   return _mm512_cvtepu8_epi32(_mm_set_epi64x(*reinterpret_cast<const int64_t*>(b),
                                              *reinterpret_cast<const int64_t*>(a)));
 }
 
-// Two tiles' 8 fp16 values (at a, at b) as 16 floats.
-inline __m512 pair_halves(const uint8_t* a, const uint8_t* b) {
-  return _mm512_cvtph_ps(_mm256_inserti128_si256(
-      _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a))),
-      _mm_loadu_si128(reinterpret_cast<const __m128i*>(b)), 1));
+// 8 fp16 values of each tile as 16 floats.
+inline __m512 pair_fp16(const uint8_t* a, const uint8_t* b) {
+  const __m128i lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(a));
+  const __m128i hi = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b));
+  return _mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(lo), hi, 1));
+}
+
+// Output columns [begin, end): with `pairs`, tiles two at a time through `pair(t, r0, rows)`
+// (tiles t and t + 1), an odd last tile alone; the rest, or all, through `single`.
+template <typename Pair, typename Single>
+void x8_columns_paired(bool pairs, int64_t rows, int64_t begin, int64_t end, Pair pair,
+                       Single single) {
+  const int64_t pairs_end = pairs ? begin + (end - begin) / 16 * 16 : begin;
+  for_each_x8_tile<kKTileRows, 2>(rows, begin, pairs_end, pair);
+  if (pairs_end < end) for_each_x8_tile<kKTileRows>(rows, pairs_end, end, single);
 }
 
 // dot_tile_q4kx8 for tiles a and b at once (output columns n0 .. n0 + 16): each 512-bit
@@ -194,8 +211,7 @@ void dot_pair_q4kx8(const uint8_t* a, const uint8_t* b, int64_t blocks, const Qu
       __m512i dot[Rows];
 #pragma GCC unroll 8
       for (int u = 0; u < 8; ++u) {
-        const __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(load32(ba + 256 * i + 32 * u)),
-                                             load32(bb + 256 * i + 32 * u), 1);
+        const __m512i v = pair_load32(ba + 256 * i + 32 * u, bb + 256 * i + 32 * u);
         const __m512i q = _mm512_and_si512(g % 2 ? _mm512_srli_epi16(v, 4) : v, nibble);
 #pragma GCC unroll 8
         for (int r = 0; r < Rows; ++r) {
@@ -206,17 +222,17 @@ void dot_pair_q4kx8(const uint8_t* a, const uint8_t* b, int64_t blocks, const Qu
           asm("" : "+v"(dot[r]));
         }
       }
-      const __m512i scale = pair_bytes(ba + 1024 + 8 * g, bb + 1024 + 8 * g);
+      const __m512i scale = pair_u8(ba + 1024 + 8 * g, bb + 1024 + 8 * g);
       for (int r = 0; r < Rows; ++r) {
         isum[r] = _mm512_add_epi32(isum[r], _mm512_mullo_epi32(dot[r], scale));
       }
     }
-    const __m512 d = pair_halves(ba + 1152, bb + 1152);
-    const __m512 dmin = pair_halves(ba + 1168, bb + 1168);
+    const __m512 d = pair_fp16(ba + 1152, bb + 1152);
+    const __m512 dmin = pair_fp16(ba + 1168, bb + 1168);
     for (int r = 0; r < Rows; ++r) {
       __m512 mins = _mm512_setzero_ps();
       for (int j = 0; j < 8; ++j) {  // sum_j m_j * (group j's codes' value)
-        const __m512 m = _mm512_cvtepi32_ps(pair_bytes(ba + 1088 + 8 * j, bb + 1088 + 8 * j));
+        const __m512 m = _mm512_cvtepi32_ps(pair_u8(ba + 1088 + 8 * j, bb + 1088 + 8 * j));
         mins = _mm512_fmadd_ps(m, _mm512_set1_ps(sums[r * row_groups + blk * 8 + j]), mins);
       }
       const __m512 scale = _mm512_mul_ps(d, _mm512_set1_ps(steps[r * blocks + blk]));
@@ -233,20 +249,18 @@ void dot_pair_q4kx8(const uint8_t* a, const uint8_t* b, int64_t blocks, const Qu
 inline void matmul_columns_q4kx8(const uint8_t* tiles, int64_t tile_bytes,
                                  const QuantizedRows& xq, int64_t rows, int64_t k, float* y,
                                  int64_t ldy, int64_t begin, int64_t end) {
+  const auto single = [&](int64_t t, int64_t r0, auto tile_rows) {
+    dot_tile_q4kx8<decltype(tile_rows)::value>(tiles + t * tile_bytes, k / 256, xq, r0, k,
+                                               y + r0 * ldy + 8 * t, ldy);
+  };
 #ifdef MINIVLLM_GGML_VNNI
-  const bool pairs = x8_pairs(rows, k);
-  const int64_t pairs_end = pairs ? begin + (end - begin) / 16 * 16 : begin;
   const auto pair = [&](int64_t t, int64_t r0, auto tile_rows) {
     const uint8_t* a = tiles + t * tile_bytes;
     dot_pair_q4kx8<decltype(tile_rows)::value>(a, a + tile_bytes, k / 256, xq, r0, k,
                                                y + r0 * ldy + 8 * t, ldy);
   };
-  for_each_x8_tile<kKTileRows, 2>(rows, begin, pairs_end, pair);
-  begin = pairs_end;
-  if (begin == end) return;
+  x8_columns_paired(x8_pairs(rows, k), rows, begin, end, pair, single);
+#else
+  for_each_x8_tile<kKTileRows>(rows, begin, end, single);
 #endif
-  for_each_x8_tile<kKTileRows>(rows, begin, end, [&](int64_t t, int64_t r0, auto tile_rows) {
-    dot_tile_q4kx8<decltype(tile_rows)::value>(tiles + t * tile_bytes, k / 256, xq, r0, k,
-                                               y + r0 * ldy + 8 * t, ldy);
-  });
 }

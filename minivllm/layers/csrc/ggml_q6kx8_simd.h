@@ -127,9 +127,7 @@ void dot_tile_q6kx8(const uint8_t* tile, int64_t blocks, const QuantizedRows& xq
 // q6k_group for the blocks at a and b at once: lane c of tile a's vector in the low half,
 // tile b's in the high.
 inline void pair_q6k_group(const uint8_t* a, const uint8_t* b, int g, __m512i w[4]) {
-  const auto both = [&](int at) {
-    return _mm512_inserti64x4(_mm512_castsi256_si512(load32(a + at)), load32(b + at), 1);
-  };
+  const auto both = [&](int at) { return pair_load32(a + at, b + at); };
   const __m512i nibble = _mm512_set1_epi8(0x0F), six = _mm512_set1_epi8(0x3F);
   const __m512i centre = _mm512_set1_epi8(32);
   const __m512i lo01 = both(96 * g), lo23 = both(96 * g + 32), hi = both(96 * g + 64);
@@ -191,12 +189,8 @@ void dot_pair_q6kx8(const uint8_t* a, const uint8_t* b, int64_t blocks, const Qu
         isum[r] = _mm512_add_epi32(isum[r], _mm512_mullo_epi32(dot[r], scale));
       }
     }
-    const __m512 d = _mm512_cvtph_ps(_mm256_inserti128_si256(
-        _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(ba + kQ6KX8D))),
-        _mm_loadu_si128(reinterpret_cast<const __m128i*>(bb + kQ6KX8D)), 1));
-    const __m512i offset =
-        _mm512_inserti64x4(_mm512_castsi256_si512(load32(ba + kQ6KX8Offsets)),
-                                                load32(bb + kQ6KX8Offsets), 1);
+    const __m512 d = pair_fp16(ba + kQ6KX8D, bb + kQ6KX8D);
+    const __m512i offset = pair_load32(ba + kQ6KX8Offsets, bb + kQ6KX8Offsets);
     for (int r = 0; r < Rows; ++r) {
       const __m512 scale = _mm512_mul_ps(d, _mm512_set1_ps(steps[r * blocks + blk]));
       const __m512i centred = _mm512_sub_epi32(isum[r], offset);
@@ -218,20 +212,18 @@ void dot_pair_q6kx8(const uint8_t* a, const uint8_t* b, int64_t blocks, const Qu
 inline void matmul_columns_q6kx8(const uint8_t* tiles, int64_t tile_bytes,
                                  const QuantizedRows& xq, int64_t rows, int64_t k, float* y,
                                  int64_t ldy, int64_t begin, int64_t end) {
+  const auto single = [&](int64_t t, int64_t r0, auto tile_rows) {
+    dot_tile_q6kx8<decltype(tile_rows)::value>(tiles + t * tile_bytes, k / 256, xq, r0, k,
+                                               y + r0 * ldy + 8 * t, ldy);
+  };
 #ifdef MINIVLLM_GGML_VNNI
-  const bool pairs = x8_pairs(rows, k);
-  const int64_t pairs_end = pairs ? begin + (end - begin) / 16 * 16 : begin;
   const auto pair = [&](int64_t t, int64_t r0, auto tile_rows) {
     const uint8_t* a = tiles + t * tile_bytes;
     dot_pair_q6kx8<decltype(tile_rows)::value>(a, a + tile_bytes, k / 256, xq, r0, k,
                                                y + r0 * ldy + 8 * t, ldy);
   };
-  for_each_x8_tile<kKTileRows, 2>(rows, begin, pairs_end, pair);
-  begin = pairs_end;
-  if (begin == end) return;
+  x8_columns_paired(x8_pairs(rows, k), rows, begin, end, pair, single);
+#else
+  for_each_x8_tile<kKTileRows>(rows, begin, end, single);
 #endif
-  for_each_x8_tile<kKTileRows>(rows, begin, end, [&](int64_t t, int64_t r0, auto tile_rows) {
-    dot_tile_q6kx8<decltype(tile_rows)::value>(tiles + t * tile_bytes, k / 256, xq, r0, k,
-                                               y + r0 * ldy + 8 * t, ldy);
-  });
 }

@@ -119,9 +119,7 @@ void dot_pair_q8x8(const uint8_t* a, const uint8_t* b, int64_t groups, const Qua
     for (int r = 0; r < Rows; ++r) coarse[r] = rest[r] = _mm512_setzero_si512();
 #pragma GCC unroll 8
     for (int u = 0; u < 8; ++u) {
-      const __m512i w = _mm512_inserti64x4(_mm512_castsi256_si512(load32(ga + 32 * u)),
-                                           load32(gb + 32 * u), 1);
-      const __m512i wu = _mm512_xor_si512(w, flip);
+      const __m512i wu = _mm512_xor_si512(pair_load32(ga + 32 * u, gb + 32 * u), flip);
 #pragma GCC unroll 8
       for (int r = 0; r < Rows; ++r) {
         const int64_t at = r * k + g * kGroup + 4 * u;
@@ -133,7 +131,7 @@ void dot_pair_q8x8(const uint8_t* a, const uint8_t* b, int64_t groups, const Qua
         asm("" : "+v"(coarse[r]), "+v"(rest[r]));
       }
     }
-    const __m512 d = _mm512_mul_ps(pair_halves(ga + 256, gb + 256), per_fine);
+    const __m512 d = _mm512_mul_ps(pair_fp16(ga + 256, gb + 256), per_fine);
     for (int r = 0; r < Rows; ++r) {
       __m512i exact = _mm512_add_epi32(
           _mm512_sub_epi32(_mm512_slli_epi32(coarse[r], 8), _mm512_slli_epi32(coarse[r], 1)),
@@ -153,24 +151,23 @@ void dot_pair_q8x8(const uint8_t* a, const uint8_t* b, int64_t groups, const Qua
 inline void matmul_columns_q8x8(int, const uint8_t* tiles, int64_t tile_bytes,
                                 const QuantizedRows& xq, int64_t rows, int64_t k, float* y,
                                 int64_t ldy, int64_t begin, int64_t end) {
+  const auto single = [&](int64_t t, int64_t r0, auto tile_rows) {
+    dot_tile_q8x8<decltype(tile_rows)::value>(tiles + t * tile_bytes, k / kGroup, xq, r0, k,
+                                              y + r0 * ldy + 8 * t, ldy);
+  };
 #ifdef MINIVLLM_GGML_VNNI
   // Pairs from 16 rows, and from 8 where the rows' codes reach 16 KB: a group's float work
   // (once 32 inputs) pays sooner than the K kinds' (`x8_pairs`). One thread, Zen 4, pairs' time
   // over single tiles' (docs/ggml-kernels.md, "Two tiles at a time"): Q8_0 2048 -> 8192 at 4 /
   // 8 / 16 / 32 rows 0.93 / 0.87 / 0.85 / 0.83, 640 -> 4096 1.49 / 1.09 / 0.95 / 0.88.
   const bool pairs = rows >= 16 || (rows >= 8 && rows * k >= 16 * 1024);
-  const int64_t pairs_end = pairs ? begin + (end - begin) / 16 * 16 : begin;
   const auto pair = [&](int64_t t, int64_t r0, auto tile_rows) {
     const uint8_t* a = tiles + t * tile_bytes;
     dot_pair_q8x8<decltype(tile_rows)::value>(a, a + tile_bytes, k / kGroup, xq, r0, k,
                                               y + r0 * ldy + 8 * t, ldy);
   };
-  for_each_x8_tile<kKTileRows, 2>(rows, begin, pairs_end, pair);
-  begin = pairs_end;
-  if (begin == end) return;
+  x8_columns_paired(pairs, rows, begin, end, pair, single);
+#else
+  for_each_x8_tile<kKTileRows>(rows, begin, end, single);
 #endif
-  for_each_x8_tile<kKTileRows>(rows, begin, end, [&](int64_t t, int64_t r0, auto tile_rows) {
-    dot_tile_q8x8<decltype(tile_rows)::value>(tiles + t * tile_bytes, k / kGroup, xq, r0, k,
-                                              y + r0 * ldy + 8 * t, ldy);
-  });
 }

@@ -5,24 +5,57 @@ difference over 256 is the milliseconds per decoded token, engine loop included 
 the compiled step, the LM head, sampling, detokenizing), unlike `decode_profile.py`, which
 times engine steps. Prints one figure per round.
 
-    .venv/bin/python benchmarks/single_stream.py [--rounds 3] [--dtype auto]
+    .venv/bin/python benchmarks/single_stream.py [--rounds 3] [--dtype auto] [--model FILE]
+        [--llama-bench ~/.cache/minivllm/llama.cpp/build-*/bin/llama-bench]
+
+With `--llama-bench` (and a GGUF `--model`) each round also runs llama.cpp's `llama-bench` on
+the same file (`-p 0 -n 256`, torch's thread count): its decode alone, no HTTP on either side.
+The two take turns, so a host whose speed drifts between minutes slows both alike; each
+round prints both and their ratio, the last line the median ratio. Then our drafts are off
+(`llama-bench` has none) and our sampling greedy unless `--temperature` says otherwise.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import random
+import statistics
+import subprocess
 import time
 
+import torch
+
 from minivllm import LLM, SamplingParams
+from minivllm.config import SPECULATION_OFF
+
+
+def llama_bench_ms(bench: str, model: str, tokens: int) -> float:
+    """llama-bench's milliseconds per decoded token on `model` (one run of `tokens`)."""
+    out = subprocess.run(
+        [bench, "-m", model, "-t", str(torch.get_num_threads()), "-p", "0", "-n", str(tokens)]
+        + ["-r", "1", "-o", "json"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return 1e3 / json.loads(out.stdout)[0]["avg_ts"]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--model", default=None, help="a model path or GGUF (default: ours)")
+    parser.add_argument("--llama-bench", default=None, metavar="PATH")
+    parser.add_argument("--temperature", type=float, default=None, help="0.6; 0 with llama")
     args = parser.parse_args()
-    llm = LLM(None, dtype=args.dtype)
+    if args.llama_bench and not args.model:
+        parser.error("--llama-bench needs --model (the GGUF both engines run)")
+    peer = args.llama_bench is not None
+    temperature = args.temperature if args.temperature is not None else (0.0 if peer else 0.6)
+    options = {"speculative_config": SPECULATION_OFF} if peer else {}
+    llm = LLM(args.model, dtype=args.dtype, **options)
     rng = random.Random(0)
     prompt = {"prompt_token_ids": [rng.randrange(100, 20000) for _ in range(64)]}
 
@@ -30,15 +63,28 @@ def main() -> None:
         start = time.perf_counter()
         llm.generate(
             [prompt],
-            SamplingParams(max_tokens=tokens, ignore_eos=True, temperature=0.6),
+            SamplingParams(max_tokens=tokens, ignore_eos=True, temperature=temperature),
             use_tqdm=False,
         )
         return time.perf_counter() - start
 
     generate(8)  # warm-up
+    ratios = []
     for _ in range(args.rounds):
         one, many = generate(1), generate(257)
-        print(f"one sequence: {(many - one) / 256 * 1e3:.2f} ms per decoded token")
+        ours = (many - one) / 256 * 1e3
+        if not peer:
+            print(f"one sequence: {ours:.2f} ms per decoded token")
+            continue
+        theirs = llama_bench_ms(args.llama_bench, args.model, 256)
+        ratios.append(theirs / ours)
+        print(
+            f"one sequence: {ours:.2f} ms per decoded token, llama-bench {theirs:.2f}: "
+            f"{ratios[-1]:.2f}x its rate",
+            flush=True,
+        )
+    if ratios:
+        print(f"median over {len(ratios)} rounds: {statistics.median(ratios):.2f}x llama-bench")
 
 
 if __name__ == "__main__":

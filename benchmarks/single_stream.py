@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import statistics
 import subprocess
@@ -37,8 +38,10 @@ def llama_bench_ms(bench: str, model: str, tokens: int) -> float:
         + ["-r", "1", "-o", "json"],
         capture_output=True,
         text=True,
-        check=True,
+        check=False,
     )
+    if out.returncode != 0:
+        raise SystemExit(f"{bench} failed on {model}: {out.stderr.strip()[-500:]}")
     return 1e3 / json.loads(out.stdout)[0]["avg_ts"]
 
 
@@ -52,6 +55,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.llama_bench and not args.model:
         parser.error("--llama-bench needs --model (the GGUF both engines run)")
+    if args.llama_bench and not os.access(args.llama_bench, os.X_OK):
+        parser.error(f"--llama-bench {args.llama_bench}: not an executable file")
     peer = args.llama_bench is not None
     temperature = args.temperature if args.temperature is not None else (0.0 if peer else 0.6)
     options = {"speculative_config": SPECULATION_OFF} if peer else {}

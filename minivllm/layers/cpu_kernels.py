@@ -257,8 +257,9 @@ def _register_fakes() -> None:
         return x.new_empty(x.shape[0], columns, dtype=torch.float32)
 
     @torch.library.register_fake("minivllm::ggml_dequantize")
-    def _(blocks, qtype, cols, dtype, isa):  # noqa: ANN001, ANN202
-        return blocks.new_empty(blocks.shape[0] * (8 if qtype >= 256 else 1), cols, dtype=dtype)
+    def _(blocks, qtype, cols, dtype, isa, ids=None):  # noqa: ANN001, ANN202
+        rows = blocks.shape[0] * (8 if qtype >= 256 else 1) if ids is None else ids.shape[0]
+        return blocks.new_empty(rows, cols, dtype=dtype)
 
     @torch.library.register_fake("minivllm::ggml_dequant_matmul")
     def _(x, blocks, qtype, tile_rows):  # noqa: ANN001, ANN202

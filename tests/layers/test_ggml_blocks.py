@@ -16,6 +16,7 @@ from minivllm.layers.cpu_kernels import cpu_kernels_available
 from minivllm.layers.quantization.kernels.ggml_blocks import (
     GGML_KERNEL_TYPES,
     X8_FLAG,
+    X8_KINDS,
     available_isas,
     block_geometry,
     dequant_matmul,
@@ -181,6 +182,26 @@ def test_x8_layout_matches_the_float_product(qtype: T, isa: str) -> None:
     assert torch.equal(ops.ggml_dequantize(tiles, x8, k, torch.float32, 0), expected)
     tiled = ops.ggml_dequant_matmul(x, tiles, x8, 16)
     torch.testing.assert_close(tiled, ops.ggml_dequant_matmul(x, raw, int(qtype), 16))
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("qtype", sorted(X8_KINDS, key=int), ids=lambda t: t.name)
+def test_dequantize_picks_rows_out_of_tiles(qtype: T, isa: str) -> None:
+    """Asked for some rows (as the LM head's refinement and a tiled embedding ask), the
+    tiles' rows come back alone, in the order asked, repeats included: gguf-py's values, as
+    from the stored blocks; a row past the weight is an error that names it."""
+    k, n = 512, 24
+    blocks = random_blocks(qtype, n, k, seed=5)
+    raw, tiles = torch.from_numpy(blocks), repack_q4x8(torch.from_numpy(blocks), qtype)
+    expected = torch.from_numpy(dequantize(blocks, qtype).reshape(n, k))
+    ids = torch.tensor([23, 0, 9, 9, 16, 7, 8])  # the last tile's last row, each tile's edges
+    ops, isa_arg, x8 = torch.ops.minivllm, ISAS.index(isa) + 1, int(qtype) + X8_FLAG
+    for dtype in (torch.float32, torch.bfloat16):
+        want = expected[ids].to(dtype)
+        assert torch.equal(ops.ggml_dequantize(tiles, x8, k, dtype, isa_arg, ids), want)
+        assert torch.equal(ops.ggml_dequantize(raw, int(qtype), k, dtype, isa_arg, ids), want)
+    with pytest.raises(RuntimeError, match="ids\\[1\\] = 24 is not a row"):
+        ops.ggml_dequantize(tiles, x8, k, torch.float32, 0, torch.tensor([3, 24]))
 
 
 # Bytes a row takes in one x8 block of 256 inputs: Q4_K its nibbles, its 8 scales and 8 mins

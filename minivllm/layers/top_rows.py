@@ -25,13 +25,18 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     if x.device.type != "cpu" or chunks < 2 or x.stride(-1) != 1:
         return x.argmax(dim=-1)
     body = x[:, : chunks * CHUNK].view(rows, chunks, CHUNK)
-    maxima, within = body.max(dim=-1)  # [N, C] each chunk's maximum and its first index
+    # [N, C] each chunk's maximum, without `max`'s indices (which walk the row as argmax does:
+    # the argmax of 16 x 262k logits 1.93 ms with them, 0.18 without, two threads, Zen 4)
+    maxima = body.amax(dim=-1)
     best = maxima.argmax(dim=-1, keepdim=True)  # [N, 1] the first chunk holding the maximum
-    index = (best * CHUNK + within.gather(1, best)).squeeze(1)  # [N]
+    held = body.gather(1, best.unsqueeze(-1).expand(-1, -1, CHUNK)).squeeze(1)  # [N, CHUNK]
+    index = best.squeeze(1) * CHUNK + held.argmax(dim=-1)  # [N]: its first maximum's index
     if chunks * CHUNK == vocab:
         return index
     tail, tail_index = x[:, chunks * CHUNK :].max(dim=-1)  # [N]: the elements past the chunks
-    later = tail > maxima.gather(1, best).squeeze(1)  # only a larger one: the first index wins
+    top = maxima.gather(1, best).squeeze(1)  # [N]
+    # only a larger one, or a NaN (torch's argmax takes NaN as the largest): the first wins
+    later = (tail > top) | (tail.isnan() & ~top.isnan())
     return torch.where(later, tail_index + chunks * CHUNK, index)
 
 

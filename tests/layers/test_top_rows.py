@@ -51,6 +51,16 @@ def test_topk_rows_is_torchs(
     assert all(len(set(row.tolist())) == k for row in index)
 
 
+def test_a_nan_logit_is_the_argmax_as_in_torch() -> None:
+    """torch's argmax takes a NaN as the largest (the first one): so does ours, wherever the
+    NaN lies (the chunks, or the elements past them, or both)."""
+    vocab = 5 * CHUNK + 7
+    for places in ([3], [vocab - 2], [2 * CHUNK + 1, vocab - 1], [vocab - 5, vocab - 1]):
+        x = torch.randn(2, vocab, generator=torch.Generator().manual_seed(len(places)))
+        x[0, places] = float("nan")
+        assert torch.equal(argmax_rows(x), x.argmax(dim=-1)), places
+
+
 def test_a_whole_gemma_row_takes_the_two_pass_path() -> None:
     """262k logits (Gemma 3's vocabulary): the chunked path, the same answers."""
     x = torch.randn(3, 262144, generator=torch.Generator().manual_seed(0))

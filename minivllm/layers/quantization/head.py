@@ -166,7 +166,7 @@ class BlockHead(HeadMethod):
 
     def apply(self, head: Head, hidden: torch.Tensor) -> torch.Tensor:
         # int8 (or bf16) activations: the top logits again from the exact rows
-        logits = self.weight.matmul(hidden).float()  # [num_tokens, vocab_size]
+        logits = self.weight.matmul_float(hidden)  # [num_tokens, vocab_size]
         return refine_top_logits(logits, hidden, self.segment)
 
 

@@ -7,7 +7,7 @@ or one per draft plus one), then the prompt rows of each `prompt_logprob_runs` e
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -32,7 +32,7 @@ def compute_logits_in_slices(
         yield model.compute_logits(hidden[indices[start : start + LOGITS_ROWS]])
 
 
-def joined_logits(slices: Iterator[torch.Tensor]) -> torch.Tensor:
+def joined_logits(slices: Iterable[torch.Tensor]) -> torch.Tensor:
     """The slices' logits as one `[rows, V]` tensor: one slice as it is, not copied (16 rows of
     Gemma 3's 262k logits: 0.8 ms a step)."""
     parts = list(slices)
@@ -65,4 +65,4 @@ def score_prompt_rows(
             for (seq, pos), entry in zip(rows, gather_logprobs(lps, tokens, wants)):
                 into.setdefault(seq.seq_id, (pos, []))[1].append(entry)
         row += n
-    return torch.cat(sample_parts) if sample_parts else None
+    return joined_logits(sample_parts) if sample_parts else None
